@@ -1,0 +1,45 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Both create .venv and
+# install everything they need (torch, the package, test tools) on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU machines get the CPU build (pip finds torch==2.13.0 on this workplace's disk; elsewhere set
+# TORCH_SPEC or TORCH_INDEX, e.g. TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cpu).
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP  := $(VENV)/.mdtk-installed
+
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
+export PYTHONUNBUFFERED := 1
+
+.PHONY: demo test lint install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	@# Leave an existing torch (e.g. a CUDA build) alone; otherwise CUDA machines get the default
+	@# wheel and CPU machines the CPU build.
+	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
+	    echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	    $(PY) -m pip install -q torch; \
+	else \
+	    $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"; \
+	fi
+	@$(PY) -m pip install -q -e ".[test]"
+	@bash scripts/install_libaio.sh || true
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mdtk demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

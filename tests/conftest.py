@@ -1,0 +1,49 @@
+"""Shared fixtures: pools of real gloo ranks, started once per session and reused."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes tests/dist_checks importable
+
+from toolkit.testing.distributed import RankPool  # noqa: E402
+
+
+class _LazyPool:
+    """Starts the ranks on first use and restarts them after a failure, so one failing
+    check does not take the rest of the session's distributed checks with it."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.pool: RankPool | None = None
+
+    def run(self, fn, *args, timeout: float = 300.0, **kwargs):
+        if self.pool is None or self.pool.broken:
+            self.pool = RankPool(self.world_size)
+            self.pool.start()
+        return self.pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self):
+        if self.pool is not None and not self.pool.broken:
+            self.pool.close()
+
+
+@pytest.fixture(scope="session")
+def rank_pool_2():
+    pool = _LazyPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def rank_pool_4():
+    pool = _LazyPool(4)
+    yield pool
+    pool.close()

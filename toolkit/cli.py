@@ -1,0 +1,47 @@
+"""The ``mdtk`` command: parses arguments, calls library functions, prints for people.
+
+Each command group lives in its own module listed in COMMAND_MODULES, which exposes
+``register(app)``. Heavy imports (torch, megatron-core, DeepSpeed) happen inside the commands so
+``mdtk --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="mdtk",
+    help="Hugging Face <-> Megatron-core <-> DeepSpeed toolkit: model adapters, DeepSpeed "
+    "configs, 3D/5D parallel training and checkpoint conversion.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Hugging Face <-> Megatron-core <-> DeepSpeed toolkit. Run `mdtk COMMAND --help`."""
+
+
+COMMAND_MODULES: list[str] = [
+    "toolkit.commands.env",
+]
+
+
+def _register_all() -> None:
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(app)
+
+
+_register_all()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

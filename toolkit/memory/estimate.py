@@ -1,0 +1,150 @@
+"""Per-rank memory of one training setup: model states + DeepSpeed buffers + activations.
+
+``estimate`` evaluates every pipeline stage and reports the one that needs the most GPU memory
+(the first stage holds the most in-flight micro-batches; the last holds the logits).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from toolkit.memory.activations import TrainShape, activation_bytes
+from toolkit.memory.model import ModelShape
+from toolkit.memory.states import (
+    CPU,
+    GPU,
+    NVME,
+    Item,
+    RankParams,
+    ZeroOptions,
+    buffer_items,
+    model_state_items,
+    rank_params,
+)
+from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+GIB = 1024**3
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'80GB', '80G', '80GiB', '1TB', '512MB' or a number of bytes (units are binary)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*", text.upper())
+    if not m:
+        raise ValueError(f"cannot read the size {text!r}: write it like 80GB, 512MB or 1TB.")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines a job runs on. Memory sizes in bytes."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem: int = 80 * GIB
+    cpu_mem: int = 1024 * GIB  # per node
+    nvme_path: str | None = None
+    nvme_size: int | None = None  # per node; None = unknown (assumed large enough)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"nodes={self.nodes} and gpus_per_node={self.gpus_per_node} must be "
+                             ">= 1.")
+        if self.gpu_mem <= 0 or self.cpu_mem <= 0:
+            raise ValueError("gpu_mem and cpu_mem must be positive sizes.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One rank's breakdown (the worst pipeline stage) and the totals per device."""
+
+    items: tuple[Item, ...]
+    stage: int  # the pipeline stage shown
+    params: RankParams
+    layout: ParallelLayout
+    zero: ZeroOptions
+    train: TrainShape
+    num_microbatches: int
+
+    def total(self, device: str, *, peak: bool = True) -> int:
+        return sum(i.bytes for i in self.items
+                   if i.device == device and (peak or not i.transient))
+
+    @property
+    def gpu(self) -> int:
+        return self.total(GPU)
+
+    @property
+    def cpu(self) -> int:
+        return self.total(CPU)
+
+    @property
+    def nvme(self) -> int:
+        return self.total(NVME)
+
+    def model_states(self, *, peak: bool = False) -> int:
+        """Parameters, gradients, optimizer states and persistent buffers on every device."""
+        return sum(i.bytes for i in self.items
+                   if not i.what.startswith(("activations", "recompute", "final norm"))
+                   and (peak or not i.transient))
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout.describe(), "zero_stage": self.zero.stage,
+            "offload_optimizer": self.zero.offload_optimizer,
+            "offload_param": self.zero.offload_param,
+            "pipeline_stage": self.stage, "params_on_rank": self.params.total,
+            "num_microbatches": self.num_microbatches,
+            "items": [dict(what=i.what, device=i.device, bytes=i.bytes, transient=i.transient,
+                           note=i.note) for i in self.items],
+            "total_bytes": {GPU: self.gpu, CPU: self.cpu, NVME: self.nvme},
+        }
+
+
+def num_microbatches(train: TrainShape, dp: int) -> int:
+    """Gradient-accumulation steps: global = micro * accumulation * dp must hold exactly."""
+    if train.global_batch is None:
+        return 1
+    per_step = train.micro_batch * dp
+    if train.global_batch % per_step:
+        raise LayoutError(
+            f"global batch {train.global_batch} is not divisible by micro_batch * dp = "
+            f"{train.micro_batch} * {dp} = {per_step}: choose a global batch that is a multiple "
+            f"of {per_step}."
+        )
+    return train.global_batch // per_step
+
+
+def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero: ZeroOptions,
+             world_size: int) -> Estimate:
+    """The per-rank memory of the pipeline stage that needs the most GPU memory."""
+    layout = layout.resolve(world_size)
+    layout.validate_model(num_layers=model.layers, num_heads=model.heads,
+                          num_query_groups=model.kv_heads, num_experts=model.experts or None,
+                          vocab_size=model.vocab, ffn_hidden_size=model.ffn,
+                          seq_len=train.seq_len)
+    if layout.pp > 1 and zero.stage >= 2:
+        raise LayoutError(
+            f"ZeRO stage {zero.stage} with pp={layout.pp}: DeepSpeed cannot combine ZeRO-2/3 "
+            "with pipeline parallelism (it reduces gradients at every micro-batch). Use stage 0 "
+            "or 1 with pp > 1, or pp=1."
+        )
+    m = num_microbatches(train, layout.dp)
+    candidates = []
+    for stage in sorted({0, layout.pp - 1}):
+        params = rank_params(model, layout, stage, zero.param_persistence_threshold
+                             if zero.stage == 3 else 0)
+        items = model_state_items(params, zero, train.dtype) + buffer_items(
+            params, zero, train.dtype)
+        for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():
+            items.append(Item(what, GPU, int(nbytes), transient=what.startswith(
+                ("recompute", "final norm"))))
+        candidates.append(Estimate(tuple(items), stage, params, layout, zero, train, m))
+    return max(candidates, key=lambda e: e.gpu)

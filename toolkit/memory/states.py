@@ -1,0 +1,216 @@
+"""Model-state bytes per rank: parameters, gradients, optimizer states and DeepSpeed's buffers.
+
+The layouts follow what DeepSpeed 0.19 allocates (checked by measuring real engines, see
+tests/dist_checks/memory_checks.py):
+
+- stage 0: everything replicated; mixed precision keeps an fp32 master copy (FP16_Optimizer /
+  FP16_UnfusedOptimizer), fp32 training updates the parameters in place (no master copy).
+- stage 1: fp32 master + Adam m, v sharded over the data-parallel group; 16-bit gradients whole.
+- stage 2: gradients sharded too, reduced through a bucket of ``reduce_bucket_size`` elements.
+- stage 3: parameters sharded too; small tensors (< ``stage3_param_persistence_threshold``)
+  stay whole on every rank; the layer being computed is gathered (transient).
+- at stage >= 1 DeepSpeed keeps an fp32 master partition even when training in fp32.
+- optimizer offload moves master, m, v and an fp32 gradient partition to host (cpu) or the
+  master, m, v to NVMe (host keeps swap buffers); parameter offload moves the 16-bit partitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.memory.model import EXPERT, REP, ModelShape
+from toolkit.parallel.layout import ParallelLayout
+
+GPU, CPU, NVME = "gpu", "cpu", "nvme"
+ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
+MASTER_BYTES = 4  # fp32 master weights
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """The DeepSpeed ``zero_optimization`` settings the memory model depends on."""
+
+    stage: int = 0
+    offload_optimizer: str = "none"  # none / cpu / nvme
+    offload_param: str = "none"  # none / cpu / nvme (stage 3 only)
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+    optimizer_buffer_count: int = 4
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000
+    overlap_comm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage {self.stage!r} does not exist: use 0, 1, 2 or 3.")
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) not in ("none", CPU, NVME):
+                raise ValueError(f"{name}={getattr(self, name)!r}: use none, cpu or nvme.")
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(f"offload_param={self.offload_param} needs ZeRO stage 3 "
+                             f"(stage {self.stage} ignores it).")
+        if self.offload_optimizer == NVME and self.stage != 3:
+            raise ValueError(f"optimizer offload to NVMe needs ZeRO stage 3 (stage {self.stage} "
+                             "silently runs it as CPU offload).")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError("optimizer offload needs ZeRO stage >= 1.")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of a memory breakdown. ``transient`` lines exist only at a moment of the step
+    (gathered layer, bucket being reduced): they count for the peak, not for a snapshot."""
+
+    what: str
+    device: str
+    bytes: int
+    transient: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters held by one model-parallel rank (before ZeRO sharding)."""
+
+    dense: int  # sharded over dp*cp by ZeRO
+    expert: int  # sharded over the expert-data-parallel group
+    dense_dp: int
+    expert_dp: int
+    persistent: int  # stage-3 tensors kept whole (numel below the persistence threshold)
+    largest_layer: int  # one decoder layer on this rank: what stage 3 gathers at once
+    largest_tensor: int
+    layers: tuple[int, ...] = field(default=())
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def uses_megatron(layout: ParallelLayout) -> bool:
+    """Any model parallelism means megatron-core builds the model (padded vocabulary)."""
+    return layout.tp * layout.pp * layout.cp * layout.ep > 1
+
+
+def stage_layers(model: ModelShape, layout: ParallelLayout, stage: int) -> tuple[int, ...]:
+    """Decoder layers held by pipeline rank ``stage`` (interleaved: every pp-th chunk)."""
+    chunks = layout.pp * (layout.vpp or 1)
+    per_chunk = model.layers // chunks
+    return tuple(
+        layer
+        for chunk in range(stage, chunks, layout.pp)
+        for layer in range(chunk * per_chunk, (chunk + 1) * per_chunk)
+    )
+
+
+def rank_params(model: ModelShape, layout: ParallelLayout, stage: int = 0,
+                persistence_threshold: int = 0) -> RankParams:
+    """Count this pipeline stage's parameters on one tp/ep rank, split the megatron-core way."""
+    layout = layout if layout.dp is not None else layout.resolve(layout.model_parallel)
+    tp, etp = layout.tp, layout.expert_tp
+    vocab = model.padded_vocab(tp) if uses_megatron(layout) else model.vocab
+    layers = set(stage_layers(model, layout, stage))
+    first, last = stage == 0, stage == layout.pp - 1
+    dense = expert = persistent = largest_tensor = 0
+    per_layer: dict[int, int] = {}
+    for t in model.tensors(vocab=vocab):
+        if t.layer is None:
+            held = (t.name in ("embed", "pos_embed") and first) or (
+                t.name in ("final_norm", "lm_head") and last)
+            if t.name == "embed" and model.tied and last and not first:
+                held = True  # megatron-core keeps a copy of the tied output weight on the last stage
+            if not held:
+                continue
+        elif t.layer not in layers:
+            continue
+        if t.split == EXPERT:
+            n = t.numel // (layout.ep * etp)
+            expert += n
+        else:
+            n = t.numel if t.split == REP else t.numel // tp
+            dense += n
+        if t.layer is not None:
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + n
+        if n < persistence_threshold:
+            persistent += n
+        local_experts = max(1, model.experts // layout.ep)
+        largest_tensor = max(largest_tensor, n // local_experts if t.split == EXPERT else n)
+    dense_dp = layout.dp * layout.cp
+    expert_dp = max(1, dense_dp * tp // (layout.ep * etp))
+    return RankParams(dense=dense, expert=expert, dense_dp=dense_dp, expert_dp=expert_dp,
+                      persistent=persistent, largest_layer=max(per_layer.values(), default=0),
+                      largest_tensor=largest_tensor, layers=tuple(sorted(layers)))
+
+
+def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
+    """Per-rank bytes of parameters, gradients, master weights and Adam states (+ buffers)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: use bf16, fp16 or fp32.")
+    lp = DTYPE_BYTES[dtype]
+    mixed = dtype != "fp32"
+    s = zero.stage
+    items: list[Item] = []
+    groups = [("", params.dense, params.dense_dp), ("expert ", params.expert, params.expert_dp)]
+    for prefix, n, dp in groups:
+        if n == 0:
+            continue
+        shard = -(-n // dp) if s >= 1 else n
+        # parameters
+        if s == 3:
+            p_dev = GPU if zero.offload_param == "none" else zero.offload_param
+            items.append(Item(f"{prefix}parameters ({dtype}, 1/{dp} shard)", p_dev, lp * shard))
+            if prefix == "" and params.persistent:
+                items.append(Item("persistent small parameters (whole)", GPU,
+                                  lp * params.persistent, note="below persistence threshold"))
+        else:
+            items.append(Item(f"{prefix}parameters ({dtype})", GPU, lp * n))
+        # gradients
+        if s >= 2:
+            if zero.offload_optimizer == "none":
+                items.append(Item(f"{prefix}gradients ({dtype}, 1/{dp} shard)", GPU, lp * shard))
+        else:
+            items.append(Item(f"{prefix}gradients ({dtype})", GPU, lp * n))
+        # optimizer
+        master = MASTER_BYTES if (mixed or s >= 1) else 0
+        opt_dev = GPU if zero.offload_optimizer == "none" else zero.offload_optimizer
+        sfx = f", 1/{dp} shard" if s >= 1 else ""
+        if master:
+            items.append(Item(f"{prefix}fp32 master weights{sfx}", opt_dev, master * shard))
+        items.append(Item(f"{prefix}Adam m, v (fp32{sfx})", opt_dev, ADAM_STATE_BYTES * shard))
+        if zero.offload_optimizer != "none":
+            items.append(Item(f"{prefix}fp32 gradient partition (offload)", CPU, 4 * shard))
+    return items
+
+
+def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
+    """DeepSpeed's communication buffers and stage-3 working set."""
+    lp = DTYPE_BYTES[dtype]
+    s = zero.stage
+    total = params.total
+    items: list[Item] = []
+    if s in (1, 2) and max(params.dense_dp, params.expert_dp) > 1:
+        items.append(Item("reduce bucket (ipg buffer)", GPU,
+                          lp * min(zero.reduce_bucket_size, total), transient=s == 1))
+        items.append(Item("allgather bucket (after step)", GPU,
+                          lp * min(zero.allgather_bucket_size, total), transient=True))
+    if s == 3:
+        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * min(zero.reduce_bucket_size,
+                                                                      total)))
+        gathered = min(zero.max_live_parameters,
+                       params.largest_layer + zero.prefetch_bucket_size, total)
+        items.append(Item("gathered layer + prefetch", GPU, lp * gathered, transient=True,
+                          note="stage3_max_live_parameters bounds it"))
+        if zero.offload_param == NVME:
+            items.append(Item("parameter swap buffers (pinned)", CPU,
+                              lp * zero.param_buffer_count * zero.param_buffer_size))
+    if zero.offload_optimizer == NVME:
+        shard = -(-total // max(1, params.dense_dp))
+        sub = min(zero.sub_group_size, shard)
+        items.append(Item("optimizer swap buffers (pinned)", CPU,
+                          4 * zero.optimizer_buffer_count * sub,
+                          note="buffer_count x sub_group_size fp32"))
+    return items

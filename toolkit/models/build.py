@@ -1,0 +1,104 @@
+"""Build megatron-core GPT model chunks for the calling rank from a TransformerConfig.
+
+Families (model_adapters/) translate an HF config into a TransformerConfig plus GPTModel keyword
+arguments; this module turns those into the chunks this rank owns (one per virtual pipeline
+stage), always with the same layer spec, so every family runs the same code on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from toolkit import runtime
+from toolkit.models.norm import TorchNorm
+
+# Fused kernels that need CUDA (or apex / Transformer Engine). Off by default everywhere: mdtk
+# builds with the local spec, whose unfused paths are numerically the HF reference's.
+_UNFUSED = dict(
+    gradient_accumulation_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+)
+
+
+def transformer_config(**kwargs: Any) -> TransformerConfig:
+    """A TransformerConfig with fusions off and CPU initialisation (full weight, then split).
+
+    CPU initialisation makes the weights of a tp=N model equal to the tp=1 model built with the
+    same seed. Batched pipeline p2p is turned off on gloo: gloo matches messages between two
+    ranks by order only, and with pp=2 the batched forward/backward sends to the same peer arrive
+    swapped in the interleaved schedule (silently wrong activations, same shapes).
+    """
+    values = {**_UNFUSED, "use_cpu_initialization": True,
+              "batch_p2p_comm": runtime.backend() == "nccl", **kwargs}
+    return TransformerConfig(**values)
+
+
+def layer_spec(
+    *,
+    num_experts: int | None = None,
+    qk_layernorm: bool = False,
+    normalization: str = "RMSNorm",
+    moe_grouped_gemm: bool = False,
+) -> ModuleSpec:
+    """megatron-core's local layer spec with TorchNorm in every norm slot (sequence-parallel safe)."""
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        qk_layernorm=qk_layernorm,
+        normalization=normalization,
+    )
+    sub = spec.submodules
+    sub.input_layernorm = TorchNorm
+    sub.pre_mlp_layernorm = TorchNorm
+    attn = sub.self_attention.submodules
+    if attn.q_layernorm is not IdentityOp:
+        attn.q_layernorm = TorchNorm
+    if attn.k_layernorm is not IdentityOp:
+        attn.k_layernorm = TorchNorm
+    return spec
+
+
+def block_spec(config: TransformerConfig, spec: ModuleSpec,
+               vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """The decoder block of one (virtual) stage, with TorchNorm as the final norm."""
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=TorchNorm)
+
+
+def build_chunks(config: TransformerConfig, spec: ModuleSpec,
+                 **gpt_kwargs: Any) -> list[GPTModel]:
+    """All GPTModel chunks of this rank: one, or vpp of them with interleaved pipelining."""
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if config.virtual_pipeline_model_parallel_size != (vpp if vpp > 1 else None):
+        config = dataclasses.replace(
+            config, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None
+        )
+    chunks = []
+    for v in range(vpp):
+        vp_stage = v if vpp > 1 else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(config, spec, vp_stage),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            **gpt_kwargs,
+        )
+        chunks.append(chunk)
+    return chunks

@@ -1,0 +1,14 @@
+"""Parallel layout (validated once) and the process groups derived from it."""
+
+from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+__all__ = ["LayoutError", "Mpu", "ParallelLayout", "destroy", "initialize"]
+
+
+def __getattr__(name: str):
+    # Import megatron-core lazily: layout validation must work without it (fast CLI paths).
+    if name in ("Mpu", "initialize", "destroy"):
+        from toolkit.parallel import state
+
+        return getattr(state, name)
+    raise AttributeError(name)

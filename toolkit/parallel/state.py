@@ -1,0 +1,147 @@
+"""Process groups from a ParallelLayout, and the ``mpu`` object DeepSpeed expects.
+
+megatron-core's ``parallel_state`` owns the groups; ``Mpu`` only renames them into the interface
+DeepSpeed calls (``get_model_parallel_*``, ``get_pipe_parallel_*``, ``get_data_parallel_*``, ...).
+DeepSpeed's "model parallel" group is megatron-core's tp x pp group: gradient norms are summed over
+it, and replicated parameters are counted on tensor-parallel rank 0 only.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+from toolkit import runtime
+from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+
+class Mpu:
+    """DeepSpeed's ``mpu`` protocol over megatron-core's parallel_state."""
+
+    def __init__(self, layout: ParallelLayout):
+        self.layout = layout
+
+    # tensor parallel
+    def get_tensor_model_parallel_group(self):
+        return ps.get_tensor_model_parallel_group()
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return ps.get_tensor_model_parallel_world_size()
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return ps.get_tensor_model_parallel_rank()
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return ps.get_tensor_model_parallel_src_rank()
+
+    # model parallel = tp x pp (megatron-core's model-parallel group)
+    def get_model_parallel_group(self):
+        return ps.get_model_parallel_group()
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(ps.get_model_parallel_group())
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(ps.get_model_parallel_group())
+
+    def get_model_parallel_src_rank(self) -> int:
+        return ps.get_model_parallel_src_rank()
+
+    # pipeline parallel
+    def get_pipe_parallel_group(self):
+        return ps.get_pipeline_model_parallel_group()
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return ps.get_pipeline_model_parallel_world_size()
+
+    def get_pipe_parallel_rank(self) -> int:
+        return ps.get_pipeline_model_parallel_rank()
+
+    get_pipeline_model_parallel_group = get_pipe_parallel_group
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+
+    # data parallel: includes cp ranks, since ZeRO shards and reduces over dp*cp
+    # (context-parallel ranks hold identical weights and see different tokens).
+    def get_data_parallel_group(self):
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
+    def get_data_parallel_world_size(self) -> int:
+        return ps.get_data_parallel_world_size(with_context_parallel=True)
+
+    def get_data_parallel_rank(self) -> int:
+        return ps.get_data_parallel_rank(with_context_parallel=True)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.get_data_parallel_group())
+
+    # DeepSpeed's "sequence parallel" is Ulysses, which mdtk does not use: size 1.
+    def get_sequence_parallel_world_size(self) -> int:
+        return 1
+
+    def get_sequence_parallel_rank(self) -> int:
+        return 0
+
+    def get_sequence_parallel_group(self):
+        return None
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.get_data_parallel_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.get_data_parallel_rank()
+
+    def get_sequence_data_parallel_group(self):
+        return self.get_data_parallel_group()
+
+    # slice parallel (DeepSpeed's name for the tensor-parallel slice used by activation ckpt)
+    def get_slice_parallel_group(self):
+        return self.get_tensor_model_parallel_group()
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.get_tensor_model_parallel_world_size()
+
+    def get_slice_parallel_rank(self) -> int:
+        return self.get_tensor_model_parallel_rank()
+
+    # experts
+    def get_expert_model_parallel_group(self):
+        return ps.get_expert_model_parallel_group()
+
+    def get_expert_data_parallel_group(self):
+        return ps.get_expert_data_parallel_group()
+
+
+def initialize(layout: ParallelLayout, *, seed: int = 1234) -> Mpu:
+    """Set up megatron-core's process groups for ``layout`` on the current world.
+
+    torch.distributed is initialised from the environment if it is not yet (torchrun, deepspeed
+    launcher, srun). The layout is resolved against the real world size here, so a launch with
+    the wrong number of ranks fails before any model is built.
+    """
+    runtime.enable_cpu_mode()
+    runtime.init_distributed()
+    layout = layout.resolve(dist.get_world_size())
+    if ps.model_parallel_is_initialized():
+        raise LayoutError(
+            "megatron-core parallel state is already initialised: call toolkit.parallel.destroy() "
+            "before initialising another layout in the same process."
+        )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        create_gloo_process_groups=False,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Mpu(layout)
+
+
+def destroy() -> None:
+    """Tear down megatron-core's groups (torch.distributed stays up for the next layout)."""
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()

@@ -1,0 +1,65 @@
+"""Built-in model presets: the published ``config.json`` values of well-known checkpoints.
+
+They let ``mdtk estimate`` / ``mdtk ds-config`` size real models without a hub download. Only the
+keys the memory model reads are kept; every value is the one in the model's public config.json.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+_LLAMA3 = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+    vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False,
+    mlp_bias=False, max_position_embeddings=131072,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(
+        model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=768, n_layer=12, n_head=12,
+        n_positions=1024, vocab_size=50257, n_inner=None, activation_function="gelu_new",
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-1b": dict(
+        _LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": dict(
+        _LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    "llama-3.1-70b": dict(
+        _LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+    ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_act="silu",
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6,
+        tie_word_embeddings=False,
+    ),
+    "qwen1.5-moe-a2.7b": dict(
+        model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_act="silu",
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+}
+
+
+def get_preset(name: str) -> dict[str, Any]:
+    """A copy of the preset's config dict; KeyError names the known presets."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return copy.deepcopy(PRESETS[key])

@@ -1,0 +1,135 @@
+"""Run megatron-core (and DeepSpeed next to it) on a CPU-only torch build.
+
+megatron-core assumes CUDA in a handful of places: ``torch.cuda.current_device()`` used as a device,
+literal ``device="cuda"`` factory calls, ``.cuda()``, the CUDA RNG state used by the tensor-parallel
+RNG tracker, ``torch.cuda.synchronize()`` in the pipeline schedules, and a ``te_general_gemm``
+name that is undefined without Transformer Engine. On a machine without CUDA none of these calls
+can do anything useful (they raise), so redirecting them to their CPU equivalents changes no
+behaviour a GPU user could observe. ``enable()`` is explicit, idempotent, and refuses to run when
+CUDA is available: GPU runs never go through this module.
+
+What is patched is recorded in ``PATCHED`` so ``mdtk env`` can show it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+PATCHED: list[str] = []
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
+              "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like")
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cpu_device_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    wrapper._mdtk_cpu_compat = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _tensor_to(orig):
+    @functools.wraps(orig)
+    def to(self, *args, **kwargs):
+        if args and _is_cuda(args[0]):
+            args = ("cpu",) + args[1:]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return orig(self, *args, **kwargs)
+
+    return to
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _patch(obj: Any, name: str, value: Any, label: str) -> None:
+    setattr(obj, name, value)
+    PATCHED.append(label)
+
+
+def enable() -> bool:
+    """Apply the CPU redirects once. Returns True when active, False when CUDA is present."""
+    if torch.cuda.is_available():
+        return False
+    if PATCHED:
+        return True
+
+    cpu_gen = torch.default_generator
+    cuda = torch.cuda
+    _patch(cuda, "current_device", lambda: "cpu", "torch.cuda.current_device -> 'cpu'")
+    _patch(cuda, "synchronize", lambda *a, **k: None, "torch.cuda.synchronize -> no-op")
+    _patch(cuda, "get_rng_state", lambda *a, **k: cpu_gen.get_state(),
+           "torch.cuda.get_rng_state -> CPU generator")
+    _patch(cuda, "set_rng_state", lambda state, *a, **k: cpu_gen.set_state(state),
+           "torch.cuda.set_rng_state -> CPU generator")
+    _patch(cuda, "manual_seed", lambda seed: cpu_gen.manual_seed(int(seed)),
+           "torch.cuda.manual_seed -> CPU generator")
+    _patch(cuda.random, "get_rng_state", cuda.get_rng_state, "torch.cuda.random.get_rng_state")
+    _patch(cuda, "Stream", _NullStream, "torch.cuda.Stream -> null stream")
+    _patch(cuda, "Event", _NullStream, "torch.cuda.Event -> null event")
+    _patch(cuda, "current_stream", lambda *a, **k: _NullStream(), "torch.cuda.current_stream")
+    _patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stream")
+    _patch(torch.Tensor, "record_stream", lambda self, *a, **k: None, "Tensor.record_stream")
+
+    for name in _FACTORIES:
+        _patch(torch, name, _cpu_device_factory(getattr(torch, name)), f"torch.{name}(device=cuda)")
+    _patch(torch.Tensor, "cuda", lambda self, *a, **k: self, "Tensor.cuda -> self")
+    _patch(torch.nn.Module, "cuda", lambda self, *a, **k: self, "Module.cuda -> self")
+    _patch(torch.Tensor, "to", _tensor_to(torch.Tensor.to), "Tensor.to(cuda) -> cpu")
+
+    _patch_megatron()
+    return True
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mc_random
+
+    _patch(mc_random, "_get_cuda_rng_state", lambda *a, **k: torch.default_generator.get_state(),
+           "megatron tensor_parallel.random._get_cuda_rng_state -> CPU generator")
+    _patch(mc_random, "_set_cuda_rng_state",
+           lambda state, *a, **k: torch.default_generator.set_state(state),
+           "megatron tensor_parallel.random._set_cuda_rng_state -> CPU generator")
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1 references this name without defining it when TE is absent.
+        _patch(moe_utils, "te_general_gemm", None, "megatron moe_utils.te_general_gemm = None")

@@ -1,0 +1,1 @@
+"""Helpers for tests that run real multi-process torch.distributed jobs."""
