@@ -23,9 +23,9 @@ def test_tensor_parallel_matches_single_rank(rank_pool_2, sp):
     results = rank_pool_2.run(gc.check_tensor_parallel, sp)
     for r in results:
         _assert_parity(r)
-    # each rank really holds a shard, not the whole model
-    full = gc.check_tensor_parallel.__module__  # noqa: F841 - keeps the import obvious
-    assert results[0]["n_params"] == results[1]["n_params"]
+    # each rank really holds a shard: well under the full model, more than half (norms replicate)
+    for r in results:
+        assert r["full_params"] / 2 < r["n_params"] < 0.6 * r["full_params"], r
 
 
 @pytest.mark.parametrize("vpp", [None, 2], ids=["pp2", "pp2_vpp2"])

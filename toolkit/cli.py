@@ -28,6 +28,8 @@ def _root() -> None:
 
 COMMAND_MODULES: list[str] = [
     "toolkit.commands.env",
+    "toolkit.commands.estimate",
+    "toolkit.commands.dsconfig",
 ]
 
 

@@ -16,7 +16,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from toolkit import parallel
-from toolkit.models import build_chunks, transformer_config, layer_spec
+from toolkit.models import build_chunks, layer_spec, transformer_config
 from toolkit.parallel import ParallelLayout
 from toolkit.parallel.grads import finalize_grads
 
@@ -139,7 +139,8 @@ def check_tensor_parallel(sequence_parallel: bool) -> dict:
     loss.backward()
     finalize_grads(chunks)
     out = {"ref_loss": ref_loss, "loss": loss.item(), "grad_diff": grad_diff(chunks, ref_grads),
-           "n_params": sum(p.numel() for p in chunks[0].parameters())}
+           "n_params": sum(p.numel() for p in chunks[0].parameters()),
+           "full_params": sum(v.numel() for v in weights.values())}
     parallel.destroy()
     return out
 

@@ -56,7 +56,7 @@ def layer_spec(
     normalization: str = "RMSNorm",
     moe_grouped_gemm: bool = False,
 ) -> ModuleSpec:
-    """megatron-core's local layer spec with TorchNorm in every norm slot (sequence-parallel safe)."""
+    """megatron-core's local layer spec with TorchNorm in every norm slot (SP-safe)."""
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=moe_grouped_gemm,

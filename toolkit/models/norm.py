@@ -1,9 +1,9 @@
 """A LayerNorm/RMSNorm usable with sequence parallelism without apex or Transformer Engine.
 
 megatron-core's torch fallback (``WrappedTorchNorm``) refuses sequence parallelism because with SP
-each tensor-parallel rank normalises a different slice of the sequence, so the norm weights' grads
-must be summed over the TP group. Marking the weights ``sequence_parallel=True`` is how megatron-core
-(and ``toolkit.parallel.grads``) knows to do that.
+each tensor-parallel rank normalises a different slice of the sequence, so the norm weights'
+grads must be summed over the TP group. Marking the weights ``sequence_parallel=True`` is how
+megatron-core (and ``toolkit.parallel.grads``) knows to do that.
 """
 
 from __future__ import annotations
