@@ -80,3 +80,12 @@ def test_bad_sizes_rejected(kwargs, needle):
 
 def test_describe():
     assert ParallelLayout(tp=2, pp=2, vpp=2).resolve(8).describe() == "dp=2 tp=2 pp=2 vpp=2"
+
+
+def test_context_parallel_refused_without_transformer_engine():
+    from toolkit.parallel import check_supported
+
+    check_supported(ParallelLayout(cp=2), have_te=True)  # allowed where TE exists
+    with pytest.raises(LayoutError, match="cp=2: context parallelism needs Transformer Engine"):
+        check_supported(ParallelLayout(cp=2), have_te=False)
+    check_supported(ParallelLayout(cp=1), have_te=False)

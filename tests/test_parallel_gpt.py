@@ -44,6 +44,12 @@ def test_expert_parallel_matches_single_rank(rank_pool_2):
         assert r["local_experts"] == 2  # 4 experts over ep=2
 
 
+def test_expert_parallel_with_tensor_parallel_and_sp(rank_pool_4):
+    for r in rank_pool_4.run(gc.check_expert_parallel, 2):
+        _assert_parity(r)
+        assert r["local_experts"] == 2
+
+
 def test_deepspeed_zero_stages_dp2_tp2_match_torch_adamw(rank_pool_4):
     results = rank_pool_4.run(gc.check_deepspeed_zero, [1, 2, 3], timeout=600)
     for r in results:
@@ -51,3 +57,10 @@ def test_deepspeed_zero_stages_dp2_tp2_match_torch_adamw(rank_pool_4):
         assert ref[-1] < ref[0]  # the reference itself learns
         for stage in (1, 2, 3):
             assert r[stage] == pytest.approx(ref, rel=LOSS_RTOL), (stage, r)
+
+
+def test_initialize_rejects_layout_not_matching_world(rank_pool_2):
+    from toolkit.parallel import ParallelLayout
+
+    for msg in rank_pool_2.run(gc.check_initialize_rejects, ParallelLayout(tp=2, pp=2)):
+        assert "world size 2 is not divisible by tp*pp*cp = 2*2*1 = 4" in msg

@@ -185,22 +185,25 @@ def check_pipeline(vpp: int | None) -> dict:
     return out
 
 
-def check_expert_parallel() -> dict:
-    rank = dist.get_rank()
-    weights, ref_loss, ref_grads = reference(num_experts=4, seed=rank)
-    # With EP each expert sees every rank's tokens: its gradient is the sum of the per-rank
-    # reference gradients. Other weights see only this rank's tokens.
+def check_expert_parallel(tp: int = 1) -> dict:
+    """ep=2 (and ep=2 x tp=2 with sequence parallelism, which megatron-core needs for MoE+TP)."""
+    data_rank = dist.get_rank() // tp  # ranks of one TP group see the same tokens
+    weights, ref_loss, ref_grads = reference(num_experts=4, seed=data_rank)
+    # With EP each expert sees every data rank's tokens: its gradient is the sum of the
+    # per-data-rank reference gradients. Other weights see only this rank's tokens.
     expert_grads = {n: g.clone() for n, g in ref_grads.items() if ".local_experts." in n}
     for g in expert_grads.values():
         dist.all_reduce(g)
+        g.div_(tp)
     ref_grads.update(expert_grads)
-    layout = ParallelLayout(ep=2)
+    layout = ParallelLayout(ep=2, tp=tp, sequence_parallel=tp > 1)
     parallel.initialize(layout, seed=SEED)
     chunks = build(layout.resolve(dist.get_world_size()), num_experts=4)
     load_from_full(chunks, weights)
-    tokens, labels = batch(2, seed=rank)
+    tokens, labels = batch(2, seed=data_rank)
     loss = lm_loss(chunks[0], tokens, labels)
     loss.backward()
+    finalize_grads(chunks)
     out = {"ref_loss": ref_loss, "loss": loss.item(), "grad_diff": grad_diff(chunks, ref_grads),
            "local_experts": len(chunks[0].decoder.layers[0].mlp.experts.local_experts)}
     parallel.destroy()
@@ -263,3 +266,13 @@ def check_deepspeed_zero(stages: list[int], steps: int = 3) -> dict:
         engine.destroy()
         parallel.destroy()
     return out
+
+
+def check_initialize_rejects(layout: ParallelLayout) -> str:
+    """A layout that does not fit the real world size fails on every rank, before any group."""
+    try:
+        parallel.initialize(layout)
+    except parallel.LayoutError as e:
+        return str(e)
+    parallel.destroy()
+    return "accepted"

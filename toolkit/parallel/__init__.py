@@ -2,12 +2,12 @@
 
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
-__all__ = ["LayoutError", "Mpu", "ParallelLayout", "destroy", "initialize"]
+__all__ = ["LayoutError", "Mpu", "ParallelLayout", "check_supported", "destroy", "initialize"]
 
 
 def __getattr__(name: str):
     # Import megatron-core lazily: layout validation must work without it (fast CLI paths).
-    if name in ("Mpu", "initialize", "destroy"):
+    if name in ("Mpu", "initialize", "destroy", "check_supported"):
         from toolkit.parallel import state
 
         return getattr(state, name)

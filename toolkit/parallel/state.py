@@ -113,6 +113,25 @@ class Mpu:
         return ps.get_expert_data_parallel_group()
 
 
+def check_supported(layout: ParallelLayout, *, have_te: bool | None = None) -> None:
+    """Refuse layouts this installation cannot run, before any process group is made.
+
+    Context parallelism needs Transformer Engine's attention: megatron-core's local
+    DotProductAttention asserts cp == 1, and Transformer Engine needs CUDA.
+    """
+    if layout.cp == 1:
+        return
+    if have_te is None:
+        have_te = runtime.have_transformer_engine()
+    if not have_te:
+        raise LayoutError(
+            f"cp={layout.cp}: context parallelism needs Transformer Engine's attention "
+            "(megatron-core's local DotProductAttention supports only cp=1, and Transformer "
+            "Engine needs CUDA). Install transformer-engine on a CUDA machine, or set cp=1 "
+            "(use more dp/tp instead)."
+        )
+
+
 def initialize(layout: ParallelLayout, *, seed: int = 1234) -> Mpu:
     """Set up megatron-core's process groups for ``layout`` on the current world.
 
@@ -120,6 +139,7 @@ def initialize(layout: ParallelLayout, *, seed: int = 1234) -> Mpu:
     launcher, srun). The layout is resolved against the real world size here, so a launch with
     the wrong number of ranks fails before any model is built.
     """
+    check_supported(layout)
     runtime.enable_cpu_mode()
     runtime.init_distributed()
     layout = layout.resolve(dist.get_world_size())

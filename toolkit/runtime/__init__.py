@@ -44,6 +44,17 @@ def enable_cpu_mode() -> bool:
     return cpu_compat.enable()
 
 
+def have_transformer_engine() -> bool:
+    """Transformer Engine's torch extension imports (it needs CUDA)."""
+    if not use_cuda():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
 def init_distributed(timeout_s: int = 600) -> None:
     """Initialise torch.distributed from the launcher's env vars (torchrun, deepspeed, srun)."""
     if torch.distributed.is_initialized():
