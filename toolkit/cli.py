@@ -28,6 +28,7 @@ def _root() -> None:
 
 COMMAND_MODULES: list[str] = [
     "toolkit.commands.env",
+    "toolkit.commands.launch",
     "toolkit.commands.estimate",
     "toolkit.commands.dsconfig",
 ]
