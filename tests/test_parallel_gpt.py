@@ -64,3 +64,19 @@ def test_initialize_rejects_layout_not_matching_world(rank_pool_2):
 
     for msg in rank_pool_2.run(gc.check_initialize_rejects, ParallelLayout(tp=2, pp=2)):
         assert "world size 2 is not divisible by tp*pp*cp = 2*2*1 = 4" in msg
+
+
+def test_mpu_adapter_follows_megatron_rank_order(rank_pool_4):
+    from toolkit.parallel import ParallelLayout
+
+    results = rank_pool_4.run(gc.check_mpu, ParallelLayout(tp=2))
+    # megatron order tp-cp-ep-dp-pp: tp is the fastest-moving index
+    assert [r["tp"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert [r["dp"] for r in results] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # DeepSpeed's "model parallel" = tp x pp, here just tp
+    assert [r["mp"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    results = rank_pool_4.run(gc.check_mpu, ParallelLayout(tp=2, pp=2))
+    assert [r["pp"] for r in results] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert [r["mp"][0] for r in results] == [4, 4, 4, 4]
+    assert [r["dp"] for r in results] == [(1, 0)] * 4

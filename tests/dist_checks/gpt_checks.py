@@ -276,3 +276,18 @@ def check_initialize_rejects(layout: ParallelLayout) -> str:
         return str(e)
     parallel.destroy()
     return "accepted"
+
+
+def check_mpu(layout: ParallelLayout) -> dict:
+    """The sizes and ranks DeepSpeed reads through the mpu adapter."""
+    mpu = parallel.initialize(layout)
+    out = {
+        "rank": dist.get_rank(),
+        "tp": (mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()),
+        "pp": (mpu.get_pipe_parallel_world_size(), mpu.get_pipe_parallel_rank()),
+        "dp": (mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()),
+        "mp": (mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank()),
+        "dp_ranks": mpu.get_data_parallel_group_ranks(),
+    }
+    parallel.destroy()
+    return out
