@@ -291,3 +291,20 @@ def check_mpu(layout: ParallelLayout) -> dict:
     }
     parallel.destroy()
     return out
+
+
+def check_cuda_matches_cpu() -> dict:
+    """GPU path (nccl, no CPU redirects): the same weights give the CPU fp32 logits on CUDA."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    layout = ParallelLayout()
+    parallel.initialize(layout)
+    (model,) = build(layout.resolve(dist.get_world_size()))
+    tokens, _ = batch(2)
+    pos = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+    cpu_model = model.cpu()
+    with torch.no_grad():
+        ref = cpu_model(tokens, pos, None).float()
+        gpu = model.cuda()(tokens.cuda(), pos.cuda(), None).float().cpu()
+    parallel.destroy()
+    return {"max_abs": (gpu - ref).abs().max().item(), "device": torch.cuda.get_device_name()}
