@@ -1,0 +1,339 @@
+"""Checkpoint folders of a training run: atomic saves, keep-last pruning, resume lookup, and the
+trainer state stored beside DeepSpeed's own engine checkpoint.
+
+Layout of ``checkpoint.dir``::
+
+    step_0000010/
+        engine/                 DeepSpeed engine checkpoint (model, optimizer, ZeRO partitions)
+        rng/rank_00000.pt       RNG states of each global rank (python, numpy, torch, CUDA, mcore)
+        trainer_state.json      step, consumed samples, dp, layout, data fingerprint, config
+    latest                      "step_0000010", written last (for people and external tools)
+
+A save is collective: every rank writes into ``.tmp-step_0000010``; rank 0 writes
+``trainer_state.json`` last, fsyncs every file, renames the folder to ``step_0000010`` and then
+rewrites ``latest``. A folder named ``step_*`` therefore only ever exists complete; a crash leaves
+at most a ``.tmp-*`` folder, which resume ignores and the next save removes. Pruning renames a
+folder away before deleting it, so a half-deleted checkpoint never looks complete either.
+Assumes ``checkpoint.dir`` is one shared filesystem for all ranks (as DeepSpeed does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENGINE_TAG = "engine"  # engine.save_checkpoint(step_dir, tag=ENGINE_TAG, save_latest=False)
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d{7,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked; the message says why and what to do."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+@dataclass
+class TrainingState:
+    """What the trainer needs besides the engine to continue exactly where it stopped."""
+
+    step: int  # optimizer steps completed
+    consumed_samples: int
+    world_size: int
+    dp_size: int
+    global_batch: int
+    micro_batch: int
+    seed: int
+    layout: dict[str, Any]  # dataclasses.asdict(ParallelLayout)
+    data_fingerprint: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved TrainConfig.to_dict()
+    format: int = FORMAT_VERSION
+    complete: bool = True
+
+
+def load_training_state(ckpt_dir: str | Path) -> TrainingState:
+    path = Path(ckpt_dir) / STATE_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{ckpt_dir} is not a complete mdtk checkpoint ({path.name}: {e}).") from e
+    if raw.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {raw.get('format')!r}, this mdtk reads "
+                              f"{FORMAT_VERSION}.")
+    known = {f.name for f in dataclasses.fields(TrainingState)}
+    return TrainingState(**{k: v for k, v in raw.items() if k in known})
+
+
+# -- RNG ---------------------------------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of python, numpy, torch CPU, CUDA (when present) and megatron-core's
+    model-parallel tracker (when megatron-core is loaded), as tensors/ints/tuples only, so the
+    file loads with ``torch.load(weights_only=True)``."""
+    import numpy as np
+    import torch
+
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    tracker = _mcore_tracker()
+    if tracker is not None:
+        state["mcore"] = {k: v.clone() for k, v in tracker.get_states().items()}
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(_tuplify(state["python"]))
+    n = state["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) != torch.cuda.device_count():
+            raise CheckpointError(f"checkpoint holds CUDA RNG states of {len(state['cuda'])} "
+                                  f"devices, this process sees {torch.cuda.device_count()}.")
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tracker = _mcore_tracker()
+    if tracker is not None and state.get("mcore"):
+        tracker.set_states(state["mcore"])
+
+
+def _tuplify(x: Any) -> Any:
+    # random.setstate needs tuples; a round trip through pickle keeps them, be lenient anyway.
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _mcore_tracker():
+    if "megatron.core" not in sys.modules:
+        return None
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    return tracker if tracker.get_states() else None
+
+
+def rng_file(ckpt_dir: str | Path, rank: int) -> Path:
+    return Path(ckpt_dir) / "rng" / f"rank_{rank:05d}.pt"
+
+
+def save_rng(ckpt_dir: str | Path, rank: int) -> None:
+    import torch
+
+    path = rng_file(ckpt_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(capture_rng_state(), path)
+
+
+def load_rng(ckpt_dir: str | Path, rank: int) -> bool:
+    """Restore this rank's RNG states; False when the checkpoint has none for ``rank`` (it was
+    saved with fewer ranks: the trainer then reseeds, and only dropout-like randomness differs)."""
+    import torch
+
+    path = rng_file(ckpt_dir, rank)
+    if not path.is_file():
+        return False
+    restore_rng_state(torch.load(path, map_location="cpu", weights_only=True))
+    return True
+
+
+# -- resume compatibility ----------------------------------------------------------------------
+_MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp")
+
+
+def check_resume(state: TrainingState, *, layout, global_batch: int, seed: int,
+                 data_fingerprint: str | None, dp_change_ok: bool) -> None:
+    """Refuse a resume that cannot continue the same run; each message names the fix.
+
+    ``dp_change_ok``: whether both the data sampler and the engine checkpoint can continue at
+    another dp size (``GlobalBatchSampler.supports_dp_change`` is True; the trainer adds what
+    its engine can reshard)."""
+    where = f"checkpoint at step {state.step}"
+    if state.global_batch != global_batch:
+        raise CheckpointError(
+            f"{where} was trained with train.global_batch={state.global_batch}, this run has "
+            f"{global_batch}: the data order and LR schedule are defined per global batch. Set "
+            f"train.global_batch={state.global_batch} or start fresh with checkpoint.resume=none.")
+    if state.seed != seed:
+        raise CheckpointError(f"{where} used train.seed={state.seed}, this run {seed}: the data "
+                              f"order would change. Set train.seed={state.seed} or "
+                              "checkpoint.resume=none.")
+    if (state.data_fingerprint and data_fingerprint
+            and state.data_fingerprint != data_fingerprint):
+        raise CheckpointError(
+            f"{where} was trained on other data or tokenisation (fingerprint "
+            f"{state.data_fingerprint} vs {data_fingerprint}: sources, tokenizer, seq_len or data "
+            "settings changed). Restore them or start fresh with checkpoint.resume=none.")
+    saved = {k: state.layout.get(k) for k in _MODEL_PARALLEL_KEYS}
+    now = {k: getattr(layout, k) for k in _MODEL_PARALLEL_KEYS}
+    if saved != now:
+        diff = ", ".join(f"{k}: {saved[k]} -> {now[k]}" for k in saved if saved[k] != now[k])
+        raise CheckpointError(
+            f"{where} was saved with another model-parallel layout ({diff}); the engine "
+            "checkpoint holds per-rank shards of that layout. Resume with the saved layout, or "
+            "convert the checkpoint to the new layout first.")
+    if state.dp_size != layout.dp and not dp_change_ok:
+        raise CheckpointError(
+            f"{where} was saved at dp={state.dp_size}, this run has dp={layout.dp}, and this "
+            "engine configuration cannot continue at another dp size. Launch "
+            f"{state.dp_size * layout.model_parallel} ranks, or start fresh with "
+            "checkpoint.resume=none.")
+
+
+# -- the manager -------------------------------------------------------------------------------
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist is not None else 0
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Finds, saves and prunes the checkpoints under ``root``. ``keep_last=0`` keeps all.
+
+    ``save`` is collective (call it on every rank); the lookups are local and cheap."""
+
+    def __init__(self, root: str | Path, keep_last: int = 0):
+        if keep_last < 0:
+            raise CheckpointError(f"checkpoint.keep_last={keep_last} must be >= 0.")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every complete checkpoint, oldest first."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and p.is_dir() and (p / STATE_FILE).is_file():
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def resolve_resume(self, resume: str) -> Path | None:
+        """``auto``: the newest complete checkpoint (None for a fresh run); ``none``: None;
+        otherwise the folder given, which must be a complete checkpoint."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume)
+        if not (path / STATE_FILE).is_file():
+            raise CheckpointError(f"checkpoint.resume={resume!r} is not a complete checkpoint "
+                                  f"(no {STATE_FILE}); complete ones under {self.root}: "
+                                  f"{[p.name for _, p in self.complete()] or 'none'}.")
+        return path
+
+    def save(self, state: TrainingState, write_engine: Callable[[Path], None] | None = None,
+             ) -> Path:
+        """Collective atomic save of step ``state.step``; returns the final folder.
+
+        ``write_engine(folder)`` runs on every rank, e.g.
+        ``lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG, save_latest=False)``."""
+        rank = _rank()
+        final = self.path_for(state.step)
+        tmp = self.root / f".tmp-{final.name}"
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        _barrier()
+        if write_engine is not None:
+            write_engine(tmp)
+        save_rng(tmp, rank)
+        _barrier()
+        if rank == 0:
+            state_path = tmp / STATE_FILE
+            state_path.write_text(json.dumps(dataclasses.asdict(state), indent=1))
+            _fsync_tree(tmp)
+            if final.exists():  # re-saving a step (e.g. after a resume): replace it
+                self._remove(final)
+            os.rename(tmp, final)
+            pointer = self.root / "latest.tmp"
+            pointer.write_text(final.name + "\n")
+            with open(pointer) as f:
+                os.fsync(f.fileno())
+            os.replace(pointer, self.root / "latest")
+            _fsync_dir(self.root)
+            self.prune()
+        _barrier()
+        return final
+
+    def prune(self) -> list[Path]:
+        """Delete all but the newest ``keep_last`` complete checkpoints and any leftover
+        temporary folder of an interrupted save (call on one rank, outside a save)."""
+        removed = []
+        for p in self.root.glob(".tmp-step_*"):
+            self._remove(p)
+        if self.keep_last:
+            for _, p in self.complete()[: -self.keep_last]:
+                self._remove(p)
+                removed.append(p)
+        return removed
+
+    def _remove(self, path: Path) -> None:
+        doomed = path.parent / f".deleting-{path.name}"
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        os.rename(path, doomed)  # no longer a step_* folder from here on
+        shutil.rmtree(doomed)

@@ -1,0 +1,209 @@
+"""Per-step training metrics: throughput, model FLOPs, MFU, memory; JSON lines + TensorBoard/W&B.
+
+``{output_dir}/metrics.jsonl`` gets one JSON object per logged step (appended and flushed line by
+line, so a crashed run keeps everything it logged and a resumed run continues the same file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.memory.model import EXPERT, ModelShape, model_shape_from_hf
+
+# Dense (no sparsity) BF16 tensor-core peak TFLOP/s from the vendors' datasheets. A key matches
+# when all its words are words of the CUDA/ROCm device name ("NVIDIA A100-SXM4-80GB" has A100,
+# "NVIDIA A10G" has no A10); the first match wins, so two-word keys come first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.0),       # NVIDIA GH200 Grace Hopper: H100-class GPU
+    ("H200 NVL", 835.0),    # NVIDIA H200 NVL (1,671 with sparsity)
+    ("H200", 989.0),        # NVIDIA H200 SXM (1,979 with sparsity)
+    ("H100 NVL", 835.0),    # NVIDIA H100 NVL (1,671 with sparsity)
+    ("H100 PCIE", 756.0),   # NVIDIA H100 PCIe (1,513 with sparsity)
+    ("H100", 989.0),        # NVIDIA H100 SXM5 (1,979 with sparsity)
+    ("H800", 989.0),        # NVIDIA H800 SXM5
+    ("B200", 2250.0),       # NVIDIA HGX B200, per GPU (4.5 PFLOPS with sparsity)
+    ("A100", 312.0),        # NVIDIA A100 SXM4 / PCIe (624 with sparsity)
+    ("A800", 312.0),
+    ("L40S", 362.0),        # NVIDIA L40S (733 with sparsity)
+    ("L40", 181.0),         # NVIDIA L40 (362 with sparsity)
+    ("L4", 121.0),          # NVIDIA L4 (242 with sparsity)
+    ("A10", 125.0),         # NVIDIA A10 (250 with sparsity)
+    ("MI300X", 1307.0),     # AMD Instinct MI300X
+    ("MI250X", 383.0),      # AMD Instinct MI250X
+)
+
+
+def peak_tflops(device_name: str | None, override: float | None = None) -> float | None:
+    """Peak dense BF16 TFLOP/s of a device; ``override`` wins; None for CPUs and unknown names."""
+    if override is not None:
+        return float(override)
+    if not device_name:
+        return None
+    words = set(device_name.upper().replace("-", " ").split())
+    for key, value in PEAK_BF16_TFLOPS:
+        if set(key.split()) <= words:
+            return value
+    return None
+
+
+def device_name() -> str | None:
+    """The accelerator's name (None on CPU)."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def matmul_params_per_token(shape: ModelShape) -> int:
+    """Weights one token is multiplied with: all parameters except the input embedding (and
+    learned position) lookups, MoE experts counted top_k/experts, plus the output projection
+    (counted even when tied to the embedding, because the head matmul still happens)."""
+    total = 0
+    for t in shape.tensors():
+        if t.name in ("embed", "pos_embed"):
+            continue
+        total += t.numel * shape.top_k // shape.experts if t.split == EXPERT else t.numel
+    if shape.tied:
+        total += shape.vocab * shape.hidden
+    return total
+
+
+def model_flops_per_token(hf_config: dict[str, Any], seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward, no recompute) of a dense or MoE GPT:
+
+        6 * N + 12 * L * H * s
+
+    N = ``matmul_params_per_token`` (active parameters, non-embedding, plus the LM head);
+    the second term is attention's score and value matmuls (QK^T and AV: 2 matmuls x 2 FLOPs per
+    multiply-add x 3 for forward + backward, over L layers of H = heads * head_dim attention width
+    and s keys), not halved for the causal mask. This is the "model FLOPs" of PaLM (Chowdhery et
+    al. 2022, appendix B), the usual basis of MFU: recomputation is not credited.
+    """
+    shape = model_shape_from_hf(hf_config)
+    return 6.0 * matmul_params_per_token(shape) + 12.0 * shape.layers * shape.q_dim * seq_len
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float | None
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, num_devices: int,
+               peak: float | None) -> Throughput:
+    """``tokens`` processed by the whole job (global batch * seq_len) in ``seconds``.
+
+    TFLOP/s per device divides by every device of the job (tp, pp, cp and dp ranks alike), so MFU
+    is not inflated by ignoring model-parallel ranks. ``peak`` None (CPU, unknown GPU) -> mfu None.
+    """
+    if seconds <= 0 or num_devices < 1:
+        raise ValueError(f"seconds={seconds} and num_devices={num_devices} must be positive.")
+    tps = tokens / seconds
+    tflops = tps * flops_per_token / num_devices / 1e12
+    return Throughput(tps, tflops, tflops / peak if peak else None)
+
+
+def memory_bytes() -> int:
+    """Peak memory of this process: CUDA max allocated, or the peak resident set on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def gather_memory() -> list[int]:
+    """``memory_bytes()`` of every rank (collective when torch.distributed is initialised)."""
+    import torch.distributed as dist
+
+    mine = memory_bytes()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return [int(x) for x in out]
+
+
+@dataclass
+class StepMetrics:
+    """One line of metrics.jsonl. ``mem_per_rank`` in bytes, rank order. ``val_loss`` only on
+    the steps that ran an evaluation."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float | None
+    tokens_per_s: float
+    tflops_per_device: float | None
+    mfu: float | None
+    mem_per_rank: list[int]
+    step_time_s: float | None = None
+    consumed_samples: int | None = None
+    val_loss: float | None = None
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                           for k, v in d.items()})
+
+
+class MetricsWriter:
+    """Writes metrics on the one rank that logs (the trainer picks it). JSON lines always;
+    TensorBoard when asked (``torch.utils.tensorboard``); W&B when asked and installed."""
+
+    def __init__(self, output_dir: str | Path, *, tensorboard: bool = False, wandb: bool = False,
+                 wandb_project: str | None = None, run_config: dict[str, Any] | None = None):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+        if wandb:
+            import wandb as wandb_module  # config validation already checked it is installed
+
+            self._wandb = wandb_module.init(project=wandb_project or "mdtk", config=run_config,
+                                            dir=str(output_dir), resume="allow")
+
+    def log(self, m: StepMetrics) -> None:
+        self._file.write(m.to_json() + "\n")
+        self._file.flush()
+        scalars = {k: v for k, v in dataclasses.asdict(m).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if m.mem_per_rank:
+            scalars["mem_max_rank_gib"] = max(m.mem_per_rank) / 2**30
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(f"train/{k}", v, m.step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=m.step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of ``{output_dir}/metrics.jsonl``."""
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
