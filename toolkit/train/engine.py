@@ -1,0 +1,402 @@
+"""One training step: megatron-core's forward/backward schedules inside a real DeepSpeed engine.
+
+megatron-core runs the micro-batches (no pipelining, 1F1B, or interleaved 1F1B with vpp chunks)
+directly on the rank's model chunks; DeepSpeed owns the optimizer, ZeRO partitioning, offload,
+gradient clipping and the data-parallel reduction. The two meet in three places:
+
+- Gradient reduction. The schedule calls ``backward`` itself, once per micro-batch and, with
+  pipelining, interleaved with forwards of other micro-batches, so ``engine.backward`` is never
+  used. The whole schedule runs inside ``engine.coalesce_grad_reduction()``: ZeRO's per-parameter
+  gradient hooks stand aside, gradients accumulate in ``param.grad``, and on leaving the block
+  DeepSpeed reduces (ZeRO-1/2: reduce-scatter into the partitions; ZeRO-3: reduce and partition)
+  the accumulated gradients exactly once over the data-parallel group. Hooking the schedule's
+  per-micro-batch backwards into ZeRO's per-backward epilogue instead fails ("Gradient computed
+  twice", or ``KeyError`` in ``step`` when the epilogue never ran). ZeRO-0 reduces with
+  ``engine.allreduce_gradients()``. Trade-off: until the reduction, each rank holds the full
+  gradients of its model shard (as ZeRO-1 does); ZeRO-2/3 partition them from the reduction on.
+- The reductions megatron-core's own DDP would do (TP-sum of sequence-parallel and q/k-norm
+  grads, tied embedding grads summed across the first and last pipeline stage) run on
+  ``param.grad`` inside that block, before DeepSpeed sees the gradients.
+- One ``engine.step()`` is one optimizer step: the engine's accumulation boundary is pinned to
+  True (the schedule already accumulated ``num_microbatches`` micro-batches).
+
+Supported: ZeRO 0-3 at pp=1; ZeRO 1-2 with pp>1 (1F1B and interleaved), which DeepSpeed's own
+PipelineEngine refuses for stage 2. Refused up front (``check_supported``): ZeRO-3 with pp>1,
+ZeRO-3 with experts, ZeRO-0 with clipping and pp>1 or experts, fp16, and bf16 ZeRO-1 with fp32
+gradient accumulation; each message says why.
+
+Experts: megatron-core marks expert parameters ``allreduce=False``, which DeepSpeed already reads
+as "MoE parameter". They are tagged with DeepSpeed's group name and megatron-core's expert
+groups are registered with DeepSpeed, so ZeRO partitions and reduces them over the
+expert-data-parallel group only (scaled by 1/dp like megatron-core's DDP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from toolkit import runtime
+from toolkit.parallel.grads import finalize_grads
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+class EngineError(ValueError):
+    """A layout / DeepSpeed config / step argument combination the engine cannot run."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced, identical on every rank."""
+
+    loss: float  # mean over micro-batches and data-parallel ranks
+    grad_norm: float | None  # global norm DeepSpeed computed before clipping (None: not known)
+    lr: float  # learning rate the update used
+    skipped: bool  # True when DeepSpeed skipped the update (fp16 overflow)
+    num_microbatches: int
+
+
+# -- engine ------------------------------------------------------------------------------------
+
+def zero_stage(ds_config: dict[str, Any]) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads_optimizer(ds_config: dict[str, Any]) -> bool:
+    device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
+    return device not in (None, "none")
+
+
+def check_supported(ds_config: dict[str, Any], *, pp: int, has_experts: bool = False) -> None:
+    """Refuse combinations that do not train correctly, before any engine is built."""
+    stage = zero_stage(ds_config)
+    if stage not in (0, 1, 2, 3):
+        raise EngineError(f"zero_optimization.stage={stage}: choose 0, 1, 2 or 3.")
+    if has_experts and stage == 3:
+        raise EngineError(
+            "ZeRO stage 3 with megatron-core experts (ep/MoE) is not supported: DeepSpeed's "
+            "ZeRO-3 partitions expert parameters through its own MoE modules only. "
+            "Use zero_stage 1 or 2 for MoE models."
+        )
+    clipping = float(ds_config.get("gradient_clipping", 1.0)) > 0  # DeepSpeed's default is 1.0
+    if stage == 0 and clipping and (pp > 1 or has_experts):
+        raise EngineError(
+            "ZeRO stage 0 with gradient clipping and "
+            + ("pp>1" if pp > 1 else "experts")
+            + " is not supported because DeepSpeed's ZeRO-0 clipping norm counts non-tensor-"
+            "parallel weights on rank 0 of the tp x pp group only (dropping later pipeline "
+            "stages) and averages expert norms instead of summing them. Use zero_stage 1 "
+            "(same memory for weights, sharded optimizer states) or gradient_clipping: 0."
+        )
+    if ds_config.get("fp16", {}).get("enabled"):
+        raise EngineError(
+            "fp16 is not supported by the training engine: DeepSpeed's loss scaling happens in "
+            "engine.backward, which megatron-core's schedules bypass. Use bf16 (or fp32)."
+        )
+    grad_accum = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "")).lower()
+    bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
+    if bf16 and stage == 1 and grad_accum in ("fp32", "float32") and not offloads_optimizer(
+            ds_config):
+        raise EngineError(
+            "bf16 with zero_stage 1 and data_types.grad_accum_dtype=fp32 selects DeepSpeed's "
+            "BF16_Optimizer, which accumulates gradients in engine.backward (bypassed by "
+            "megatron-core's schedules). Drop grad_accum_dtype or use zero_stage 2."
+        )
+    if stage == 3 and pp > 1:
+        raise EngineError(
+            "ZeRO stage 3 with pp>1 is not supported because DeepSpeed's ZeRO-3 assumes every "
+            "rank runs the same modules: its parameter coordinator checks the module trace with "
+            "collectives over the whole world at the start of each forward (pipeline stages hold "
+            "different modules and run forwards at different times, so the ranks deadlock), it "
+            "computes the grad norm over a different number of parameter sub-groups per stage, "
+            "and it counts the tied embedding of the first and last stage twice. "
+            "Use zero_stage 1 or 2 with pp>1 (they partition optimizer states and gradients over "
+            "the data-parallel group), or pp=1 for ZeRO-3."
+        )
+
+
+def with_optimizer_defaults(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``ds_config`` whose Adam/AdamW uses torch's implementation unless offloading.
+
+    DeepSpeed otherwise JIT-compiles FusedAdam (~45 s on a cold CPU machine, CUDA-only kernels
+    elsewhere); with optimizer offload it must be DeepSpeed's CPU Adam, so ``torch_adam`` stays off.
+    """
+    config = {**ds_config}
+    opt = config.get("optimizer")
+    if opt and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+        params = {**opt.get("params", {})}
+        if offloads_optimizer(config):
+            if params.get("torch_adam"):
+                raise EngineError(
+                    "optimizer.params.torch_adam=true with offload_optimizer: DeepSpeed needs its "
+                    "CPU Adam for offloaded optimizer states; remove torch_adam."
+                )
+        else:
+            params.setdefault("torch_adam", True)
+        config["optimizer"] = {**opt, "params": params}
+    return config
+
+
+def build_engine(
+    chunks: Sequence[torch.nn.Module],
+    mpu: Any,
+    ds_config: dict[str, Any],
+    *,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+):
+    """Wrap this rank's model chunks in a DeepSpeed engine over ``mpu``'s data-parallel group.
+
+    ``chunks``: one GPTModel, or the vpp chunks of interleaved pipelining (wrapped in a
+    ``torch.nn.ModuleList`` for DeepSpeed; the schedule still runs the chunks themselves).
+    ``ds_config`` must name the optimizer; its batch keys must match the step's micro batch and
+    ``num_microbatches`` (gradient_accumulation_steps). ``lr_scheduler``: optional callable
+    ``optimizer -> scheduler`` stepped by DeepSpeed after each update; alternatively pass
+    ``lr=`` to :func:`train_step` (a stateless schedule).
+    """
+    chunks = list(chunks)
+    if not chunks:
+        raise EngineError("build_engine needs at least one model chunk.")
+    if "optimizer" not in ds_config:
+        raise EngineError("ds_config has no 'optimizer' section: mdtk trains with DeepSpeed's "
+                          "optimizer (e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}).")
+    experts = [p for c in chunks for p in c.parameters() if getattr(p, "allreduce", True) is False]
+    check_supported(ds_config, pp=ps.get_pipeline_model_parallel_world_size(),
+                    has_experts=bool(experts))
+    ds_bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
+    if ds_bf16 != bool(getattr(chunks[0].config, "bf16", False)):
+        raise EngineError(
+            f"DeepSpeed bf16.enabled={ds_bf16} but the model's TransformerConfig has "
+            f"bf16={getattr(chunks[0].config, 'bf16', False)}: build the model with the same "
+            "precision (params_dtype and pipeline_dtype too)."
+        )
+    runtime.prepare_deepspeed()
+    config = with_optimizer_defaults(ds_config)
+    module = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+    _mark_pipeline_replicas(chunks)
+    if experts:
+        _register_expert_groups(experts)
+    engine = _initialize(module, config, mpu, lr_scheduler, has_experts=bool(experts))
+    # One engine.step() per optimizer step: the schedule already accumulated the micro-batches.
+    engine.set_gradient_accumulation_boundary(True)
+    return engine
+
+
+def _initialize(module, config, mpu, lr_scheduler, *, has_experts: bool):
+    import deepspeed
+
+    params = list(module.parameters())
+    if not has_experts:
+        engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config,
+                                          mpu=mpu, lr_scheduler=lr_scheduler)
+        return engine
+    # DeepSpeed turns on its MoE handling (expert optimizer groups partitioned and reduced over
+    # the expert-data-parallel group, expert-aware grad norm) only when it finds its own MoE
+    # modules, before it builds the optimizer. megatron-core's experts need the same, so build
+    # a DeepSpeedEngine that says so, the way deepspeed.initialize builds one.
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class ExpertEngine(DeepSpeedEngine):
+        def _configure_distributed_model(self, model):
+            self.has_moe_layers = True
+            super()._configure_distributed_model(model)
+
+    engine = ExpertEngine(args=None, model=module, model_parameters=params,
+                          lr_scheduler=lr_scheduler, mpu=mpu, config=config,
+                          config_class=DeepSpeedConfig(config, mpu))
+    engine._configure_python_gc()
+    return engine
+
+
+def _register_expert_groups(experts: list[torch.nn.Parameter]) -> str:
+    """Give DeepSpeed megatron-core's expert (data-)parallel groups; tag the expert params."""
+    from deepspeed.utils import groups
+
+    ep_group = ps.get_expert_model_parallel_group()
+    edp_group = ps.get_expert_data_parallel_group()
+    name = f"ep_size_{dist.get_world_size(ep_group)}"  # DeepSpeed parses the size from the name
+    tables = {
+        "ep": (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ep_group),
+        "edp": (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+                edp_group),
+    }
+    for by_name, ranks_by_name, group in tables.values():
+        by_name.clear()  # groups of an earlier layout in this process are destroyed
+        ranks_by_name.clear()
+        by_name[name] = group
+        ranks_by_name[name] = dist.get_process_group_ranks(group)
+    for p in experts:
+        p.group_name = name
+    return name
+
+
+def _mark_pipeline_replicas(chunks: Sequence[torch.nn.Module]) -> None:
+    """Count the last stage's copy of a tied embedding once in DeepSpeed's grad norm.
+
+    megatron-core marks that copy ``shared`` (its own norm skips it); DeepSpeed skips parameters
+    marked ``ds_pipe_replicated``.
+    """
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if getattr(p, "shared", False):
+                p.ds_pipe_replicated = True
+
+
+# -- one step ----------------------------------------------------------------------------------
+
+def masked_mean_loss(per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean per-token loss of a micro-batch over the tokens ``loss_mask`` keeps (all if none)."""
+    per_token = per_token.float()
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return per_token.mean()
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _forward_step_func(loss_fn: LossFn):
+    device = runtime.device()
+
+    def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
+        # Only the chunks that take tokens (first stage) or compute the loss (last stage) read a
+        # micro-batch, so one iterator per rank serves every chunk of the interleaved schedule.
+        batch: Batch = {}
+        if model.pre_process or model.post_process:
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        tokens = batch.get("tokens")
+        position_ids = batch.get("position_ids")
+        if tokens is not None and position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(
+                tokens)
+        output = model(tokens, position_ids, None, labels=batch.get("labels"))
+
+        def loss_func(per_token: torch.Tensor):
+            loss = loss_fn(per_token, batch)
+            # the schedule divides the returned loss in place by num_microbatches: keep a copy
+            return loss, {"loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    return forward_step
+
+
+def train_step(
+    engine,
+    chunks: Sequence[torch.nn.Module],
+    data_iterator: Iterator[Batch],
+    *,
+    num_microbatches: int,
+    micro_batch: int,
+    seq_len: int,
+    loss_fn: LossFn = masked_mean_loss,
+    lr: float | None = None,
+) -> StepResult:
+    """Forward/backward over ``num_microbatches`` micro-batches, one reduction, one update.
+
+    ``data_iterator`` yields this rank's micro-batches as dicts of CPU or device tensors:
+    ``tokens`` and ``labels`` ([micro_batch, seq_len] int64), optional ``loss_mask`` and
+    ``position_ids``. Only first/last pipeline stages read it (one item per micro-batch).
+    ``loss_fn(per_token_loss, batch)`` reduces a micro-batch's per-token loss to a scalar.
+    ``lr``: when given, the update uses this learning rate (a stateless LR schedule).
+    """
+    chunks = list(chunks)
+    _check_step_args(engine, chunks, num_microbatches, micro_batch, seq_len)
+    if lr is not None:
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+    stage = engine.zero_optimization_stage()
+    forward_backward = get_forward_backward_func()
+    iterators = [data_iterator] * len(chunks) if len(chunks) > 1 else data_iterator
+    model = chunks if len(chunks) > 1 else chunks[0]
+
+    def run_schedule():
+        out = forward_backward(
+            forward_step_func=_forward_step_func(loss_fn), data_iterator=iterators, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_len, micro_batch_size=micro_batch,
+            forward_only=False,
+        )
+        finalize_grads(chunks)
+        return out
+
+    if stage == 0:
+        results = run_schedule()
+        engine.allreduce_gradients()
+    else:
+        with engine.coalesce_grad_reduction():
+            results = run_schedule()
+    used_lr = float(engine.get_lr()[0])
+    grad_norm = _zero0_grad_norm(engine) if stage == 0 else None
+    engine.step()
+    if grad_norm is None:
+        norm = engine.get_global_grad_norm()
+        grad_norm = None if norm is None else float(norm)
+    loss = _mean_loss(results, num_microbatches)
+    return StepResult(loss=loss, grad_norm=grad_norm, lr=used_lr,
+                      skipped=not engine.was_step_applied(), num_microbatches=num_microbatches)
+
+
+def _check_step_args(engine, chunks, num_microbatches: int, micro_batch: int,
+                     seq_len: int) -> None:
+    if engine.gradient_accumulation_steps() != num_microbatches:
+        raise EngineError(
+            f"num_microbatches={num_microbatches} but the DeepSpeed config has "
+            f"gradient_accumulation_steps={engine.gradient_accumulation_steps()}: set it to "
+            "global_batch / (micro_batch * dp)."
+        )
+    if engine.train_micro_batch_size_per_gpu() != micro_batch:
+        raise EngineError(
+            f"micro_batch={micro_batch} but the DeepSpeed config has "
+            f"train_micro_batch_size_per_gpu={engine.train_micro_batch_size_per_gpu()}."
+        )
+    wrapped = [engine.module] if len(chunks) == 1 else list(engine.module)
+    if len(wrapped) != len(chunks) or any(a is not b for a, b in zip(wrapped, chunks, strict=True)):
+        raise EngineError("train_step got model chunks other than the ones the engine wraps.")
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1 and num_microbatches % pp and len(chunks) > 1:
+        raise EngineError(
+            f"interleaved pipelining needs num_microbatches ({num_microbatches}) divisible by "
+            f"pp ({pp}): adjust global_batch or micro_batch."
+        )
+    if seq_len <= 0 or micro_batch <= 0:
+        raise EngineError(f"seq_len={seq_len} and micro_batch={micro_batch} must be positive.")
+
+
+def _zero0_grad_norm(engine) -> float:
+    """The norm ZeRO-0 clips with (it does not record it): reduced grads, each weight once."""
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    total = torch.zeros(1, dtype=torch.float64, device=runtime.device())
+    for p in engine.module.parameters():
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
+            total += p.grad.detach().double().norm() ** 2
+    dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return total.sqrt().item()
+
+
+def _mean_loss(results: list[dict[str, torch.Tensor]], num_microbatches: int) -> float:
+    """Mean loss over micro-batches (last stage) and data-parallel ranks, sent to every rank."""
+    device = runtime.device()
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        if len(results) != num_microbatches:
+            raise RuntimeError(f"schedule returned {len(results)} losses for "
+                               f"{num_microbatches} micro-batches")
+        total += sum(r["loss"].double() for r in results) / num_microbatches
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+        total /= ps.get_data_parallel_world_size(with_context_parallel=True)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    value = total.item()
+    if not math.isfinite(value):
+        raise FloatingPointError(f"training loss is {value}")
+    return value
