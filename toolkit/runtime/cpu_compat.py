@@ -18,6 +18,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.utils._device
 
 PATCHED: list[str] = []
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
@@ -109,6 +110,10 @@ def enable() -> bool:
     _patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stream")
     _patch(torch.Tensor, "record_stream", lambda self, *a, **k: None, "Tensor.record_stream")
 
+    # torch.device("meta") (used by transformers' loader) dispatches only the factories in a list
+    # torch caches on first use: fill that cache with the real functions before wrapping them,
+    # else models built under a device context get uninitialised buffers (e.g. RoPE inv_freq).
+    torch.utils._device._device_constructors()
     for name in _FACTORIES:
         _patch(torch, name, _cpu_device_factory(getattr(torch, name)), f"torch.{name}(device=cuda)")
     _patch(torch.Tensor, "cuda", lambda self, *a, **k: self, "Tensor.cuda -> self")

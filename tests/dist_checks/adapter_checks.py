@@ -1,0 +1,242 @@
+"""Tiny HF checkpoints of every dense family, and rank functions checking the adapters on them.
+
+Checkpoints are built from the real transformers config classes with random weights (norm
+weights and biases too, so a mis-mapped one shows), saved with ``save_pretrained``; the
+reference logits come from the real HF model (fp32, eager attention) reloaded from disk.
+Rank functions loop over families and layouts inside one pool call and return numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ, BATCH = 1001, 12, 2
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def tiny_configs() -> dict:
+    """One small config per dense family; GQA, odd vocab, biases and tying as each family has."""
+    import transformers as tf
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    return {
+        # Llama 3.2 style: tied embeddings, llama3 rope scaling.
+        "llama": tf.LlamaConfig(**common, tie_word_embeddings=True,
+                                max_position_embeddings=16384, rope_parameters=LLAMA3_ROPE),
+        # Llama 2 style with all biases on (attention_bias and mlp_bias), MHA, untied.
+        "llama_bias": tf.LlamaConfig(**{**common, "num_key_value_heads": 4},
+                                     attention_bias=True, mlp_bias=True),
+        "mistral": tf.MistralConfig(**common, sliding_window=5, head_dim=16),
+        "qwen2": tf.Qwen2Config(**common),
+        "qwen3": tf.Qwen3Config(**common, head_dim=24),
+        "gpt2": tf.GPT2Config(n_embd=64, n_layer=4, n_head=4, n_inner=96, vocab_size=VOCAB,
+                              n_positions=64, bos_token_id=1, eos_token_id=2),
+    }
+
+
+def tiny_moe_configs() -> dict:
+    """Small mixture-of-experts configs (4 experts, top-2, GQA, odd vocab)."""
+    import transformers as tf
+
+    return {
+        "mixtral": tf.MixtralConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    vocab_size=VOCAB, num_local_experts=4,
+                                    num_experts_per_tok=2, rms_norm_eps=1e-5, bos_token_id=1,
+                                    eos_token_id=2, sliding_window=None),
+    }
+
+
+def tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, Path]:
+    """Save each tiny model to ``root/<name>`` and its HF logits to ``root/<name>.logits.pt``."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.runtime import cpu_compat
+
+    if cpu_compat.PATCHED:
+        raise RuntimeError("the HF references must be built in a process without mdtk's CPU "
+                           "mode: transformers loads models with garbage RoPE buffers after it.")
+    out = {}
+    configs = {**tiny_configs(), **tiny_moe_configs()}
+    for i, (name, config) in enumerate(configs.items()):
+        if names and name not in names:
+            continue
+        torch.manual_seed(100 + i)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname or ".ln_" in pname:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                else:
+                    p.normal_(0.0, 0.15)
+        path = root / name
+        model.save_pretrained(path)
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                   attn_implementation="eager")
+        with torch.no_grad():
+            logits = ref(tokens()).logits
+        torch.save(logits, root / f"{name}.logits.pt")
+        out[name] = path
+    return out
+
+
+# -- rank functions -------------------------------------------------------------------------------
+
+def _layout_kwargs(layout: dict):
+    from toolkit.parallel import ParallelLayout
+
+    return ParallelLayout(**layout)
+
+
+def compare_tensors(a: Path, b: Path) -> dict:
+    """Names equal and every tensor torch.equal (same dtype and shape) between two HF folders."""
+    from toolkit.checkpoint.hf import HFReader
+
+    with HFReader(a) as ra, HFReader(b) as rb:
+        names_a, names_b = set(ra.names), set(rb.names)
+        unequal = []
+        for name in sorted(names_a & names_b):
+            ta = ra.read(name, tuple((0, n) for n in ra.shape(name)))
+            tb = rb.read(name, tuple((0, n) for n in rb.shape(name)))
+            if ta.dtype != tb.dtype or ta.shape != tb.shape or not torch.equal(ta, tb):
+                unequal.append(name)
+    return {"only_a": sorted(names_a - names_b), "only_b": sorted(names_b - names_a),
+            "unequal": unequal, "n": len(names_a)}
+
+
+def check_layouts(root: str, families: list[str], layouts: list[dict]) -> list[dict]:
+    """For each family x layout: logits vs HF, export round trip, and what was read from disk."""
+    from toolkit import parallel
+    from toolkit.adapters import adapter_for
+    from toolkit.bridge import build_model, current_coord, export_hf, fill_chunks, forward_logits
+    from toolkit.checkpoint.hf import HFReader
+
+    rootp = Path(root)
+    results = []
+    for family in families:
+        ref = torch.load(rootp / f"{family}.logits.pt", weights_only=True)
+        for spec in layouts:
+            layout = _layout_kwargs(spec)
+            mpu = parallel.initialize(layout)
+            adapter = adapter_for(rootp / family)
+            with HFReader(rootp / family) as reader:
+                chunks = build_model(adapter, mpu.layout)
+                fill_chunks(chunks, adapter, reader)
+                reads = [(r.name, r.shape, r.nbytes) for r in reader.reads]
+                full = {n: reader.shape(n) for n in reader.names}
+            logits = forward_logits(chunks, tokens(), adapter.dims.vocab)
+            tag = "-".join(f"{k}{v}" for k, v in spec.items()) or "single"
+            out_dir = rootp / "export" / f"{family}-{tag}"
+            export_hf(chunks, adapter, out_dir, overwrite=True)
+            row = {"family": family, "layout": spec, "rank": dist.get_rank(),
+                   "coord": current_coord(),
+                   "max_abs": (logits - ref).abs().max().item(),
+                   "max_rel": ((logits - ref).abs().max() / ref.abs().max()).item(),
+                   "reads": reads, "full_shapes": full}
+            if dist.get_rank() == 0:
+                row["roundtrip"] = compare_tensors(rootp / family, out_dir)
+                row["files"] = sorted(p.name for p in out_dir.iterdir())
+                row["config_equal"] = _config_equal(rootp / family, out_dir)
+            results.append(row)
+            parallel.destroy()
+    return results
+
+
+def _config_equal(a: Path, b: Path) -> bool:
+    ca = json.loads((a / "config.json").read_text())
+    cb = json.loads((b / "config.json").read_text())
+    return ca == cb
+
+
+def wrong_mapping_diff(root: str) -> float:
+    """Logit diff when gate and up are swapped in the Llama mapping (must be large): shows the
+    logits comparison can fail."""
+    from model_adapters.llama import Llama
+    from toolkit import parallel
+    from toolkit.adapters import Adapter, load_hf_config
+    from toolkit.bridge import build_model, fill_chunks, forward_logits
+    from toolkit.checkpoint.hf import HFReader
+    from toolkit.mapping import GateUp
+
+    class Swapped(Llama):
+        def mlp_rules(self, hf, d, p):
+            rules = super().mlp_rules(hf, d, p)
+            r = rules["mlp.linear_fc1.weight"]
+            rules["mlp.linear_fc1.weight"] = GateUp(r.up, r.gate, r.ffn, r.inn)
+            return rules
+
+    path = Path(root) / "llama"
+    mpu = parallel.initialize(_layout_kwargs({"tp": 2}))
+    adapter = Adapter(Swapped(), load_hf_config(path), source=path)
+    with HFReader(path) as reader:
+        chunks = build_model(adapter, mpu.layout)
+        fill_chunks(chunks, adapter, reader)
+    logits = forward_logits(chunks, tokens(), adapter.dims.vocab)
+    parallel.destroy()
+    ref = torch.load(Path(root) / "llama.logits.pt", weights_only=True)
+    return (logits - ref).abs().max().item()
+
+
+def check_dtypes(root: str, out: str) -> dict:
+    """Load an fp32 checkpoint as bf16 at tp=2 through ``load_hf``; export keeps the checkpoint's
+    dtype by default (values = bf16-rounded originals) or writes the dtype asked for."""
+    from toolkit import parallel
+    from toolkit.bridge import export_hf, load_hf
+    from toolkit.checkpoint.hf import CheckpointError, HFReader
+
+    src = Path(root) / "qwen2"
+    chunks, adapter = load_hf(src, _layout_kwargs({"tp": 2}), dtype="bfloat16")
+    param_dtypes = sorted({str(p.dtype) for c in chunks for p in c.parameters()})
+    a, b = Path(out) / "as-source", Path(out) / "as-bf16"
+    export_hf(chunks, adapter, a)
+    export_hf(chunks, adapter, b, dtype=torch.bfloat16)
+    try:  # an existing folder is refused on every rank (no rank left waiting in a send)
+        export_hf(chunks, adapter, a)
+        exists_error = None
+    except CheckpointError as err:
+        exists_error = str(err)
+    parallel.destroy()
+    result = {"param_dtypes": param_dtypes, "exists_error": exists_error}
+    if dist.get_rank() == 0:
+        mismatched = []
+        with HFReader(src) as rs, HFReader(a) as ra, HFReader(b) as rb:
+            for name in rs.names:
+                full = tuple((0, n) for n in rs.shape(name))
+                want = rs.read(name, full).to(torch.bfloat16)
+                got_a, got_b = ra.read(name, full), rb.read(name, full)
+                if got_a.dtype != torch.float32 or not torch.equal(got_a, want.float()):
+                    mismatched.append(("as-source", name))
+                if got_b.dtype != torch.bfloat16 or not torch.equal(got_b, want):
+                    mismatched.append(("as-bf16", name))
+        result.update(mismatched=mismatched, n=len(rs.names),
+                      config_dtypes=[json.loads((p / "config.json").read_text())["dtype"]
+                                     for p in (a, b)])
+    return result
+
+
+def verify_hf_mcore(path: str, reference) -> dict:
+    """toolkit.verify's megatron-core runner vs an HF run made in the test process."""
+    from toolkit.verify import compare, run_hf_mcore
+
+    c = compare(reference, run_hf_mcore(Path(path), reference_tokens()))
+    return {"max_abs": c.max_abs, "max_rel": c.max_rel, "layers": c.layers}
+
+
+def reference_tokens() -> torch.Tensor:
+    from toolkit.verify import fixed_tokens
+
+    return fixed_tokens(VOCAB, 2, 16)

@@ -1,0 +1,229 @@
+"""Single-process checks of the mapping rules, plans, checkpoint reader/writer and early errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from dist_checks import adapter_checks as ac
+from safetensors.torch import load_file, save_file
+
+from toolkit.adapters import CheckpointMismatch, UnsupportedModel, adapter_for
+from toolkit.bridge import load_hf
+from toolkit.checkpoint.hf import CheckpointError, HFReader, HFWriter
+from toolkit.mapping import QKV, Coord, GateUp, MappingError, Part, coalesce, plan_rank
+from toolkit.parallel import LayoutError, ParallelLayout
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapter-units")
+    return ac.build_checkpoints(root, ["llama", "qwen3", "gpt2"])
+
+
+def _copy(src, dst, *, drop=(), add=None, config=None):
+    shutil.copytree(src, dst)
+    if drop or add:
+        weights = load_file(str(dst / "model.safetensors"))
+        for name in drop:
+            del weights[name]
+        weights.update(add or {})
+        save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        data = json.loads((dst / "config.json").read_text())
+        data.update(config)
+        (dst / "config.json").write_text(json.dumps(data))
+    return dst
+
+
+# -- split rules ------------------------------------------------------------------------------
+
+def _assemble(rule, hf: dict[str, torch.Tensor], rank: int, size: int) -> torch.Tensor:
+    out = torch.zeros(rule.local_shape(size))
+    for p in rule.pieces(rank, size):
+        part = hf[p.source][tuple(slice(a, b) for a, b in p.src)]
+        out[tuple(slice(a, b) for a, b in p.dst)] = part.t() if p.transpose else part
+    return out
+
+
+def test_qkv_matches_megatron_group_layout():
+    """Shard r of the fused QKV = [q heads of group g; k_g; v_g] for the groups of rank r."""
+    heads, groups, d, h = 8, 2, 3, 5
+    q, k, v = torch.randn(heads * d, h), torch.randn(groups * d, h), torch.randn(groups * d, h)
+    rule = QKV(Part("q"), Part("k"), Part("v"), heads, groups, d, inn=h)
+    per = heads // groups
+    expected = torch.cat([torch.cat([q[g * per * d:(g + 1) * per * d], k[g * d:(g + 1) * d],
+                                     v[g * d:(g + 1) * d]]) for g in range(groups)])
+    full = _assemble(rule, {"q": q, "k": k, "v": v}, 0, 1)
+    assert torch.equal(full, expected)
+    shards = [_assemble(rule, {"q": q, "k": k, "v": v}, r, 2) for r in range(2)]
+    assert torch.equal(torch.cat(shards), expected)  # TP shards whole groups, in order
+    with pytest.raises(MappingError, match="query groups"):
+        rule.local_shape(4)
+
+
+def test_qkv_transposed_single_source_equals_separate():
+    """GPT-2's Conv1D c_attn ([in, 3*out], q|k|v side by side) gives the same fused tensor."""
+    heads, d, h = 4, 2, 8
+    q, k, v = (torch.randn(heads * d, h) for _ in range(3))
+    c_attn = torch.cat([q, k, v]).t().contiguous()
+    sep = QKV(Part("q"), Part("k"), Part("v"), heads, heads, d, inn=h)
+    one = QKV(Part("c", 0), Part("c", heads * d), Part("c", 2 * heads * d), heads, heads, d,
+              inn=h, transpose=True)
+    assert one.hf_shapes() == {"c": (h, 3 * heads * d)}
+    for r in range(2):
+        assert torch.equal(_assemble(sep, {"q": q, "k": k, "v": v}, r, 2),
+                           _assemble(one, {"c": c_attn}, r, 2))
+
+
+def test_gate_up_shards_are_gate_then_up():
+    gate, up = torch.randn(8, 3), torch.randn(8, 3)
+    rule = GateUp(Part("g"), Part("u"), 8, inn=3)
+    for r in range(2):
+        shard = _assemble(rule, {"g": gate, "u": up}, r, 2)
+        assert torch.equal(shard, torch.cat([gate[r * 4:(r + 1) * 4], up[r * 4:(r + 1) * 4]]))
+
+
+def test_coalesce_merges_only_adjacent_regions():
+    regions = [((4, 8), (0, 3)), ((0, 4), (0, 3)), ((12, 16), (0, 3))]
+    groups = coalesce(regions)
+    assert groups == [(((0, 8), (0, 3)), [1, 0]), (((12, 16), (0, 3)), [2])]
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tp=1), dict(tp=2), dict(pp=2), dict(pp=2, vpp=2), dict(tp=2, pp=2), dict(tp=2, pp=4),
+])
+@pytest.mark.parametrize("family", list(ac.tiny_configs()))
+def test_plans_tile_every_hf_tensor_exactly_once(family, layout):
+    """Over all ranks of a layout, the pieces of distinct shards cover each HF element once."""
+    config = ac.tiny_configs()[family]
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")
+                            .replace("GPT2ForCausalLM", "GPT2LMHeadModel")]
+    adapter = adapter_for(config)
+    tp, pp, vpp = layout.get("tp", 1), layout.get("pp", 1), layout.get("vpp", 1)
+    shapes = adapter.expected_tensors()
+    count = {n: torch.zeros(s, dtype=torch.int32) for n, s in shapes.items()}
+    seen = set()
+    tied = adapter.dims.tied
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            for t in plan_rank(adapter.table(tp), Coord(tp_rank=tp_rank, tp=tp, pp_rank=pp_rank,
+                                                        pp=pp, vpp=vpp)):
+                if (t.key, t.shard) in seen or (t.key == "output_layer.weight" and tied):
+                    continue  # tied: the output layer is the embedding tensor again
+                seen.add((t.key, t.shard))
+                for p in t.pieces:
+                    count[p.source][tuple(slice(a, b) for a, b in p.src)] += 1
+    for name, c in count.items():
+        assert torch.all(c == 1), f"{family} {layout}: {name} covered {c.min()}..{c.max()} times"
+
+
+# -- early, clear errors ------------------------------------------------------------------------
+
+def test_unsupported_architecture_lists_supported(tiny, tmp_path):
+    path = _copy(tiny["llama"], tmp_path / "foo", config={"architectures": ["FooForCausalLM"]})
+    with pytest.raises(UnsupportedModel) as err:
+        load_hf(path)
+    text = str(err.value)
+    assert "FooForCausalLM" in text
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "GPT2LMHeadModel"):
+        assert arch in text
+
+
+def test_heads_and_groups_not_divisible_by_tp(tiny):
+    with pytest.raises(LayoutError, match="num_attention_heads=4 is not divisible by tp=3"):
+        load_hf(tiny["llama"], ParallelLayout(tp=3))
+    with pytest.raises(LayoutError, match=r"num_key_value_heads \(query groups\)=2 .* tp=4"):
+        load_hf(tiny["llama"], ParallelLayout(tp=4))
+    with pytest.raises(LayoutError, match="num_hidden_layers=4 is not divisible by pp=3"):
+        load_hf(tiny["qwen3"], ParallelLayout(pp=3))
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+    path = _copy(tiny["llama"], tmp_path / "missing", drop=[name])
+    with pytest.raises(CheckpointMismatch, match=f"lacks 1 tensor.*{name}"):
+        load_hf(path)
+
+
+def test_extra_tensor_is_named(tiny, tmp_path):
+    name = "model.layers.0.mlp.extra_proj.weight"
+    path = _copy(tiny["qwen3"], tmp_path / "extra", add={name: torch.zeros(3)})
+    with pytest.raises(CheckpointMismatch, match=f"1 tensor.*does not use: {name}"):
+        load_hf(path)
+
+
+def test_shape_mismatch_is_named(tiny, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    path = _copy(tiny["llama"], tmp_path / "shape", add={name: torch.zeros(3, 64)})
+    with pytest.raises(CheckpointMismatch, match=f"{name}: stored \\(3, 64\\), expected"):
+        load_hf(path)
+
+
+def test_refuses_rope_megatron_cannot_compute(tiny, tmp_path):
+    rope = {**ac.LLAMA3_ROPE, "high_freq_factor": 2.0}
+    path = _copy(tiny["llama"], tmp_path / "rope", config={"rope_parameters": rope})
+    with pytest.raises(UnsupportedModel, match="high_freq_factor"):
+        adapter_for(path)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    path = _copy(tiny["llama"], tmp_path / "yarn", config={"rope_parameters": yarn})
+    with pytest.raises(UnsupportedModel, match="rope_type='yarn'"):
+        adapter_for(path)
+
+
+def test_refuses_bias_combination(tiny, tmp_path):
+    path = _copy(tiny["llama"], tmp_path / "bias",
+                 config={"attention_bias": True, "mlp_bias": False})
+    with pytest.raises(UnsupportedModel, match="attention_bias=True with mlp_bias=False"):
+        adapter_for(path)
+
+
+def test_gpt2_hub_style_names_and_mask_buffers(tiny):
+    """Checkpoints saved from GPT2Model lack 'transformer.' and may hold attn.bias buffers."""
+    adapter = adapter_for(tiny["gpt2"])
+    expected = adapter.expected_tensors()
+    stored = {n.removeprefix("transformer."): s for n, s in expected.items()}
+    stored["h.0.attn.bias"] = (1, 1, 64, 64)
+    names = adapter.match_checkpoint(stored)
+    assert names["transformer.h.0.ln_1.weight"] == "h.0.ln_1.weight"
+    stored["h.0.attn.c_attn.extra"] = (3,)
+    with pytest.raises(CheckpointMismatch, match="h.0.attn.c_attn.extra"):
+        adapter.match_checkpoint(stored)
+
+
+# -- reader and writer ----------------------------------------------------------------------------
+
+def test_writer_shards_index_and_reader_slices(tmp_path):
+    tensors = {f"t{i}": torch.randn(8, 16) for i in range(5)}
+    writer = HFWriter(tmp_path / "out", max_shard_bytes=2 * 8 * 16 * 4)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    import transformers
+
+    out = writer.finish(transformers.LlamaConfig(vocab_size=11))
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["config.json", "model-00001-of-00003.safetensors",
+                     "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+                     "model.safetensors.index.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+    with HFReader(out) as reader:
+        assert sorted(reader.names) == sorted(tensors)
+        part = reader.read("t3", ((2, 5), (4, 12)))
+        assert torch.equal(part, tensors["t3"][2:5, 4:12])
+        assert reader.reads[-1].nbytes == 3 * 8 * 4
+    with pytest.raises(CheckpointError, match="exists"):
+        HFWriter(out)
+
+
+def test_reader_bin_checkpoint(tmp_path):
+    sd = {"a": torch.randn(6, 4), "b": torch.randn(3)}
+    (tmp_path / "ck").mkdir()
+    torch.save(sd, tmp_path / "ck" / "pytorch_model.bin")
+    with HFReader(tmp_path / "ck") as reader:
+        assert reader.kind == "bin" and reader.shape("a") == (6, 4)
+        assert torch.equal(reader.read("a", ((1, 3), (0, 4))), sd["a"][1:3])
+    with pytest.raises(CheckpointError, match="no weights"):
+        HFReader(tmp_path)

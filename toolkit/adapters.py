@@ -1,0 +1,282 @@
+"""Model adapters: what a family declares, and the adapter bound to one HF checkpoint's config.
+
+A ``Family`` (one small file in ``model_adapters/``) translates an HF config into megatron-core
+arguments and declares its mapping ``Table`` (megatron name -> split rule over HF names). An
+``Adapter`` binds a family to one HF config and a dtype; it builds the TransformerConfig, layer
+spec and GPTModel arguments for a layout, and the per-rank plans. It knows no process groups and
+no files except the source folder it copies tokenizer files from on export.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from toolkit.mapping import Coord, Table, TensorPlan, padded_vocab_size, plan_rank
+from toolkit.parallel.layout import ParallelLayout
+
+
+class UnsupportedModel(ValueError):
+    """An HF architecture or config feature megatron-core (or mdtk) cannot represent."""
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint's tensors differ from what the mapping expects (missing, extra, shape)."""
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """HF ``gelu_new`` / ``gelu_pytorch_tanh`` (OpenAI's tanh GELU), without torch.compile.
+
+    megatron-core's ``openai_gelu`` is the same formula but wrapped in its jit fuser
+    (torch.compile), which needs a compiler toolchain on CPU.
+    """
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_new": gelu_tanh,
+               "gelu_pytorch_tanh": gelu_tanh, "gelu_fast": gelu_tanh, "gelu": F.gelu,
+               "relu": F.relu}
+
+
+def activation(name: str) -> Any:
+    if name not in ACTIVATIONS:
+        raise UnsupportedModel(f"activation {name!r} is not supported; supported: "
+                               f"{sorted(ACTIVATIONS)}.")
+    return ACTIVATIONS[name]
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes layout validation and the rules need (read from the HF config by the family)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool = False
+    experts: int = 0
+
+
+class Family:
+    """Base class of a model family; subclasses live in ``model_adapters/`` (one file each).
+
+    Subclasses set ``architectures`` and implement ``dims``, ``transformer_kwargs`` and ``table``;
+    the rest have defaults. ``check`` raises ``UnsupportedModel`` for config features the
+    translation cannot represent (never translate approximately).
+    """
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+    #: Prefix of the base model's names; hub checkpoints saved from the base class lack it
+    #: (GPT-2's ``h.0.ln_1.weight`` instead of ``transformer.h.0.ln_1.weight``).
+    base_prefix: ClassVar[str] = "model."
+    #: Regexes of stored tensors that are not weights (HF ignores them too); say why in the file.
+    ignored: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, hf: Any) -> None:
+        """Raise UnsupportedModel for anything megatron-core cannot represent exactly."""
+
+    def dims(self, hf: Any) -> Dims:
+        raise NotImplementedError
+
+    def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
+        """TransformerConfig arguments (model shape and numerics; no parallel sizes)."""
+        raise NotImplementedError
+
+    def spec_kwargs(self, hf: Any) -> dict[str, Any]:
+        """Arguments of ``toolkit.models.layer_spec``."""
+        return {}
+
+    def model_kwargs(self, hf: Any) -> dict[str, Any]:
+        """GPTModel arguments besides vocab_size and share_embeddings_and_output_weights."""
+        return {}
+
+    def table(self, hf: Any, d: Dims, padded_vocab: int) -> Table:
+        raise NotImplementedError
+
+
+@dataclass
+class Adapter:
+    """A family bound to one HF config (and the folder it came from, if any)."""
+
+    family: Family
+    hf_config: Any
+    source: Path | None = None
+    params_dtype: torch.dtype = torch.float32
+    #: Pad the vocab to a multiple of ``vocab_multiple * tp`` (1 = the least padding; set 128
+    #: for GPU-friendly sizes). Padded rows are zeros and are stripped on export.
+    vocab_multiple: int = 1
+    _tables: dict[int, Table] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def dims(self) -> Dims:
+        return self.family.dims(self.hf_config)
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config.architectures[0]
+
+    @property
+    def hf_dtype(self) -> torch.dtype:
+        """The dtype the HF checkpoint declares (float32 when it declares none)."""
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype",
+                                                                    None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        return dtype or torch.float32
+
+    def padded_vocab(self, tp: int) -> int:
+        return padded_vocab_size(self.dims.vocab, tp, self.vocab_multiple)
+
+    def validate(self, layout: ParallelLayout) -> None:
+        """Raise LayoutError if this model cannot be split as ``layout`` says."""
+        d = self.dims
+        layout.validate_model(num_layers=d.layers, num_heads=d.heads, num_query_groups=d.groups,
+                              num_experts=d.experts or None, vocab_size=d.vocab,
+                              ffn_hidden_size=d.ffn)
+
+    def transformer_config(self, layout: ParallelLayout, **overrides: Any):
+        from toolkit.models import transformer_config
+
+        vpp = layout.vpp if layout.vpp and layout.vpp > 1 else None
+        half = {torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
+        kwargs = {
+            **self.family.transformer_kwargs(self.hf_config),
+            "tensor_model_parallel_size": layout.tp,
+            "pipeline_model_parallel_size": layout.pp,
+            "virtual_pipeline_model_parallel_size": vpp,
+            "expert_model_parallel_size": layout.ep,
+            "expert_tensor_parallel_size": layout.etp,
+            "sequence_parallel": layout.sequence_parallel,
+            "params_dtype": self.params_dtype,
+            "pipeline_dtype": self.params_dtype,
+            # Every weight is overwritten from the checkpoint: skip megatron-core's CPU init,
+            # which builds each full master weight on every rank before splitting it.
+            "perform_initialization": False,
+            **half.get(self.params_dtype, {}),
+            **overrides,
+        }
+        return transformer_config(**kwargs)
+
+    def layer_spec(self):
+        from toolkit.models import layer_spec
+
+        return layer_spec(**self.family.spec_kwargs(self.hf_config))
+
+    def gpt_kwargs(self, tp: int) -> dict[str, Any]:
+        return {
+            "vocab_size": self.padded_vocab(tp),
+            "share_embeddings_and_output_weights": self.dims.tied,
+            **self.family.model_kwargs(self.hf_config),
+        }
+
+    def table(self, tp: int) -> Table:
+        padded = self.padded_vocab(tp)
+        if padded not in self._tables:
+            self._tables[padded] = self.family.table(self.hf_config, self.dims, padded)
+        return self._tables[padded]
+
+    def plan(self, coord: Coord) -> list[TensorPlan]:
+        return plan_rank(self.table(coord.tp), coord)
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Stored HF tensor names and full shapes the mapping reads (layout-independent)."""
+        return self.table(1).hf_shapes()
+
+    def match_checkpoint(self, stored: dict[str, tuple[int, ...]]) -> dict[str, str]:
+        """Map each expected name to the stored name; raise naming what is missing or extra.
+
+        Accepts checkpoints saved from the base model class (names without ``base_prefix``) and
+        a stored ``lm_head.weight`` in a tied model (HF ties it to the embedding and ignores it).
+        """
+        expected = self.expected_tensors()
+        prefix = self.family.base_prefix
+        resolved: dict[str, str] = {}
+        missing = []
+        for name in expected:
+            bare = name[len(prefix):] if prefix and name.startswith(prefix) else None
+            if name in stored:
+                resolved[name] = name
+            elif bare is not None and bare in stored:
+                resolved[name] = bare
+            else:
+                missing.append(name)
+        if missing:
+            raise CheckpointMismatch(
+                f"checkpoint lacks {len(missing)} tensor(s) the {self.architecture} mapping "
+                f"expects: {_listing(missing)}. Is the config.json from the same model?"
+            )
+        used = set(resolved.values())
+        ignored = [re.compile(p) for p in self.family.ignored]
+        extra = []
+        for name in stored:
+            canonical = name if name in expected or not prefix else prefix + name
+            if name in used or any(p.search(name) or p.search(canonical) for p in ignored):
+                continue
+            if self.dims.tied and name == "lm_head.weight":
+                continue
+            extra.append(name)
+        if extra:
+            raise CheckpointMismatch(
+                f"checkpoint has {len(extra)} tensor(s) the {self.architecture} mapping does not "
+                f"use: {_listing(extra)}. Refusing to drop weights silently: check that "
+                "config.json matches the weights, or add the tensors to the family's mapping."
+            )
+        bad = [f"{n}: stored {tuple(stored[resolved[n]])}, expected {expected[n]}"
+               for n in expected if tuple(stored[resolved[n]]) != expected[n]]
+        if bad:
+            raise CheckpointMismatch("tensor shapes differ from config.json: " + _listing(bad))
+        return resolved
+
+    def export_config(self, dtype: torch.dtype | None = None) -> Any:
+        """The HF config to write next to exported weights (dtype updated)."""
+        cfg = copy.deepcopy(self.hf_config)
+        cfg.dtype = dtype or self.hf_dtype
+        return cfg
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """The HF config of a local folder, parsed by transformers' own config class."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def adapter_for(config_or_path: Any, *, dtype: torch.dtype | str | None = None,
+                vocab_multiple: int = 1) -> Adapter:
+    """The adapter of an HF config (or of the folder holding its config.json).
+
+    ``dtype`` is megatron-core's parameter dtype; by default the checkpoint's own dtype.
+    Raises UnsupportedModel (listing the supported architectures) for unknown families.
+    """
+    from model_adapters import family_for
+
+    source = None
+    hf = config_or_path
+    if isinstance(config_or_path, (str, Path)):
+        source = Path(config_or_path)
+        hf = load_hf_config(source)
+    archs = getattr(hf, "architectures", None) or []
+    if not archs:
+        raise UnsupportedModel("config.json has no 'architectures' entry: cannot pick an adapter.")
+    family = family_for(archs[0])
+    family.check(hf)
+    adapter = Adapter(family, hf, source=source, vocab_multiple=vocab_multiple)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    adapter.params_dtype = dtype or adapter.hf_dtype
+    return adapter

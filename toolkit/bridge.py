@@ -1,0 +1,303 @@
+"""Live HF <-> megatron-core: load an HF checkpoint into this rank's chunks, export chunks to HF.
+
+``load_hf`` builds the calling rank's GPTModel chunks (all virtual stages) and fills them reading
+only this rank's slices of the safetensors files. ``export_hf`` gathers a live model of any
+layout to one rank tensor by tensor and streams it into a new HF folder; it needs only the
+adapter (config), not the original checkpoint. Both follow the adapter's per-rank plans
+(``toolkit.mapping``), so loading and export cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from toolkit.adapters import Adapter, adapter_for
+from toolkit.checkpoint.hf import CheckpointError, HFReader, HFWriter
+from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
+from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def resolve_source(source: str | Path, *, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a hub id fetched through HF's normal cache."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    text = str(source)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{source}: no such folder, and not a hub id like 'org/name'.")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(text, revision=revision, allow_patterns=HUB_PATTERNS))
+
+
+def current_coord() -> Coord:
+    """This rank's position, read from megatron-core's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return Coord(
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def _layout_in_use(layout: ParallelLayout | None) -> ParallelLayout:
+    """Initialise megatron-core's groups for ``layout``, or check it matches the ones in place."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit import parallel
+
+    if not ps.model_parallel_is_initialized():
+        return parallel.initialize(layout or ParallelLayout()).layout
+    c = current_coord()
+    active = ParallelLayout(tp=c.tp, pp=c.pp, vpp=c.vpp if c.vpp > 1 else None, ep=c.ep,
+                            etp=c.etp if c.etp != c.tp else None,
+                            cp=ps.get_context_parallel_world_size())
+    if layout is not None:
+        for name in ("tp", "pp", "vpp", "ep", "cp"):
+            want, have = getattr(layout, name), getattr(active, name)
+            if (want or 1) != (have or 1):
+                raise LayoutError(f"{name}={want} differs from the initialised process groups "
+                                  f"({name}={have}): call toolkit.parallel.destroy() first or "
+                                  "pass the same layout.")
+        return layout.resolve(dist.get_world_size())
+    return active.resolve(dist.get_world_size())
+
+
+def build_model(adapter: Adapter, layout: ParallelLayout, **config_overrides: Any) -> list[Any]:
+    """This rank's GPTModel chunks for ``adapter`` (weights uninitialised: fill them next)."""
+    from toolkit.models import build_chunks
+
+    config = adapter.transformer_config(layout, **config_overrides)
+    return build_chunks(config, adapter.layer_spec(), **adapter.gpt_kwargs(layout.tp))
+
+
+def load_hf(
+    source: str | Path,
+    layout: ParallelLayout | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    vocab_multiple: int = 1,
+    revision: str | None = None,
+    **config_overrides: Any,
+) -> tuple[list[Any], Adapter]:
+    """Build this rank's chunks and fill them from an HF folder or hub id.
+
+    Initialises megatron-core's process groups for ``layout`` unless they already exist (then
+    ``layout`` must match them). Everything that can be checked before building is checked
+    first: architecture, config features, layout divisibility, tensor names and shapes.
+    """
+    path = resolve_source(source, revision=revision)
+    adapter = adapter_for(path, dtype=dtype, vocab_multiple=vocab_multiple)
+    adapter.validate(layout or ParallelLayout())
+    with HFReader(path) as reader:
+        names = adapter.match_checkpoint({n: reader.shape(n) for n in reader.names})
+        active = _layout_in_use(layout)
+        adapter.validate(active)
+        chunks = build_model(adapter, active, **config_overrides)
+        fill_chunks(chunks, adapter, reader, names=names)
+    return chunks, adapter
+
+
+def _params(chunks: list[Any]) -> dict[tuple[int, str], torch.nn.Parameter]:
+    return {(i, name): p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+
+
+def check_plans(chunks: list[Any], plans: list[TensorPlan], coord: Coord, num_layers: int) -> None:
+    """The plans must name exactly the chunks' parameters, with the same shapes and layers."""
+    params = _params(chunks)
+    planned = {(t.chunk, t.name): t for t in plans}
+    no_rule = sorted(f"chunk {c}: {n}" for c, n in params.keys() - planned.keys())
+    no_param = sorted(f"chunk {c}: {n}" for c, n in planned.keys() - params.keys())
+    if no_rule or no_param:
+        raise MappingError(f"mapping and megatron-core model disagree. Parameters without a rule: "
+                           f"{no_rule or 'none'}; rules without a parameter: {no_param or 'none'}.")
+    bad = [f"{n}: model {tuple(params[k].shape)}, plan {t.shape}" for k, t in planned.items()
+           for n in [k[1]] if tuple(params[k].shape) != t.shape]
+    if bad:
+        raise MappingError("local shapes differ from the plan: " + "; ".join(bad))
+    for i, chunk in enumerate(chunks):
+        want = list(stage_layers(num_layers, coord, i))
+        have = [layer.layer_number - 1 for layer in chunk.decoder.layers]
+        if have != want:
+            raise MappingError(f"chunk {i} holds layers {have}, the plan expects {want} "
+                               "(uneven pipeline splits are not supported).")
+
+
+def fill_chunks(chunks: list[Any], adapter: Adapter, reader: HFReader, *,
+                names: dict[str, str] | None = None, coord: Coord | None = None) -> None:
+    """Copy this rank's slices from ``reader`` into ``chunks`` (one coalesced read per block)."""
+    coord = coord or current_coord()
+    names = names or adapter.match_checkpoint({n: reader.shape(n) for n in reader.names})
+    plans = adapter.plan(coord)
+    check_plans(chunks, plans, coord, adapter.dims.layers)
+    params = _params(chunks)
+    with torch.no_grad():
+        for t in plans:
+            param = params[(t.chunk, t.name)]
+            covered = sum(p.numel for p in t.pieces)
+            if covered != param.numel():
+                param.zero_()  # vocab padding rows
+            by_source: dict[str, list[int]] = defaultdict(list)
+            for i, piece in enumerate(t.pieces):
+                by_source[piece.source].append(i)
+            for source, idx in by_source.items():
+                for box, members in coalesce([t.pieces[i].src for i in idx]):
+                    data = reader.read(names[source], box)
+                    for m in members:
+                        piece = t.pieces[idx[m]]
+                        part = data[tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in
+                                          zip(piece.src, box, strict=True))]
+                        if piece.transpose:
+                            part = part.t()
+                        param[tuple(slice(a, b) for a, b in piece.dst)].copy_(part)
+
+
+def export_hf(
+    chunks: list[Any],
+    adapter: Adapter,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+    dst: int = 0,
+) -> Path | None:
+    """Gather the live model (any layout) to rank ``dst`` and write an HF folder there.
+
+    Collective: every rank of the world calls it. Tensors travel one megatron-core shard at a
+    time (point-to-point to ``dst``); ``dst`` holds at most one HF tensor group plus one output
+    shard. Vocab padding is stripped. Returns the folder on ``dst``, None elsewhere.
+    """
+    rank = dist.get_rank()
+    coords: list[Coord] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(coords, current_coord())
+    plans_of: dict[Coord, list[TensorPlan]] = {}
+    owners: dict[str, dict[int, tuple[int, TensorPlan]]] = defaultdict(dict)
+    for r, c in enumerate(coords):
+        if c not in plans_of:
+            plans_of[c] = adapter.plan(c)
+        for t in plans_of[c]:
+            owners[t.key].setdefault(t.shard, (r, t))
+    table = adapter.table(coords[0].tp)
+    params = _params(chunks)
+    dtype = dtype or adapter.hf_dtype
+    writer, problem = None, [None]
+    if rank == dst:
+        try:
+            writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+        except (OSError, ValueError) as err:
+            problem = [f"{type(err).__name__}: {err}"]
+    dist.broadcast_object_list(problem, src=dst)  # fail on every rank, not only on dst
+    if problem[0] is not None:
+        raise CheckpointError(f"export to {out_dir} on rank {dst}: {problem[0]}")
+    written: set[str] = set()
+    try:
+        for key, rule in table.items():
+            shapes = rule.hf_shapes()
+            if set(shapes) <= written:
+                continue  # tied output layer: its tensor is the embedding, already written
+            shards = owners.get(key, {})
+            split = coords[0].etp if f".{EXPERTS}." in key else coords[0].tp
+            if len(shards) != (split if rule.split else 1):
+                raise MappingError(f"{key}: no rank holds all of its shards ({sorted(shards)}).")
+            out = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()} if writer else {}
+            filled = dict.fromkeys(shapes, 0)
+            for shard in sorted(shards):
+                owner, t = shards[shard]
+                local = None
+                if rank == owner:
+                    local = params[(t.chunk, t.name)].detach().contiguous()
+                    if rank != dst:
+                        dist.send(local, dst)
+                elif rank == dst:
+                    local = torch.empty(t.shape, dtype=next(iter(params.values())).dtype)
+                    dist.recv(local, owner)
+                if rank != dst:
+                    continue
+                for piece in t.pieces:
+                    part = local[tuple(slice(a, b) for a, b in piece.dst)]
+                    if piece.transpose:
+                        part = part.t()
+                    out[piece.source][tuple(slice(a, b) for a, b in piece.src)] = part
+                    filled[piece.source] += piece.numel
+            if writer is not None:
+                for name, tensor in out.items():
+                    if filled[name] != tensor.numel():
+                        raise MappingError(f"{name}: export filled {filled[name]} of "
+                                           f"{tensor.numel()} elements (mapping gap).")
+                    writer.add(name, tensor)
+            written.update(shapes)
+        result = None
+        if writer is not None:
+            result = writer.finish(adapter.export_config(dtype),
+                                   generation_config=_generation_config(adapter),
+                                   copy_from=adapter.source)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    dist.barrier()
+    return result
+
+
+def _generation_config(adapter: Adapter) -> Any:
+    from transformers import GenerationConfig
+
+    if adapter.source is not None and (adapter.source / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(adapter.source))
+    return GenerationConfig.from_model_config(adapter.hf_config)
+
+
+@torch.no_grad()
+def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab_size]`` (padding stripped, float32) on every rank.
+
+    Runs the pipeline one stage at a time (virtual stages in order), which is enough for
+    checking numerics; training uses megatron-core's schedules.
+    """
+    from megatron.core import parallel_state as ps
+
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    coord = current_coord()
+    config = chunks[0].config
+    seq = s // coord.tp if config.sequence_parallel else s
+    hidden = None
+    logits = None
+    for v, chunk in enumerate(chunks):
+        chunk.eval()
+        first = coord.pp_rank == 0 and v == 0
+        last = coord.pp_rank == coord.pp - 1 and v == len(chunks) - 1
+        if not first:
+            hidden = torch.empty(seq, b, config.hidden_size, dtype=config.params_dtype)
+            dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+            chunk.set_input_tensor(hidden)
+        out = chunk(tokens, pos, None)
+        if last:
+            logits = out
+        else:
+            dist.send(out.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+    if logits is not None and coord.tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(coord.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)
+    if logits is None:
+        logits = torch.empty(b, s, vocab_size, dtype=torch.float32)
+    else:
+        logits = logits[..., :vocab_size].float().contiguous()
+    if coord.pp > 1:
+        dist.broadcast(logits, ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    return logits

@@ -1,0 +1,1 @@
+"""Checkpoint readers and writers, one module per format (hf, ...)."""
