@@ -31,6 +31,9 @@ COMMAND_MODULES: list[str] = [
     "toolkit.commands.launch",
     "toolkit.commands.estimate",
     "toolkit.commands.dsconfig",
+    "toolkit.commands.verify",
+    "toolkit.commands.train",
+    "toolkit.commands.demo",
 ]
 
 

@@ -148,6 +148,7 @@ class CheckpointSection:
 @dataclass
 class ExportSection:
     hf_dir: str | None = None
+    verify: bool = True  # reload the export with transformers and compare its logits
 
 
 @dataclass

@@ -1,0 +1,420 @@
+"""The training loop: config -> layout -> model (adapters) -> DeepSpeed engine -> steps.
+
+Every rank runs ``run(cfg)`` (launched by torchrun, the deepspeed launcher or srun). The pieces
+live in their own modules; this one only wires them in order:
+config.plan (layout, batches) -> parallel.initialize -> bridge.load_hf / build_model ->
+data.prepare_data_distributed -> DeepSpeed config (generator or the user's linted JSON) ->
+engine.build_engine -> resume -> train_step loop (metrics, eval, checkpoints) -> HF export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from toolkit import parallel, runtime
+from toolkit.train import config as cfgmod
+from toolkit.train.checkpointing import (
+    ENGINE_TAG,
+    CheckpointManager,
+    TrainingState,
+    check_resume,
+    load_rng,
+    load_training_state,
+)
+from toolkit.train.config import ConfigError, TrainConfig
+from toolkit.train.data import (
+    DataSettings,
+    GlobalBatchSampler,
+    eval_micro_batches,
+    prepare_data_distributed,
+    step_batches,
+)
+from toolkit.train.engine import _forward_step_func, _mean_loss, build_engine, train_step
+from toolkit.train.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    device_name,
+    gather_memory,
+    model_flops_per_token,
+    peak_tflops,
+    throughput,
+)
+from toolkit.train.schedule import LRSchedule
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+             "recompute_num_layers": 1},
+}
+
+
+@dataclass
+class TrainResult:
+    """What a run did, identical on every rank (export_dir only where it was written)."""
+
+    steps: int
+    start_step: int
+    losses: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    export_dir: str | None = None
+    export_max_abs_diff: float | None = None  # HF export vs the trained model's logits
+    ds_config: dict[str, Any] = field(default_factory=dict)
+    ds_notes: list[str] = field(default_factory=list)
+
+
+def _log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[mdtk train] {msg}", flush=True)
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+def _hf_config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    path = Path(cfg.model.path or cfg.model.config)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"model: {file} not found (model.path must be an HF folder, "
+                          "model.config an HF config.json).")
+    return json.loads(file.read_text())
+
+
+def _model_overrides(cfg: TrainConfig) -> dict[str, Any]:
+    return dict(_RECOMPUTE[cfg.train.recompute])
+
+
+def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout):
+    """Fine-tune: this rank's slices of the HF checkpoint. Pretrain: megatron-core's init."""
+    from toolkit import bridge
+    from toolkit.adapters import adapter_for
+
+    dtype = _DTYPES[cfg.train.precision]
+    overrides = _model_overrides(cfg)
+    if cfg.model.path:
+        return bridge.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
+    from transformers import AutoConfig
+
+    raw = _hf_config_dict(cfg)
+    hf = AutoConfig.for_model(**raw)
+    adapter = adapter_for(hf, dtype=dtype)
+    adapter.validate(layout)
+    chunks = bridge.build_model(adapter, layout, perform_initialization=True, **overrides)
+    return chunks, adapter
+
+
+# -- DeepSpeed config ----------------------------------------------------------------------------
+
+def _device_memory() -> tuple[int, int]:
+    """(memory of one device, host RAM of this node) in bytes."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if runtime.use_cuda():
+        return torch.cuda.get_device_properties(0).total_memory, host
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return host // max(local, 1), host  # CPU ranks share the host's RAM
+
+
+def deepspeed_config(cfg: TrainConfig, run: cfgmod.RunPlan, hf_config: dict[str, Any],
+                     total_steps: int) -> tuple[dict[str, Any], list[str]]:
+    """The DeepSpeed JSON for this run and the reasons it was chosen.
+
+    ``deepspeed.config: auto`` asks the generator (memory model; stage/offload as configured or
+    chosen); a path is the user's JSON, linted first. The trainer owns batch sizes, clipping and
+    the LR schedule, so those keys are set from the run plan and DeepSpeed's scheduler is dropped.
+    """
+    from toolkit.dsconfig import lint as dslint
+
+    ds = cfg.deepspeed
+    world = run.layout.world_size
+    if ds.config and ds.config != "auto":
+        config = dslint.load_config(ds.config)
+        report = dslint.lint(config, world_size=world, layout=run.layout)
+        if not report.ok:
+            raise ConfigError(f"deepspeed.config={ds.config}: " + "; ".join(report.errors))
+        notes = [f"user DeepSpeed config {ds.config}"] + report.warnings
+    else:
+        from toolkit.dsconfig.generator import ConfigError as GenError
+        from toolkit.dsconfig.generator import Request, generate
+        from toolkit.memory import Cluster, TrainShape
+        from toolkit.memory.model import model_shape_from_hf
+
+        gpu_mem, host = _device_memory()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cluster = Cluster(nodes=max(world // local, 1), gpus_per_node=min(local, world),
+                          gpu_mem=gpu_mem, cpu_mem=host, nvme_path=ds.nvme_path)
+        warmup = max(cfg.optim.warmup_steps, 1)
+        req = Request(
+            model=model_shape_from_hf(hf_config), cluster=cluster,
+            train=TrainShape(seq_len=cfg.train.seq_len, micro_batch=run.micro_batch,
+                             global_batch=run.global_batch, dtype=cfg.train.precision,
+                             recompute=cfg.train.recompute),
+            layout=run.layout, stage=str(ds.zero_stage), offload=ds.offload, lr=cfg.optim.lr,
+            weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
+            eps=cfg.optim.eps, gradient_clipping=cfg.optim.clip_grad,
+            warmup_steps=warmup, total_steps=max(total_steps, warmup + 1),
+        )
+        try:
+            plan = generate(req)
+        except GenError as e:
+            raise ConfigError(f"deepspeed: {e}") from e
+        config = plan.config
+        notes = [f"chose {plan.chosen.label}: {plan.chosen.reason}", *plan.notes]
+    config = {**config}
+    config.pop("scheduler", None)  # the trainer sets the LR of every step (resume is exact)
+    config.update(
+        train_batch_size=run.global_batch, train_micro_batch_size_per_gpu=run.micro_batch,
+        gradient_accumulation_steps=run.grad_accum, gradient_clipping=cfg.optim.clip_grad,
+        steps_per_print=10**9,
+    )
+    opt = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    opt["params"] = {**opt.get("params", {}), "lr": cfg.optim.lr,
+                     "weight_decay": cfg.optim.weight_decay, "betas": list(cfg.optim.betas),
+                     "eps": cfg.optim.eps}
+    for key in ("bf16", "fp16"):
+        config[key] = {"enabled": cfg.train.precision == key}
+    return config, notes
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def run(cfg: TrainConfig) -> TrainResult:
+    """Train as ``cfg`` says on the ranks of the current launch (collective: every rank)."""
+    runtime.enable_cpu_mode()
+    runtime.init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    run_plan = cfgmod.plan(cfg, world)
+    layout = run_plan.layout
+    if cfg.parallel.sequence_parallel:
+        layout.validate_model(num_layers=1, num_heads=layout.tp, seq_len=cfg.train.seq_len)
+    mpu = parallel.initialize(layout, seed=cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    out = Path(str(cfg.output_dir))
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "config.resolved.json", cfg.to_dict())
+    _log(f"{world} ranks, {layout.describe()}, global batch {run_plan.global_batch} = micro "
+         f"{run_plan.micro_batch} x {run_plan.grad_accum} accumulation x dp {layout.dp}")
+
+    hf_config = _hf_config_dict(cfg)
+    chunks, adapter = build_model(cfg, layout)
+    data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
+                                    cfg.data_cache_dir, cfg.data.num_proc)
+    vocab = adapter.dims.vocab
+    for split in ("train", "validation"):
+        top = data.meta.get(split, {}).get("max_token_id")
+        if top is not None and top >= vocab:
+            raise ConfigError(f"data: token id {top} in the {split} split is outside the model's "
+                              f"vocab ({vocab}): the tokenizer does not belong to this model.")
+    total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
+    dp_rank = mpu.get_data_parallel_rank()
+    sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
+                                 layout.dp, dp_rank, cfg.train.seed, cfg.data.shuffle)
+    schedule = LRSchedule.from_config(cfg.optim, total)
+
+    ds_config, notes = deepspeed_config(cfg, run_plan, hf_config, total)
+    for note in notes:
+        _log(f"deepspeed: {note}")
+    if rank == 0:
+        _write_json(out / "ds_config.json", ds_config)
+    engine = build_engine(chunks, mpu, ds_config)
+
+    manager = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
+    start = _resume(cfg, manager, engine, layout, run_plan, data.key, sampler)
+    result = TrainResult(steps=total, start_step=start, ds_config=ds_config, ds_notes=notes)
+
+    flops_per_token = model_flops_per_token(hf_config, cfg.train.seq_len)
+    peak = peak_tflops(device_name(), cfg.logging.peak_tflops)
+    tokens_per_step = run_plan.global_batch * cfg.train.seq_len
+    writer = MetricsWriter(out, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                           wandb_project=cfg.logging.wandb_project,
+                           run_config=cfg.to_dict()) if rank == 0 else None
+    if data.validation is not None and cfg.train.eval_interval and start == 0:
+        result.val_losses[0] = evaluate(cfg, engine, chunks, data.validation, run_plan,
+                                        layout.dp, dp_rank)
+        _log(f"validation loss before training: {result.val_losses[0]:.4f}")
+    progress = _progress(total, start) if rank == 0 else None
+    try:
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            res = train_step(engine, chunks, step_batches(data.train, sampler, step),
+                             num_microbatches=run_plan.grad_accum,
+                             micro_batch=run_plan.micro_batch, seq_len=cfg.train.seq_len,
+                             lr=schedule(step))
+            seconds = time.perf_counter() - t0
+            result.losses.append(res.loss)
+            done = step + 1
+            val = None
+            if data.validation is not None and cfg.train.eval_interval and (
+                    done % cfg.train.eval_interval == 0 or done == total):
+                val = evaluate(cfg, engine, chunks, data.validation, run_plan, layout.dp,
+                               dp_rank)
+                result.val_losses[done] = val
+            if done % cfg.logging.interval == 0 or done == total or val is not None:
+                tp = throughput(tokens_per_step, seconds, flops_per_token, world, peak)
+                mem = gather_memory()
+                if writer is not None:
+                    writer.log(StepMetrics(
+                        step=done, loss=res.loss, lr=res.lr, grad_norm=res.grad_norm,
+                        tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
+                        mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds,
+                        consumed_samples=sampler.consumed_samples(done), val_loss=val))
+            if progress is not None:
+                progress.update(done, res.loss, val)
+            if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
+                _save(cfg, manager, engine, layout, run_plan, data.key, sampler, done)
+    finally:
+        if writer is not None:
+            writer.close()
+        if progress is not None:
+            progress.close()
+    if cfg.export.hf_dir:
+        result.export_dir, result.export_max_abs_diff = export(
+            engine, chunks, adapter, cfg.export.hf_dir, verify=cfg.export.verify)
+    if rank == 0:
+        summary = dataclasses.asdict(result)
+        summary.pop("ds_config")
+        _write_json(out / "summary.json", summary)
+    return result
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def evaluate(cfg: TrainConfig, engine, chunks, split, run_plan: cfgmod.RunPlan, dp: int,
+             dp_rank: int) -> float:
+    """Mean validation loss over the same samples at any layout (forward only)."""
+    batches = eval_micro_batches(len(split), run_plan.micro_batch, dp, dp_rank,
+                                 cfg.train.eval_batches)
+    if not batches:
+        raise ConfigError(
+            f"validation split has {len(split)} samples, fewer than micro_batch*dp = "
+            f"{run_plan.micro_batch * dp}: lower train.eval_interval to 0 or add data.")
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from toolkit.train.engine import masked_mean_loss
+
+    data = (split.batch(i) for i in batches)
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        results = get_forward_backward_func()(
+            forward_step_func=_forward_step_func(masked_mean_loss),
+            data_iterator=[data] * len(chunks) if len(chunks) > 1 else data,
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
+            seq_length=cfg.train.seq_len, micro_batch_size=run_plan.micro_batch,
+            forward_only=True)
+    for chunk in chunks:
+        chunk.train()
+    return _mean_loss(results, len(batches))
+
+
+def _state(cfg, layout, run_plan, data_key, sampler, step) -> TrainingState:
+    return TrainingState(
+        step=step, consumed_samples=sampler.consumed_samples(step), world_size=layout.world_size,
+        dp_size=layout.dp, global_batch=run_plan.global_batch, micro_batch=run_plan.micro_batch,
+        seed=cfg.train.seed, layout=dataclasses.asdict(layout), data_fingerprint=data_key,
+        config=cfg.to_dict(),
+    )
+
+
+def _save(cfg, manager, engine, layout, run_plan, data_key, sampler, step) -> None:
+    path = manager.save(_state(cfg, layout, run_plan, data_key, sampler, step),
+                        lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG,
+                                                         save_latest=False))
+    _log(f"saved checkpoint {path}")
+
+
+def _resume(cfg, manager, engine, layout, run_plan, data_key, sampler) -> int:
+    path = manager.resolve_resume(cfg.checkpoint.resume)
+    if path is None:
+        return 0
+    state = load_training_state(path)
+    # ZeRO shards optimizer states over dp: DeepSpeed reloads them only at the same dp size.
+    dp_ok = sampler.supports_dp_change and engine.zero_optimization_stage() == 0
+    check_resume(state, layout=layout, global_batch=run_plan.global_batch, seed=cfg.train.seed,
+                 data_fingerprint=data_key, dp_change_ok=dp_ok)
+    loaded, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG)
+    if loaded is None:
+        raise ConfigError(f"checkpoint {path}: DeepSpeed found no engine state under tag "
+                          f"{ENGINE_TAG!r} (incomplete or foreign checkpoint).")
+    if not load_rng(path, dist.get_rank()):
+        torch.manual_seed(cfg.train.seed + state.step)
+    _log(f"resumed from {path} at step {state.step}")
+    return state.step
+
+
+def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
+           ) -> tuple[str | None, float | None]:
+    """HF folder from the trained weights (ZeRO-3 parameters gathered first).
+
+    With ``verify`` the folder is loaded back with transformers on rank 0 and its logits are
+    compared with the live model's on a fixed batch: returns (folder, max abs logit diff).
+    """
+    import contextlib
+
+    from toolkit import bridge
+
+    gathered = contextlib.nullcontext()
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters([p for c in chunks for p in c.parameters()])
+    diff = None
+    with gathered:
+        path = bridge.export_hf(chunks, adapter, out_dir, overwrite=True)
+        if verify:
+            diff = _verify_export(chunks, adapter, out_dir)
+    if path is not None:
+        _log(f"exported HF checkpoint to {path}"
+             + (f" (logits vs trained model: max abs diff {diff:.2e})" if verify else ""))
+    return (str(path) if path is not None else None), diff
+
+
+def _verify_export(chunks, adapter, out_dir: str) -> float:
+    """Max abs logit difference, HF export (transformers) vs the live model; on every rank."""
+    from toolkit import bridge
+    from toolkit.verify import fixed_tokens, run_hf
+
+    vocab = adapter.dims.vocab
+    tokens = fixed_tokens(vocab, batch=2, seq_len=16)
+    live = bridge.forward_logits(chunks, tokens, vocab).float().cpu()
+    for chunk in chunks:
+        chunk.train()
+    diff = torch.zeros(1, dtype=torch.float64)
+    if dist.get_rank() == 0:
+        hf = run_hf(Path(out_dir), tokens).logits.float()
+        diff[0] = (hf - live).abs().max().item()
+    dist.broadcast(diff, 0)
+    return float(diff[0])
+
+
+class _progress:
+    """A rich progress bar with the latest loss (rank 0 only)."""
+
+    def __init__(self, total: int, start: int):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/"
+                            "{task.total}"), TextColumn("{task.fields[info]}"),
+                            TimeRemainingColumn(), transient=False)
+        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self.bar.start()
+
+    def update(self, done: int, loss: float, val: float | None) -> None:
+        info = f"loss {loss:.4f}" + (f" val {val:.4f}" if val is not None else "")
+        self.bar.update(self.task, completed=done, info=info)
+
+    def close(self) -> None:
+        self.bar.stop()
