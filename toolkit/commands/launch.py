@@ -23,7 +23,9 @@ def launch(
     partition: str | None = typer.Option(None, "--partition", help="Slurm partition."),
     time_limit: str = typer.Option("04:00:00", "--time", help="Slurm time limit."),
 ) -> None:
-    """Run `mdtk ARGS...` on several ranks, e.g. `mdtk launch -n 2 -- train cfg.yaml`.
+    """Run an mdtk command on N ranks (torchrun) or write a Slurm script.
+
+    Example: `mdtk launch -n 2 -- train cfg.yaml train.steps=10`.
 
     Locally this execs torchrun (gloo on CPU, nccl on GPUs); with --slurm it writes an sbatch
     script that runs torchrun once per node with a c10d rendezvous.
