@@ -61,5 +61,6 @@ def get_preset(name: str) -> dict[str, Any]:
     """A copy of the preset's config dict; KeyError names the known presets."""
     key = name.lower()
     if key not in PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        known = ", ".join(sorted(PRESETS))
+        raise KeyError(f"unknown model preset {name!r}; known presets: {known}")
     return copy.deepcopy(PRESETS[key])

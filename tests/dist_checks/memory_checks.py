@@ -18,16 +18,16 @@ from torch import nn
 
 TINY_LLAMA = dict(
     model_type="llama", hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, vocab_size=2048, max_position_embeddings=64,
+    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=64,
     tie_word_embeddings=False, rms_norm_eps=1e-5,
 )
 SEQ, SEED = 16, 1234
 
 
-def tiny_llama():
+def tiny_llama(**overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dict(TINY_LLAMA)
+    cfg = {**TINY_LLAMA, **overrides}
     cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(SEED)
     return AutoModelForCausalLM.from_config(cfg)
@@ -81,8 +81,8 @@ def _batch(vocab: int, micro: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return tokens, tokens.clone()
 
 
-def train_and_measure(config: dict[str, Any], steps: int = 3, nvme_dir: str | None = None
-                      ) -> dict[str, Any]:
+def train_and_measure(config: dict[str, Any], steps: int = 3, nvme_dir: str | None = None,
+                      **model_overrides: Any) -> dict[str, Any]:
     """Train ``steps`` steps on a fixed batch; return losses and the bytes held before the
     last step's optimizer update (gradients and optimizer states both alive)."""
     import deepspeed
@@ -99,12 +99,13 @@ def train_and_measure(config: dict[str, Any], steps: int = 3, nvme_dir: str | No
             block = config.get("zero_optimization", {}).get(key)
             if block and block.get("device") == "nvme":
                 block["nvme_path"] = path
-    model = tiny_llama()
+    model = tiny_llama(**model_overrides)
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=model.parameters())
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
-    tokens, labels = _batch(TINY_LLAMA["vocab_size"], micro, seed=dist.get_rank())
+    vocab = model.config.vocab_size
+    tokens, labels = _batch(vocab, micro, seed=dist.get_rank())
     losses, measured = [], 0
     for step in range(steps):
         for _ in range(gas):

@@ -25,6 +25,7 @@ from toolkit.memory.states import (
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
 GIB = 1024**3
+ACTIVATION_LINES = ("activations", "recompute", "final norm")
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
 
 
@@ -89,11 +90,15 @@ class Estimate:
     def nvme(self) -> int:
         return self.total(NVME)
 
-    def model_states(self, *, peak: bool = False) -> int:
-        """Parameters, gradients, optimizer states and persistent buffers on every device."""
+    def model_states(self, *, peak: bool = False, device: str | None = None) -> int:
+        """Parameters, gradients, optimizer states and buffers (on one device or all);
+        ``peak`` adds the transient ones."""
         return sum(i.bytes for i in self.items
-                   if not i.what.startswith(("activations", "recompute", "final norm"))
-                   and (peak or not i.transient))
+                   if not is_activation(i) and (peak or not i.transient)
+                   and device in (None, i.device))
+
+    def activations(self) -> int:
+        return sum(i.bytes for i in self.items if is_activation(i))
 
     def to_dict(self) -> dict:
         return {
@@ -106,6 +111,10 @@ class Estimate:
                            note=i.note) for i in self.items],
             "total_bytes": {GPU: self.gpu, CPU: self.cpu, NVME: self.nvme},
         }
+
+
+def is_activation(item: Item) -> bool:
+    return item.what.startswith(ACTIVATION_LINES)
 
 
 def num_microbatches(train: TrainShape, dp: int) -> int:
@@ -123,8 +132,9 @@ def num_microbatches(train: TrainShape, dp: int) -> int:
 
 
 def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero: ZeroOptions,
-             world_size: int) -> Estimate:
-    """The per-rank memory of the pipeline stage that needs the most GPU memory."""
+             world_size: int, pipeline_stage: int | None = None) -> Estimate:
+    """The per-rank memory of ``pipeline_stage``, by default of the stage (first or last) that
+    needs the most GPU memory."""
     layout = layout.resolve(world_size)
     layout.validate_model(num_layers=model.layers, num_heads=model.heads,
                           num_query_groups=model.kv_heads, num_experts=model.experts or None,
@@ -138,13 +148,16 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
         )
     m = num_microbatches(train, layout.dp)
     candidates = []
-    for stage in sorted({0, layout.pp - 1}):
+    stages = sorted({0, layout.pp - 1}) if pipeline_stage is None else [pipeline_stage]
+    if not all(0 <= st < layout.pp for st in stages):
+        raise LayoutError(f"pipeline_stage={pipeline_stage} is outside 0..{layout.pp - 1}.")
+    for stage in stages:
         params = rank_params(model, layout, stage, zero.param_persistence_threshold
                              if zero.stage == 3 else 0)
         items = model_state_items(params, zero, train.dtype) + buffer_items(
             params, zero, train.dtype)
         for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():
-            items.append(Item(what, GPU, int(nbytes), transient=what.startswith(
-                ("recompute", "final norm"))))
+            items.append(Item(what, GPU, int(nbytes), transient=not what.startswith(
+                "activations")))
         candidates.append(Estimate(tuple(items), stage, params, layout, zero, train, m))
     return max(candidates, key=lambda e: e.gpu)

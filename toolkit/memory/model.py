@@ -32,7 +32,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a decoder-only transformer (Llama, Qwen2/3, Mistral, Mixtral, Qwen2-MoE, GPT-2)."""
+    """Sizes of a decoder-only transformer (Llama, Qwen2/3, Mistral, Mixtral, Qwen2-MoE, GPT-2)."""
 
     hidden: int
     layers: int

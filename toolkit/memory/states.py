@@ -5,13 +5,16 @@ tests/dist_checks/memory_checks.py):
 
 - stage 0: everything replicated; mixed precision keeps an fp32 master copy (FP16_Optimizer /
   FP16_UnfusedOptimizer), fp32 training updates the parameters in place (no master copy).
-- stage 1: fp32 master + Adam m, v sharded over the data-parallel group; 16-bit gradients whole.
-- stage 2: gradients sharded too, reduced through a bucket of ``reduce_bucket_size`` elements.
+- stage 1: fp32 master + Adam m, v sharded over the data-parallel group. DeepSpeed 0.19 runs
+  stage 1 through the stage-2 code: gradients are reduced into a 1/dp partition during backward.
+- stage 2: the same memory as stage 1, gradients reduced through ``reduce_bucket_size`` buckets.
 - stage 3: parameters sharded too; small tensors (< ``stage3_param_persistence_threshold``)
   stay whole on every rank; the layer being computed is gathered (transient).
 - at stage >= 1 DeepSpeed keeps an fp32 master partition even when training in fp32.
 - optimizer offload moves master, m, v and an fp32 gradient partition to host (cpu) or the
   master, m, v to NVMe (host keeps swap buffers); parameter offload moves the 16-bit partitions.
+  Stage 1/2 offload keeps a 16-bit staging partition of the updated parameters and two gradient
+  staging buffers of the largest tensor's size on the GPU; stage 3 keeps its gradient partition.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def rank_params(model: ModelShape, layout: ParallelLayout, stage: int = 0,
             held = (t.name in ("embed", "pos_embed") and first) or (
                 t.name in ("final_norm", "lm_head") and last)
             if t.name == "embed" and model.tied and last and not first:
-                held = True  # megatron-core keeps a copy of the tied output weight on the last stage
+                held = True  # megatron-core keeps a copy of the tied output weight
             if not held:
                 continue
         elif t.layer not in layers:
@@ -168,12 +171,14 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
                                   lp * params.persistent, note="below persistence threshold"))
         else:
             items.append(Item(f"{prefix}parameters ({dtype})", GPU, lp * n))
-        # gradients
-        if s >= 2:
-            if zero.offload_optimizer == "none":
-                items.append(Item(f"{prefix}gradients ({dtype}, 1/{dp} shard)", GPU, lp * shard))
-        else:
+        # gradients: stage 1 reduces them into the partition during backward like stage 2
+        if s == 0:
             items.append(Item(f"{prefix}gradients ({dtype})", GPU, lp * n))
+        elif s == 3 or zero.offload_optimizer == "none":
+            items.append(Item(f"{prefix}gradients ({dtype}, 1/{dp} shard)", GPU, lp * shard))
+        else:
+            items.append(Item(f"{prefix}updated-parameter staging partition (offload)", GPU,
+                              lp * shard))
         # optimizer
         master = MASTER_BYTES if (mixed or s >= 1) else 0
         opt_dev = GPU if zero.offload_optimizer == "none" else zero.offload_optimizer
@@ -183,6 +188,11 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
         items.append(Item(f"{prefix}Adam m, v (fp32{sfx})", opt_dev, ADAM_STATE_BYTES * shard))
         if zero.offload_optimizer != "none":
             items.append(Item(f"{prefix}fp32 gradient partition (offload)", CPU, 4 * shard))
+        elif s >= 1 or mixed:
+            # made from the 16-bit gradients for the optimizer step, freed after it
+            sub = min(shard, zero.sub_group_size) if s == 3 else shard
+            items.append(Item(f"{prefix}fp32 gradients for the step", GPU, 4 * sub,
+                              transient=True))
     return items
 
 
@@ -192,9 +202,12 @@ def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item
     s = zero.stage
     total = params.total
     items: list[Item] = []
+    if s in (1, 2) and zero.offload_optimizer != "none":
+        items.append(Item("gradient staging buffers (offload)", GPU,
+                          2 * lp * params.largest_tensor, note="2 x largest tensor"))
     if s in (1, 2) and max(params.dense_dp, params.expert_dp) > 1:
         items.append(Item("reduce bucket (ipg buffer)", GPU,
-                          lp * min(zero.reduce_bucket_size, total), transient=s == 1))
+                          lp * min(zero.reduce_bucket_size, total), transient=True))
         items.append(Item("allgather bucket (after step)", GPU,
                           lp * min(zero.allgather_bucket_size, total), transient=True))
     if s == 3:

@@ -1,0 +1,126 @@
+"""``mdtk ds-config``: generate a DeepSpeed config from the memory model, or lint one (--check)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from toolkit.commands.estimate import (
+    CP,
+    CPU_MEM,
+    DTYPE,
+    EP,
+    FLASH,
+    GLOBAL,
+    GPU_MEM,
+    GPUS,
+    MICRO,
+    NODES,
+    PP,
+    RECOMPUTE,
+    SEQ,
+    SP,
+    TP,
+    VPP,
+    cluster_of,
+    fail,
+    layout_of,
+    print_estimate,
+)
+from toolkit.memory import GIB, TrainShape
+
+
+def ds_config(
+    model: str | None = typer.Option(None, "--model", help="Preset name, config.json, folder or "
+                                     "hub id."),
+    check: Path | None = typer.Option(None, "--check", help="Lint this config instead."),
+    world_size: int | None = typer.Option(None, "--world-size", min=1,
+                                          help="With --check: ranks of the run."),
+    nodes: int = NODES, gpus_per_node: int = GPUS, gpu_mem: str = GPU_MEM, cpu_mem: str = CPU_MEM,
+    nvme_path: str | None = typer.Option(None, "--nvme-path"),
+    nvme_size: str | None = typer.Option(None, "--nvme-size", help="NVMe space per node."),
+    stage: str = typer.Option("auto", "--stage", help="auto, 0, 1, 2 or 3."),
+    offload: str = typer.Option("auto", "--offload", help="auto, none, cpu or nvme."),
+    tp: int = TP, pp: int = PP, cp: int = CP, ep: int = EP, vpp: int | None = VPP,
+    sequence_parallel: bool = SP, seq_len: int = SEQ, micro_batch: int = MICRO,
+    global_batch: int | None = GLOBAL, dtype: str = DTYPE, recompute: str = RECOMPUTE,
+    flash: bool = FLASH,
+    hf_trainer: bool = typer.Option(False, "--hf-trainer", help='Write "auto" where HF Trainer '
+                                    "fills the value."),
+    scheduler: str = typer.Option("WarmupDecayLR", "--scheduler"),
+    lr: float = typer.Option(3e-4, "--lr"),
+    warmup_steps: int = typer.Option(100, "--warmup-steps"),
+    total_steps: int = typer.Option(10000, "--total-steps"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Write the JSON here."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the reasoning."),
+) -> None:
+    """Choose ZeRO stage and offload for MODEL on the cluster, explain why, write the config."""
+    layout = layout_of(tp, pp, cp, ep, vpp, sequence_parallel)
+    if check is not None:
+        _check(check, world_size, layout)
+        return
+    if model is None:
+        fail("give --model (to generate a config) or --check FILE (to lint one).")
+    from toolkit.dsconfig import ConfigError, Request, generate, lint
+    from toolkit.dsconfig.presets import render, write_json
+    from toolkit.memory import load_model_shape
+
+    try:
+        request = Request(
+            model=load_model_shape(model),
+            cluster=cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem, nvme_path, nvme_size),
+            train=TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
+                             dtype=dtype, recompute=recompute, flash_attention=flash),
+            layout=layout, stage=stage, offload=offload, hf_trainer=hf_trainer,
+            scheduler=scheduler, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
+        )
+        plan = generate(request)
+    except (ConfigError, ValueError) as e:
+        fail(str(e))
+    if not quiet:
+        _explain(plan)
+    report = lint(plan.config, world_size=None if hf_trainer else request.cluster.world_size,
+                  layout=layout)
+    if report.errors:  # a generator bug: never hand out a config DeepSpeed would refuse
+        fail("generated config failed the lint:\n  " + "\n  ".join(report.errors))
+    if output is None:
+        typer.echo(render(plan.config), nl=False)
+    else:
+        write_json(output, plan.config)
+        typer.echo(f"wrote {output} (DeepSpeed's parser accepts it)", err=True)
+
+
+def _explain(plan) -> None:
+    err = typer.echo
+    err("Options considered (least communication first):", err=True)
+    for option in plan.considered:
+        mark = "->" if option is plan.chosen else "  "
+        err(f" {mark} {option.label}: {option.reason}", err=True)
+    chosen = plan.chosen
+    print_estimate(chosen.estimate, f"chosen: {chosen.label} (per rank, "
+                   f"{chosen.estimate.layout.describe()})")
+    for note in plan.notes:
+        err(f"note: {note}", err=True)
+    err(f"GPU total {chosen.estimate.gpu / GIB:.2f} GiB per rank", err=True)
+
+
+def _check(path: Path, world_size: int | None, layout) -> None:
+    from toolkit.dsconfig import lint, load_config
+
+    try:
+        cfg = load_config(path)
+    except (OSError, ValueError) as e:
+        fail(str(e))
+    report = lint(cfg, world_size=world_size, layout=layout)
+    for e in report.errors:
+        typer.echo(f"error: {e}")
+    for w in report.warnings:
+        typer.echo(f"warning: {w}")
+    if report.errors:
+        raise typer.Exit(1)
+    typer.echo(f"{path}: OK ({len(report.warnings)} warnings)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ds-config")(ds_config)

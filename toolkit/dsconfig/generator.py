@@ -1,0 +1,303 @@
+"""DeepSpeed config generator: choose the ZeRO stage and offload from the memory model.
+
+Options are tried from the least communication to the most (stage 0, 1, 2, 3, then CPU offload,
+then NVMe); the first one whose per-rank estimate fits the GPU with headroom (and the host RAM /
+NVMe for offload) wins. Every option considered is kept with its breakdown so the CLI can say why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkit.memory import (
+    CPU,
+    GIB,
+    NVME,
+    Cluster,
+    Estimate,
+    ModelShape,
+    TrainShape,
+    ZeroOptions,
+    estimate,
+)
+from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+AUTO = "auto"
+STAGES = ("auto", "0", "1", "2", "3")
+OFFLOADS = ("auto", "none", "cpu", "nvme")
+SCHEDULERS = ("WarmupDecayLR", "WarmupCosineLR")
+INT_1E9 = 1_000_000_000
+AIO_BLOCK = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+             "single_submit": False, "overlap_events": True}
+
+
+class ConfigError(ValueError):
+    """The request cannot produce a working config; the message says what does not fit."""
+
+
+@dataclass(frozen=True)
+class Request:
+    model: ModelShape
+    cluster: Cluster
+    train: TrainShape = field(default_factory=TrainShape)
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    stage: str = AUTO
+    offload: str = AUTO
+    hf_trainer: bool = False
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    gradient_clipping: float = 1.0
+    scheduler: str = "WarmupDecayLR"
+    warmup_steps: int = 100
+    total_steps: int = 10000
+    headroom: float = 0.10  # fraction of GPU / host memory kept free
+    gpu_reserve: int = 2 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
+
+
+@dataclass(frozen=True)
+class Option:
+    """One (stage, offload) candidate and what the memory model says about it."""
+
+    zero: ZeroOptions
+    estimate: Estimate | None
+    fits: bool
+    reason: str
+
+    @property
+    def label(self) -> str:
+        z = self.zero
+        text = f"ZeRO-{z.stage}"
+        if z.offload_optimizer != "none":
+            text += f" + optimizer->{z.offload_optimizer}"
+        if z.offload_param != "none":
+            text += f" + params->{z.offload_param}"
+        return text
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: dict[str, Any]
+    chosen: Option
+    considered: tuple[Option, ...]
+    notes: tuple[str, ...]
+
+
+def zero_options(model: ModelShape, stage: int, opt: str = "none", param: str = "none"
+                 ) -> ZeroOptions:
+    """Bucket sizes from the hidden size (h*h, 0.9*h*h, 10*h as HF's integration does), ints."""
+    h = model.hidden
+    largest = max(t.numel for t in model.tensors())
+    return ZeroOptions(
+        stage=stage, offload_optimizer=opt, offload_param=param,
+        reduce_bucket_size=h * h, allgather_bucket_size=h * h,
+        prefetch_bucket_size=int(0.9 * h * h), param_persistence_threshold=10 * h,
+        max_live_parameters=INT_1E9,
+        sub_group_size=100_000_000 if NVME in (opt, param) else INT_1E9,
+        param_buffer_size=max(100_000_000, largest),
+    )
+
+
+def candidate_zero(model: ModelShape, stage: str, offload: str) -> list[ZeroOptions]:
+    """The options to try, cheapest communication first, filtered by --stage / --offload."""
+    table = [
+        (0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
+        (2, CPU, "none"), (3, CPU, "none"), (3, CPU, CPU),
+        (3, NVME, "none"), (3, NVME, NVME),
+    ]
+    out = []
+    for s, opt, param in table:
+        if stage != AUTO and int(stage) != s:
+            continue
+        kind = opt if opt != "none" else "none"
+        if offload != AUTO and offload != kind:
+            continue
+        out.append(zero_options(model, s, opt, param))
+    return out
+
+
+def _budget(req: Request) -> tuple[int, int]:
+    gpu = int(req.cluster.gpu_mem * (1 - req.headroom)) - req.gpu_reserve
+    cpu_per_rank = int(req.cluster.cpu_mem * (1 - req.headroom)) // req.cluster.gpus_per_node
+    return gpu, cpu_per_rank
+
+
+def evaluate(req: Request, zero: ZeroOptions) -> Option:
+    """Estimate one option and decide whether it fits, saying why not."""
+    if NVME in (zero.offload_optimizer, zero.offload_param) and not req.cluster.nvme_path:
+        return Option(zero, None, False, "needs --nvme-path")
+    try:
+        est = estimate(req.model, req.train, req.layout, zero, req.cluster.world_size)
+    except LayoutError as e:
+        return Option(zero, None, False, str(e))
+    gpu_budget, cpu_budget = _budget(req)
+    if est.gpu > gpu_budget:
+        act = est.activations()
+        return Option(zero, est, False, f"GPU needs {_gib(est.gpu)} > budget {_gib(gpu_budget)} "
+                      f"(activations {_gib(act)})")
+    if est.cpu > cpu_budget:
+        return Option(zero, est, False,
+                      f"host needs {_gib(est.cpu)} per rank > {_gib(cpu_budget)} "
+                      f"({_gib(req.cluster.cpu_mem)} per node / {req.cluster.gpus_per_node} ranks)")
+    nvme_node = est.nvme * req.cluster.gpus_per_node
+    if req.cluster.nvme_size is not None and nvme_node > req.cluster.nvme_size:
+        return Option(zero, est, False, f"NVMe needs {_gib(nvme_node)} per node > "
+                      f"{_gib(req.cluster.nvme_size)}")
+    return Option(zero, est, True, f"fits: GPU {_gib(est.gpu)} of {_gib(gpu_budget)} budget")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def generate(req: Request) -> Plan:
+    """Pick the option, build the config; ConfigError (with every option's numbers) otherwise."""
+    if req.stage not in STAGES:
+        raise ConfigError(f"--stage {req.stage!r}: use one of {', '.join(STAGES)}.")
+    if req.offload not in OFFLOADS:
+        raise ConfigError(f"--offload {req.offload!r}: use one of {', '.join(OFFLOADS)}.")
+    if req.scheduler not in SCHEDULERS:
+        raise ConfigError(f"scheduler {req.scheduler!r}: use one of {', '.join(SCHEDULERS)}.")
+    if req.offload == NVME and not req.cluster.nvme_path:
+        raise ConfigError("--offload nvme needs --nvme-path (a folder on a local NVMe drive).")
+    if req.hf_trainer and req.layout.model_parallel > 1:
+        raise ConfigError(
+            f"--hf-trainer with {req.layout.describe()}: HF Trainer / accelerate run plain data "
+            "parallelism (its train_batch_size uses the whole world size); drop --tp/--pp/--cp "
+            "or generate without --hf-trainer."
+        )
+    try:
+        layout = req.layout.resolve(req.cluster.world_size)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from e
+    candidates = candidate_zero(req.model, req.stage, req.offload)
+    if not candidates:
+        raise ConfigError(f"--stage {req.stage} with --offload {req.offload} leaves no option: "
+                          "offload needs stage >= 2 here (optimizer) or 3 (NVMe, parameters).")
+    considered: list[Option] = []
+    for zero in candidates:
+        option = evaluate(req, zero)
+        considered.append(option)
+        if option.fits:
+            break
+    chosen = considered[-1]
+    if not chosen.fits:
+        lines = [f"{o.label}: {o.reason}" for o in considered]
+        raise ConfigError(
+            f"nothing fits {req.model.name} on {req.cluster.world_size} x "
+            f"{_gib(req.cluster.gpu_mem)} GPUs ({layout.describe()}, seq {req.train.seq_len}, "
+            f"micro-batch {req.train.micro_batch}):\n  " + "\n  ".join(lines) + "\nTry more "
+            "GPUs, tensor/pipeline parallelism (--tp/--pp), a smaller --micro-batch or "
+            "--seq-len, recompute, or allow offload (--offload auto with --nvme-path)."
+        )
+    assert chosen.estimate is not None
+    notes = []
+    config = build_config(req, chosen, layout, notes)
+    return Plan(config, chosen, tuple(considered), tuple(notes))
+
+
+def build_config(req: Request, chosen: Option, layout: ParallelLayout,
+                 notes: list[str]) -> dict[str, Any]:
+    """The DeepSpeed JSON for the chosen option: every key a real run needs, all ints exact."""
+    est = chosen.estimate
+    zero = chosen.zero
+    train = req.train
+    hf = req.hf_trainer
+    gas = est.num_microbatches
+    micro = train.micro_batch
+    cfg: dict[str, Any] = {
+        "train_batch_size": AUTO if hf else micro * gas * layout.dp,
+        "train_micro_batch_size_per_gpu": AUTO if hf else micro,
+        "gradient_accumulation_steps": AUTO if hf else gas,
+        "gradient_clipping": AUTO if hf else req.gradient_clipping,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": False,
+    }
+    if hf:
+        cfg["bf16"] = {"enabled": AUTO}
+        cfg["fp16"] = {"enabled": AUTO}
+    elif train.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif train.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000,
+                       "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1}
+    cfg["zero_optimization"] = _zero_block(req, zero, est, notes)
+    if NVME in (zero.offload_optimizer, zero.offload_param):
+        cfg["aio"] = dict(AIO_BLOCK)
+    cfg["optimizer"] = {"type": "AdamW", "params": {
+        "lr": AUTO if hf else req.lr,
+        "betas": AUTO if hf else list(req.betas),
+        "eps": AUTO if hf else req.eps,
+        "weight_decay": AUTO if hf else req.weight_decay,
+    }}
+    if zero.offload_optimizer != "none":
+        notes.append("optimizer offload: DeepSpeed runs the AdamW step with its CPU Adam "
+                     "(DeepSpeedCPUAdam); a client torch optimizer would be rejected.")
+    cfg["scheduler"] = _scheduler(req)
+    return cfg
+
+
+def _zero_block(req: Request, zero: ZeroOptions, est: Estimate, notes: list[str]
+                ) -> dict[str, Any]:
+    hf = req.hf_trainer
+    block: dict[str, Any] = {"stage": zero.stage}
+    if zero.stage == 0:
+        return block
+    block.update(
+        overlap_comm=True, contiguous_gradients=True, reduce_scatter=True,
+        reduce_bucket_size=AUTO if hf else zero.reduce_bucket_size,
+    )
+    if zero.stage in (1, 2):
+        block["allgather_partitions"] = True
+        block["allgather_bucket_size"] = zero.allgather_bucket_size
+    else:
+        block.update(
+            stage3_prefetch_bucket_size=AUTO if hf else zero.prefetch_bucket_size,
+            stage3_param_persistence_threshold=AUTO if hf else zero.param_persistence_threshold,
+            stage3_max_live_parameters=zero.max_live_parameters,
+            stage3_max_reuse_distance=INT_1E9,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
+    block["sub_group_size"] = zero.sub_group_size
+    pinned_per_node = est.cpu * req.cluster.gpus_per_node
+    pin = pinned_per_node <= req.cluster.cpu_mem // 2
+    if zero.offload_optimizer != "none" or zero.offload_param != "none":
+        notes.append(
+            f"pin_memory={str(pin).lower()}: offload pins {_gib(pinned_per_node)} per node of "
+            f"{_gib(req.cluster.cpu_mem)} host RAM (pinned only when it is at most half, since "
+            "pinned pages cannot be swapped out)."
+        )
+    if zero.offload_optimizer != "none":
+        off: dict[str, Any] = {"device": zero.offload_optimizer, "pin_memory": pin}
+        if zero.offload_optimizer == NVME:
+            off.update(nvme_path=req.cluster.nvme_path, buffer_count=zero.optimizer_buffer_count,
+                       fast_init=False)
+        block["offload_optimizer"] = off
+    if zero.offload_param != "none":
+        offp: dict[str, Any] = {"device": zero.offload_param, "pin_memory": pin}
+        if zero.offload_param == NVME:
+            offp.update(nvme_path=req.cluster.nvme_path, buffer_count=zero.param_buffer_count,
+                        buffer_size=zero.param_buffer_size, max_in_cpu=INT_1E9)
+        block["offload_param"] = offp
+    return block
+
+
+def _scheduler(req: Request) -> dict[str, Any]:
+    hf = req.hf_trainer
+    if req.warmup_steps < 1 or req.total_steps <= req.warmup_steps:
+        raise ConfigError(f"warmup_steps={req.warmup_steps} and total_steps={req.total_steps}: "
+                          "need 1 <= warmup_steps < total_steps.")
+    if req.scheduler == "WarmupCosineLR":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": AUTO if hf else req.total_steps,
+            "warmup_num_steps": AUTO if hf else req.warmup_steps,
+            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1,
+        }}
+    return {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": AUTO if hf else 0.0,
+        "warmup_max_lr": AUTO if hf else req.lr,
+        "warmup_num_steps": AUTO if hf else req.warmup_steps,
+        "total_num_steps": AUTO if hf else req.total_steps,
+    }}

@@ -1,0 +1,305 @@
+"""Lint a DeepSpeed config: DeepSpeed's own parser (errors in plain words) plus the settings it
+accepts silently but that do not do what they say (see docs/memory-model.md, "Lint").
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+# Keys HF Trainer / accelerate fill in when their value is "auto"
+# (transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig). "auto" anywhere else is kept
+# by nobody: at the top level DeepSpeed fails on it, inside a block it silently uses the default.
+HF_AUTO_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "gradient_clipping", "fp16.enabled", "bf16.enabled",
+    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+    "scheduler.params.warmup_num_steps", "scheduler.params.total_num_steps",
+    "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+})
+# What HF would write there; only used to let DeepSpeed's parser check the rest of the file.
+_AUTO_PLACEHOLDER = {"fp16.enabled": False, "bf16.enabled": False, "optimizer.params.betas":
+                     [0.9, 0.999]}
+INT_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+            "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+            "stage3_max_reuse_distance", "sub_group_size", "stage3_model_persistence_threshold")
+KNOWN_TOP = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "bf16", "fp16", "amp",
+    "zero_optimization", "optimizer", "scheduler", "aio", "activation_checkpointing",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
+    "gradient_predivide_factor", "communication_data_type", "seq_parallel_communication_data_type",
+    "data_types", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "checkpoint",
+    "elasticity", "autotuning", "compression_training", "data_efficiency", "pipeline",
+    "sparse_gradients", "memory_breakdown", "dump_state", "monitor_config", "nebula",
+    "curriculum_learning", "eigenvalue", "progressive_layer_drop", "tensor_parallel",
+    "gradient_accumulation_dtype", "torch_autocast", "compile", "disable_allgather",
+    "sequence_parallel_size", "weight_quantization", "hybrid_engine", "zenflow",
+    "use_data_before_expert_parallelism", "graph_harvesting", "timers", "load_universal_checkpoint",
+    "use_node_local_storage", "fp16_master_weights_and_gradients", "bfloat16", "sparse_attention",
+    "quantize_training", "expert_parallel_size",
+})
+KNOWN_OPTIMIZERS = ("adam", "adamw", "lamb", "onebitadam", "onebitlamb", "zerooneadam",
+                    "adagrad", "lion", "muadam", "muadamw", "musgd", "muon", "sgd")
+_BLOCK_NAMES = {
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+    "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+}
+
+
+@dataclass
+class LintReport:
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    text = Path(path).read_text()
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}"
+                         ) from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: a DeepSpeed config is a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _walk(node: Any, prefix: str = ""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            yield path, v
+            yield from _walk(v, path)
+
+
+def _enabled(cfg: dict, key: str) -> bool:
+    block = cfg.get(key)
+    return isinstance(block, dict) and block.get("enabled") is True
+
+
+def lint(cfg: dict[str, Any], *, world_size: int | None = None,
+         layout: ParallelLayout | None = None, run_deepspeed: bool = True) -> LintReport:
+    """Errors (the run fails or silently misbehaves) and warnings (probably unintended)."""
+    report = LintReport()
+    layout = layout or ParallelLayout()
+    autos = [p for p, v in _walk(cfg) if v == "auto"]
+    for path in autos:
+        if path not in HF_AUTO_KEYS:
+            report.errors.append(
+                f'{path} = "auto": only HF Trainer/accelerate resolve "auto", and only for '
+                f"{len(HF_AUTO_KEYS)} known keys; here DeepSpeed "
+                + ("fails on it" if "." not in path else "silently uses its default")
+                + ". Write the value.")
+    if autos and not report.errors:
+        report.warnings.append(f'"auto" values ({len(autos)}) are filled only when this file is '
+                               "used through HF Trainer/accelerate, not with deepspeed.initialize.")
+    _check_precision(cfg, report)
+    zero = cfg.get("zero_optimization") or {}
+    if isinstance(zero, dict):
+        _check_zero(cfg, zero, layout, report)
+    _check_batch(cfg, world_size, layout, report)
+    _check_optimizer(cfg, zero if isinstance(zero, dict) else {}, report)
+    _check_top_level(cfg, report)
+    if run_deepspeed:
+        report.errors.extend(deepspeed_errors(cfg))
+    report.errors = list(dict.fromkeys(report.errors))
+    return report
+
+
+def _check_precision(cfg: dict, report: LintReport) -> None:
+    if _enabled(cfg, "fp16") and _enabled(cfg, "bf16"):
+        report.errors.append("fp16.enabled and bf16.enabled are both true: choose one (bf16 on "
+                             "Ampere or newer GPUs, fp16 with loss scaling otherwise).")
+
+
+def _check_zero(cfg: dict, zero: dict, layout: ParallelLayout, report: LintReport) -> None:
+    stage = zero.get("stage", 0)
+    stage = stage if isinstance(stage, int) else -1
+    off_opt = zero.get("offload_optimizer") or {}
+    off_par = zero.get("offload_param") or {}
+    dev_opt = off_opt.get("device", "none") if isinstance(off_opt, dict) else "none"
+    dev_par = off_par.get("device", "none") if isinstance(off_par, dict) else "none"
+    if "aio" in zero:
+        report.errors.append('"aio" is inside zero_optimization: it belongs at the top level of '
+                             "the config (DeepSpeed rejects it there).")
+    if dev_par not in ("none", "auto") and 0 <= stage < 3:
+        report.errors.append(
+            f"zero_optimization.offload_param.device={dev_par} at stage {stage}: parameter "
+            "offload works only with stage 3; DeepSpeed ignores it silently. Use stage 3 or "
+            "remove offload_param.")
+    if dev_opt == "nvme" and 0 <= stage < 3:
+        report.errors.append(
+            f"zero_optimization.offload_optimizer.device=nvme at stage {stage}: DeepSpeed "
+            "silently runs it as CPU offload (NVMe swapping is stage 3 only). Use stage 3 or "
+            'device "cpu".')
+    if dev_opt not in ("none", "auto") and stage == 0:
+        report.errors.append("zero_optimization.offload_optimizer at stage 0 does nothing: "
+                             "optimizer offload needs stage >= 1.")
+    for name, block, dev in (("offload_optimizer", off_opt, dev_opt),
+                             ("offload_param", off_par, dev_par)):
+        if dev == "nvme" and not (isinstance(block, dict) and block.get("nvme_path")):
+            report.errors.append(f"zero_optimization.{name}.device=nvme without nvme_path: "
+                                 "DeepSpeed accepts it and fails later in initialize. Set "
+                                 "nvme_path to a folder on a local NVMe drive.")
+    if "nvme" in (dev_opt, dev_par) and "aio" not in cfg:
+        report.warnings.append('NVMe offload without a top-level "aio" block: DeepSpeed uses '
+                               "block_size 1 MiB, queue_depth 8, intra_op_parallelism 1.")
+    aio = cfg.get("aio")
+    if isinstance(aio, dict) and "thread_count" in aio:
+        report.errors.append('aio.thread_count is not a DeepSpeed key (ignored silently): the '
+                             'key is "intra_op_parallelism".')
+    for key in INT_KEYS:
+        value = zero.get(key)
+        if isinstance(value, float):
+            if value.is_integer():
+                report.warnings.append(f"zero_optimization.{key}={value!r} is a float: write it "
+                                       f"as the integer {int(value)}.")
+            else:
+                report.errors.append(f"zero_optimization.{key}={value!r} must be an integer: "
+                                     f"DeepSpeed rejects fractions. Use {int(value)}.")
+    if stage >= 2 and layout.pp > 1:
+        report.errors.append(f"ZeRO stage {stage} with pipeline parallelism (pp={layout.pp}): "
+                             "DeepSpeed cannot combine them. Use stage 0 or 1, or pp=1.")
+    for old in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
+        if old in zero:
+            report.warnings.append(f"zero_optimization.{old} is deprecated: use "
+                                   "offload_optimizer / offload_param blocks.")
+
+
+def _check_batch(cfg: dict, world_size: int | None, layout: ParallelLayout,
+                 report: LintReport) -> None:
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    values = [cfg.get(k) for k in keys]
+    if world_size is None or any(isinstance(v, str) for v in values):
+        return
+    try:
+        dp = layout.resolve(world_size).dp
+    except LayoutError as e:
+        report.errors.append(str(e))
+        return
+    batch, micro, gas = values
+    for k, v in zip(keys, values, strict=True):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            report.errors.append(f"{k}={v!r} must be a positive integer.")
+            return
+    if batch is not None and micro is not None and gas is not None and batch != micro * gas * dp:
+        report.errors.append(
+            f"batch identity broken: train_batch_size={batch} != micro {micro} x accumulation "
+            f"{gas} x data-parallel size {dp} (= world {world_size} / (tp*pp*cp = "
+            f"{layout.model_parallel})) = {micro * gas * dp}.")
+    elif batch is not None and micro is not None and gas is None and batch % (micro * dp):
+        report.errors.append(f"train_batch_size={batch} is not divisible by micro {micro} x "
+                             f"data-parallel size {dp}.")
+
+
+def _check_optimizer(cfg: dict, zero: dict, report: LintReport) -> None:
+    opt = cfg.get("optimizer")
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", "auto")
+    if opt is None:
+        if offload and cfg.get("zero_force_ds_cpu_optimizer", True) is not False:
+            report.warnings.append(
+                "optimizer offload without an optimizer block: the optimizer you pass to "
+                "deepspeed.initialize must be DeepSpeedCPUAdam, else DeepSpeed raises (or set "
+                '"zero_force_ds_cpu_optimizer": false and accept a slow step).')
+        return
+    if not isinstance(opt, dict):
+        report.errors.append("optimizer must be an object with type and params.")
+        return
+    kind = str(opt.get("type", ""))
+    if kind.lower() not in KNOWN_OPTIMIZERS:
+        report.warnings.append(f"optimizer.type={kind!r} is not a DeepSpeed optimizer; "
+                               "DeepSpeed will look it up in torch.optim at initialize.")
+    elif offload and kind.lower() not in ("adam", "adamw", "adagrad", "lion"):
+        report.errors.append(f"optimizer.type={kind} with optimizer offload: DeepSpeed's CPU "
+                             "optimizers are Adam/AdamW, Adagrad and Lion.")
+    params = opt.get("params") or {}
+    if "max_grad_norm" in params:
+        report.warnings.append("optimizer.params.max_grad_norm is ignored by DeepSpeed: use the "
+                               "top-level gradient_clipping.")
+
+
+def _check_top_level(cfg: dict, report: LintReport) -> None:
+    for key in cfg:
+        if key not in KNOWN_TOP:
+            close = difflib.get_close_matches(key, sorted(KNOWN_TOP), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            report.warnings.append(f"unknown top-level key {key!r}: DeepSpeed ignores it{hint}.")
+
+
+def _resolve_autos(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A copy where HF "auto" keys hold placeholders, so DeepSpeed can check everything else."""
+    out = copy.deepcopy(cfg)
+    for path in HF_AUTO_KEYS:
+        node, *_ = [out]
+        parts = path.split(".")
+        for p in parts[:-1]:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(parts[-1]) == "auto":
+            node[parts[-1]] = _AUTO_PLACEHOLDER.get(path, 1)
+    if isinstance(out.get("zero_optimization"), dict):
+        out["zero_optimization"].pop("aio", None)  # reported in plain words already
+    return out
+
+
+def deepspeed_errors(cfg: dict[str, Any]) -> list[str]:
+    """Run ``deepspeed.runtime.config.DeepSpeedConfig`` and translate what it rejects.
+
+    Without a process group DeepSpeed assumes a world of 1 (or reads the live world size), so the
+    batch keys are rescaled to that world here; ``lint`` checks the real identity itself.
+    """
+    import pydantic
+    import torch.distributed as dist
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = _resolve_autos(cfg)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    micro, gas = probe.get("train_micro_batch_size_per_gpu"), probe.get(
+        "gradient_accumulation_steps")
+    if isinstance(micro, int) and isinstance(gas, int) and "train_batch_size" in probe:
+        probe["train_batch_size"] = micro * gas * world
+    try:
+        DeepSpeedConfig(probe)
+    except pydantic.ValidationError as e:
+        block = _BLOCK_NAMES.get(e.title, e.title)
+        return [_plain(block, err) for err in e.errors()]
+    except AssertionError as e:
+        return [f"DeepSpeed rejects the config: {e}"]
+    except (TypeError, ValueError, KeyError) as e:
+        return [f"DeepSpeed cannot read the config ({type(e).__name__}: {e}); check the value "
+                "types (numbers as numbers, not strings)."]
+    return []
+
+
+def _plain(block: str, err: dict[str, Any]) -> str:
+    where = ".".join([block, *[str(x) for x in err.get("loc", ())]])
+    value = err.get("input")
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return f"{where}: unknown key (DeepSpeed rejects it); check the spelling."
+    if kind == "int_from_float":
+        return f"{where}={value!r} must be an integer: DeepSpeed rejects fractions."
+    if kind.startswith("int"):
+        return f"{where}={value!r} must be an integer."
+    if kind == "enum":
+        return f"{where}={value!r} is not allowed: use one of {err['ctx']['expected']}."
+    if kind.startswith("bool"):
+        return f"{where}={value!r} must be true or false."
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        return f"{where}={value!r} is out of range: {err.get('msg', '').lower()}."
+    return f"{where}={value!r}: {err.get('msg', 'invalid')}."
