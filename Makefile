@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml
 	fi
 	@$(PY) -m pip install -q -e ".[test]"
 	@bash scripts/install_libaio.sh || true
+	@# DeepSpeed's CPU Adam / async_io ops: built once here, in one process, not by racing ranks
+	@$(PY) -m toolkit.runtime.ops || echo "warning: DeepSpeed CPU ops unavailable; offload configs will not run"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -15,6 +15,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes tests/dist_che
 
 from toolkit.testing.distributed import RankPool  # noqa: E402
 
+_OPS_READY = False
+
+
+def _prebuild_ops() -> None:
+    """Ranks must find DeepSpeed's CPU ops built: ranks building them at once queue on a lock
+    for minutes (`make install` builds them; this covers a bare `pytest`)."""
+    global _OPS_READY
+    if not _OPS_READY:
+        from toolkit.runtime import ops
+
+        ops.prebuild()
+        _OPS_READY = True
+
 
 class _LazyPool:
     """Starts the ranks on first use and restarts them after a failure, so one failing
@@ -25,6 +38,7 @@ class _LazyPool:
         self.pool: RankPool | None = None
 
     def run(self, fn, *args, timeout: float = 300.0, **kwargs):
+        _prebuild_ops()
         if self.pool is None or self.pool.broken:
             self.pool = RankPool(self.world_size)
             self.pool.start()

@@ -41,17 +41,6 @@ def async_io_missing() -> str | None:
             "`apt-get install libaio-dev`, done by `make install`); NVMe offload not tested")
 
 
-def build_ops_once(nvme: bool) -> None:
-    """JIT-build DeepSpeed's CPU Adam (and async_io) here, in one process, into the cached
-    TORCH_EXTENSIONS_DIR: ranks that build the same op at once wait on each other's lock, and a
-    build killed half-way leaves a lock that blocks every later one."""
-    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
-
-    CPUAdamBuilder().load(verbose=False)
-    if nvme:
-        AsyncIOBuilder().load(verbose=False)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_trains_on_real_engine(name, rank_pool_2, tmp_path):
@@ -63,8 +52,7 @@ def test_preset_trains_on_real_engine(name, rank_pool_2, tmp_path):
             pytest.skip(reason)
         # DeepSpeed never swaps tensors under 1 MiB: a bigger vocabulary makes swapping real
         kwargs = dict(nvme_dir=str(tmp_path), vocab_size=4096)
-    if "offload" in name or "nvme" in name:
-        build_ops_once(nvme=name == "zero_infinity_nvme")
+    # (the rank pool builds DeepSpeed's CPU Adam / async_io in this process first)
     results = rank_pool_2.run(memory_checks.train_and_measure, cfg, steps=3, timeout=600,
                               **kwargs)
     for rank, r in enumerate(results):
