@@ -8,6 +8,8 @@ it, and replicated parameters are counted on tensor-parallel rank 0 only.
 
 from __future__ import annotations
 
+import sys
+
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
@@ -162,6 +164,23 @@ def initialize(layout: ParallelLayout, *, seed: int = 1234) -> Mpu:
 
 
 def destroy() -> None:
-    """Tear down megatron-core's groups (torch.distributed stays up for the next layout)."""
+    """Tear down megatron-core's groups (torch.distributed stays up for the next layout).
+
+    megatron-core only forgets its groups; the process groups themselves (gloo: two threads
+    each once used) live on. A process that tries several layouts would accumulate thousands
+    of threads, so every group except WORLD is destroyed here, and DeepSpeed's caches of them
+    are released.
+    """
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    for pg in list(c10d._world.pg_map):
+        if pg is c10d.GroupMember.WORLD:
+            continue
+        dist.destroy_process_group(pg)
+        if ds_groups is not None:
+            ds_groups._release_process_group_references(pg)

@@ -53,12 +53,22 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict[str
         fn, args, kwargs = pickle.loads(task)
         try:
             payload = pickle.dumps(fn(*args, **kwargs))
+            _release_groups()
             results.put((rank, "ok", payload))
         except BaseException:  # noqa: BLE001
             results.put((rank, "error", traceback.format_exc()))
     # Exiting through the interpreter sometimes aborts in gloo/DeepSpeed teardown
     # ("terminate called without an active exception"); the work is done, so leave at once.
     os._exit(0)
+
+
+def _release_groups() -> None:
+    """Drop any process groups a job left behind, so later jobs do not inherit its threads."""
+    import sys
+
+    state = sys.modules.get("toolkit.parallel.state")
+    if state is not None:
+        state.destroy()
 
 
 class RankPool:
