@@ -80,3 +80,10 @@ def test_mpu_adapter_follows_megatron_rank_order(rank_pool_4):
     assert [r["pp"] for r in results] == [(2, 0), (2, 0), (2, 1), (2, 1)]
     assert [r["mp"][0] for r in results] == [4, 4, 4, 4]
     assert [r["dp"] for r in results] == [(1, 0)] * 4
+
+
+def test_destroy_releases_process_group_threads(rank_pool_2):
+    """Trying several layouts in one process must not accumulate gloo threads (megatron-core's
+    destroy only forgets its groups; each used gloo group keeps 2 threads alive)."""
+    for counts in rank_pool_2.run(gc.check_layout_cycles_release_threads):
+        assert counts[-1] <= counts[0], counts

@@ -308,3 +308,18 @@ def check_cuda_matches_cpu() -> dict:
         gpu = model.cuda()(tokens.cuda(), pos.cuda(), None).float().cpu()
     parallel.destroy()
     return {"max_abs": (gpu - ref).abs().max().item(), "device": torch.cuda.get_device_name()}
+
+
+def check_layout_cycles_release_threads(cycles: int = 4) -> list[int]:
+    """Threads of this process after each initialize -> collective on every group -> destroy."""
+    import os
+
+    counts = []
+    for _ in range(cycles):
+        mpu = parallel.initialize(ParallelLayout(tp=2))
+        for group in (mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group(),
+                      ps.get_embedding_group(), ps.get_model_parallel_group()):
+            torch.distributed.all_reduce(torch.ones(1), group=group)
+        parallel.destroy()
+        counts.append(len(os.listdir(f"/proc/{os.getpid()}/task")))
+    return counts
