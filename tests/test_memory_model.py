@@ -62,7 +62,7 @@ def test_load_model_shape_from_file_and_errors(tmp_path):
 def gpt3_like(h=1024, a=16, layers=4) -> ModelShape:
     return ModelShape(hidden=h, layers=layers, heads=a, kv_heads=a, head_dim=h // a, ffn=4 * h,
                       vocab=1000, gated_mlp=False, norm="layer", qkv_bias=True, o_bias=True,
-                      mlp_bias=True)
+                      mlp_bias=True, learned_positions=2048)  # no RoPE: Q, K, V views of QKV
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (4, False), (4, True)])
@@ -72,13 +72,13 @@ def test_activations_reproduce_korthikanti(tp, sp):
     s, b, h, a = 2048, 2, model.hidden, model.heads
     train = TrainShape(seq_len=s, micro_batch=b, dtype="bf16", dropout=True,
                        flash_attention=False)
-    act = layer_activations(model, train, 0).total(tp, sp, keep_scores=True)
+    act = layer_activations(model, train, 0, keep_core=True).total(tp, sp)
     if sp:
         expected = s * b * h * (34 + 5 * a * s / h) / tp
     else:
         expected = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     assert act == pytest.approx(expected, rel=1e-12)
-    flash = layer_activations(model, train, 0).total(tp, sp, keep_scores=False)
+    flash = layer_activations(model, train, 0, keep_core=False).total(tp, sp)
     assert act - flash == pytest.approx(5 * a * s * s * b / tp, rel=1e-12)
 
 

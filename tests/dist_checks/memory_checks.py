@@ -118,3 +118,74 @@ def train_and_measure(config: dict[str, Any], steps: int = 3, nvme_dir: str | No
     engine.destroy()
     del engine
     return {"losses": losses, "held_bytes": measured}
+
+
+# -- activations of a megatron-core GPTModel, counted with saved-tensor hooks ------------------
+
+# Llama-like: RMSNorm, SwiGLU, RoPE, grouped-query attention (4 heads, 2 groups), no biases.
+ACT_MODEL = dict(hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32, micro=2)
+
+
+def saved_bytes_of_forward(model, tokens: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward during one training forward
+    (loss included). Parameters are model state, not activations: they are left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = max(saved.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, pos, None, labels=tokens)
+    loss.float().mean().backward()  # the graph (and any recompute) really runs
+    return sum(saved.values())
+
+
+def _activation_model(case: dict[str, Any], num_layers: int):
+    import torch.nn.functional as F
+
+    from toolkit.models import build_chunks, layer_spec, transformer_config
+
+    a = ACT_MODEL
+    recompute = {
+        "none": {},
+        "selective": dict(recompute_granularity="selective"),  # megatron's default: core_attn
+        "full": dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1),
+    }[case["recompute"]]
+    config = transformer_config(
+        num_layers=num_layers, hidden_size=a["hidden"], num_attention_heads=a["heads"],
+        num_query_groups=a["kv_heads"], ffn_hidden_size=a["ffn"], normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=case["dropout"], attention_dropout=case["dropout"],
+        tensor_model_parallel_size=case["tp"], sequence_parallel=case["sp"],
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, **recompute,
+    )
+    (model,) = build_chunks(config, layer_spec(normalization="RMSNorm"), vocab_size=a["vocab"],
+                            max_sequence_length=a["seq"], position_embedding_type="rope",
+                            share_embeddings_and_output_weights=False)
+    return model.train()
+
+
+def measure_activations(cases: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per case: saved bytes of a 4-layer and a 2-layer model (their difference / 2 is exactly
+    one decoder layer; the 4-layer total adds embedding, final norm, logits and loss)."""
+    from toolkit import parallel
+    from toolkit.parallel import ParallelLayout
+
+    tokens = torch.randint(0, ACT_MODEL["vocab"], (ACT_MODEL["micro"], ACT_MODEL["seq"]),
+                           generator=torch.Generator().manual_seed(SEED))
+    out = {}
+    for case in cases:
+        parallel.initialize(ParallelLayout(tp=case["tp"], sequence_parallel=case["sp"]),
+                            seed=SEED)
+        try:
+            out[case["name"]] = {f"layers{n}": saved_bytes_of_forward(
+                _activation_model(case, n), tokens) for n in (4, 2)}
+        finally:
+            parallel.destroy()
+    return out

@@ -1,17 +1,30 @@
-"""Activation bytes per rank: Korthikanti et al. (2022), generalised to GQA, SwiGLU and MoE.
+"""Activation bytes per rank: Korthikanti et al. (2022), generalised to GQA, SwiGLU, RoPE and MoE.
 
-For GPT-3-like layers (MHA, 4h GeLU MLP, dropout) a layer stores s*b*h*(34 + 5*a*s/h) bytes in
-16-bit; the terms are rebuilt here one saved tensor at a time, so that grouped-query attention,
-gated MLPs, ffn != 4h, no-dropout models (Llama) and MoE get their own sizes:
+For GPT-3-like layers (MHA, learned positions, 4h GeLU MLP, dropout) a layer stores
+s*b*h*(34 + 5*a*s/h) bytes in 16-bit; the terms are rebuilt here one saved tensor at a time, so
+that grouped-query attention, RoPE, gated MLPs, ffn != 4h, no-dropout models (Llama) and MoE get
+their own sizes. The tensors are those megatron-core's attention and MLP really save (checked
+against a GPTModel with saved-tensor hooks, tests/test_memory_activations.py):
 
-attention: norm input, QKV input, Q, K, V, [scores: softmax output, dropout mask + output],
-           output-projection input, [dropout mask]
+attention: norm input, QKV input, Q, K, V, [eager core attention: softmax output, dropout mask
+           and output], output-projection input, [dropout mask]
 mlp:       norm input, fc1 input, activation input, fc2 input, [dropout mask]
+
+Q, K and V: RoPE writes new Q and K tensors, while V stays a view of the QKV projection's output,
+which it keeps alive whole (q + 2 kv wide). Without RoPE all three are views of that buffer.
+Eager attention with grouped-query heads saves K and V repeated to every query head instead.
 
 With tensor parallelism the norm inputs, the inputs of the column-parallel linears and the hidden
 dropout masks stay whole on each rank unless sequence parallelism splits them too. Flash attention
-(and selective recompute) drop the score terms. Full recompute keeps only each layer's input and
-rebuilds one layer at a time. Context parallelism divides the sequence.
+and selective recompute (megatron-core's default ``core_attn``) drop the core-attention terms.
+Full recompute keeps only each layer's input and rebuilds one layer at a time. Context
+parallelism divides the sequence.
+
+``fused=False`` models megatron-core's unfused path (the local spec with fusions off, as mdtk
+builds it, running on CPU): RMSNorm keeps its normalised input too (torch's CPU rms_norm is
+composite), SwiGLU keeps silu(gate) and its linear half, RoPE keeps its cos/sin tables per layer,
+the unfused softmax keeps the causal mask, and dropout keeps an e-byte noise tensor instead of a
+1-byte mask. Per-token norm statistics (4-8 bytes a token) are left out everywhere.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ class TrainShape:
     flash_attention: bool = True
     dropout: bool = False  # Llama-style models train without dropout
     capacity_factor: float | None = None  # MoE: None = dropless (average load)
+    fused: bool = True  # False: megatron-core's unfused kernels (mdtk's local spec on CPU)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -51,57 +65,81 @@ class TrainShape:
             raise ValueError(f"global_batch={self.global_batch} is smaller than "
                              f"micro_batch={self.micro_batch}.")
 
+    @property
+    def mask_bytes(self) -> int:
+        """A dropout mask: CUDA's fused dropout keeps 1-byte booleans; the unfused (CPU) path
+        multiplies by a noise tensor of the activation's dtype and keeps that."""
+        return 1 if self.fused else DTYPE_BYTES[self.dtype]
+
 
 @dataclass(frozen=True)
 class LayerActivations:
-    """Bytes one layer keeps for backward, split into what TP divides and what it does not."""
+    """Bytes one layer keeps for backward, split by how tensor parallelism divides them."""
 
     whole: float  # norm inputs, column-linear inputs, hidden dropout masks (divided only by SP)
-    split: float  # everything inside the TP-parallel region
-    scores: float  # attention scores (softmax out, dropout): removed by flash / selective
+    split: float  # everything inside the TP-parallel region (divided by TP)
+    shared: float = 0.0  # the same on every TP rank (RoPE tables, causal mask): never divided
 
-    def total(self, tp: int, sp: bool, keep_scores: bool) -> float:
+    def total(self, tp: int, sp: bool) -> float:
         whole = self.whole / tp if sp else self.whole
-        return whole + (self.split + (self.scores if keep_scores else 0.0)) / tp
+        return whole + self.split / tp + self.shared
 
 
 def layer_activations(model: ModelShape, train: TrainShape, layer: int, *, cp: int = 1,
-                      ep: int = 1) -> LayerActivations:
-    """Korthikanti's per-layer terms for one micro-batch, before any TP division."""
-    del ep  # experts on other EP ranks process tokens routed there; see the MoE note below
-    e = DTYPE_BYTES[train.dtype]
+                      keep_core: bool | None = None) -> LayerActivations:
+    """The per-layer terms of one micro-batch, before any TP division. ``keep_core``: the eager
+    core attention's own tensors are stored (default: eager attention without recompute)."""
+    if keep_core is None:
+        keep_core = not train.flash_attention and train.recompute == "none"
+    e, m = DTYPE_BYTES[train.dtype], train.mask_bytes
     s, b, h = train.seq_len / cp, train.micro_batch, model.hidden
     sb = s * b
-    mask = 1 if train.dropout else 0
+    rope = not model.learned_positions
+    norm = e * sb * h * (1 if train.fused or model.norm != "rms" else 2)  # [+ normalised copy]
+    hidden_mask = m * sb * h if train.dropout else 0
     # attention block
-    whole = e * sb * h * 2 + mask * sb * h  # norm input + QKV input, output dropout mask
-    split = e * sb * (model.q_dim + 2 * model.kv_dim)  # Q, K, V
-    split += e * sb * model.q_dim  # output projection input (= attention output)
-    scores = e * model.heads * s * train.seq_len * b  # softmax output
-    if train.dropout:
-        scores += (1 + e) * model.heads * s * train.seq_len * b  # dropout mask and output
+    whole = norm + e * sb * h + hidden_mask  # norm input, QKV input, output dropout mask
+    mixed = model.q_dim + 2 * model.kv_dim  # the QKV projection's output, pinned by V
+    qkv = model.q_dim + model.kv_dim + mixed if rope else mixed
+    shared = 0.0
+    if rope and not train.fused:
+        shared += 4 * e * s * model.head_dim  # cos and sin, for Q and for K
+    if keep_core:
+        if model.heads > model.kv_heads:  # K, V repeated to every head replace K and the view
+            qkv = 3 * model.q_dim if rope else mixed + 2 * model.q_dim
+        scores = model.heads * s * train.seq_len * b
+        split_scores = e * scores  # softmax output
+        if train.dropout:
+            split_scores += (m + e) * scores  # dropout mask and output
+        if not train.fused:
+            shared += s * train.seq_len  # the boolean causal mask of the unfused softmax
+    else:
+        split_scores = 0.0
+    split = e * sb * qkv + e * sb * model.q_dim + split_scores  # ... + output projection input
     # MLP block
-    whole += e * sb * h + mask * sb * h  # norm input, dropout mask
+    whole += norm + hidden_mask  # norm input, dropout mask
     if model.is_moe_layer(layer):
         # Router input and logits, then each token's copy for each of its top-k experts: under
         # EP every rank processes (on average) s*b*k token copies for its local experts.
         cf = train.capacity_factor or 1.0
         tokens = sb * model.top_k * cf
         whole += e * sb * h + 4 * sb * model.experts  # router input, fp32 router logits
-        split += _mlp_saved(model, model.moe_ffn, tokens, e)
+        split += _mlp_saved(model, model.moe_ffn, tokens, e, train.fused)
         if model.shared_ffn:
             whole += e * sb * h
-            split += _mlp_saved(model, model.shared_ffn, sb, e)
+            split += _mlp_saved(model, model.shared_ffn, sb, e, train.fused)
     else:
         whole += e * sb * h  # fc1 input
-        split += _mlp_saved(model, model.ffn, sb, e) - e * sb * h
-    return LayerActivations(whole=whole, split=split, scores=scores)
+        split += _mlp_saved(model, model.ffn, sb, e, train.fused) - e * sb * h
+    return LayerActivations(whole=whole, split=split, shared=shared)
 
 
-def _mlp_saved(model: ModelShape, ffn: int, tokens: float, e: int) -> float:
-    """fc1 input, activation input (gate and up for gated MLPs), fc2 input."""
+def _mlp_saved(model: ModelShape, ffn: int, tokens: float, e: int, fused: bool) -> float:
+    """fc1 input, activation input (gate and up for gated MLPs), fc2 input; the unfused
+    SwiGLU also keeps silu(gate) and its linear half (two more ffn-wide tensors)."""
     act_in = (2 if model.gated_mlp else 1) * ffn
-    return e * tokens * (model.hidden + act_in + ffn)
+    unfused = 2 * ffn if model.gated_mlp and not fused else 0
+    return e * tokens * (model.hidden + act_in + unfused + ffn)
 
 
 def in_flight_microbatches(layout: ParallelLayout, stage: int, num_microbatches: int) -> float:
@@ -120,24 +158,32 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
     tp, sp, cp = layout.tp, layout.sequence_parallel, layout.cp
     e = DTYPE_BYTES[train.dtype]
     eager = not train.flash_attention
-    keep_scores = eager and train.recompute == "none"
     sb = train.seq_len / cp * train.micro_batch
-    per_layer = [layer_activations(model, train, i, cp=cp, ep=layout.ep) for i in params.layers]
-    full = [a.total(tp, sp, keep_scores=eager) for a in per_layer]
+    sp_div = tp if sp else 1
+    stored_layers = [layer_activations(model, train, i, cp=cp).total(tp, sp)
+                     for i in params.layers]
+    # the layer as backward rebuilds it (full) / the core attention alone (selective)
+    rebuilt = [layer_activations(model, train, i, cp=cp, keep_core=eager).total(tp, sp)
+               for i in params.layers]
     if train.recompute == "full":
-        stored = sum(e * sb * model.hidden / (tp if sp else 1) for _ in per_layer)
+        stored = len(stored_layers) * e * sb * model.hidden / sp_div  # each layer's input
+        working = max(rebuilt, default=0.0)
     else:
-        stored = sum(a.total(tp, sp, keep_scores) for a in per_layer)
+        stored = sum(stored_layers)
+        working = max((r - s for r, s in zip(rebuilt, stored_layers, strict=True)), default=0.0)
+    if stage == 0 and train.dropout:
+        stored += train.mask_bytes * sb * model.hidden / sp_div  # embedding dropout mask
     held = in_flight_microbatches(layout, stage, num_microbatches)
-    out = {f"activations ({len(per_layer)} layers x {held:g} micro-batches in flight)":
+    out = {f"activations ({len(stored_layers)} layers x {held:g} micro-batches in flight)":
            stored * held}
-    if train.recompute != "none" and full:
-        out["recompute working set (one layer)"] = max(full)
+    if train.recompute != "none" and working:
+        out["recompute working set (one layer)"] = working
     vocab = model.padded_vocab(tp) if tp > 1 else model.vocab
     if stage == layout.pp - 1:
-        # final norm input, output-layer input, logits (16-bit) and their fp32 softmax for the loss
-        whole = 2 * e * sb * model.hidden
-        out["final norm, logits and loss"] = (
-            (whole / tp if sp else whole) + (e + 4) * sb * vocab / tp
-        )
+        # final norm input [+ its normalised copy], output-layer input; the loss saves the fp32
+        # softmax, and 16-bit training also holds the 16-bit logits while it is computed
+        norm = 1 if train.fused or model.norm != "rms" else 2
+        whole = (norm + 1) * e * sb * model.hidden
+        logits = 4 + (e if train.dtype != "fp32" else 0)
+        out["final norm, logits and loss"] = whole / sp_div + logits * sb * vocab / tp
     return out

@@ -1,0 +1,78 @@
+"""The activation model against a real megatron-core GPTModel: bytes autograd saves in one
+training forward (saved-tensor hooks, distinct storages, parameters left out), on 2 gloo ranks,
+for recompute none / selective / full at tp=1, tp=2 and tp=2 with sequence parallelism.
+
+The model runs megatron-core's unfused local path on CPU (eager attention, fp32), so the
+prediction uses ``flash_attention=False, fused=False, dtype="fp32"``. Per layer: the saved bytes
+of a 4-layer model minus those of a 2-layer model, halved (exactly one decoder layer); whole
+model: the 4-layer total (embedding, final norm, logits and loss included).
+"""
+
+from __future__ import annotations
+
+import pytest
+from dist_checks import memory_checks as mc
+
+from toolkit.memory import TrainShape, rank_params
+from toolkit.memory.activations import activation_bytes
+from toolkit.memory.model import ModelShape
+from toolkit.parallel.layout import ParallelLayout
+
+TOLERANCE = 0.15
+
+
+def _case(name, tp, sp, recompute, dropout=0.0):
+    return dict(name=name, tp=tp, sp=sp, recompute=recompute, dropout=dropout)
+
+
+CASES = [
+    _case(f"{rc} tp={tp}{' sp' if sp else ''}", tp, sp, rc)
+    for tp, sp in [(1, False), (2, False), (2, True)]
+    for rc in ("none", "selective", "full")
+] + [_case("none tp=2 dropout=0.1", 2, False, "none", 0.1)]
+
+
+def predicted(case: dict, layers: int) -> float:
+    """Activation bytes the memory model predicts for one micro-batch on one rank (the lines
+    saved during forward: stored layers, embedding, final norm and loss; not the recompute
+    working set, which exists only during backward)."""
+    a = mc.ACT_MODEL
+    model = ModelShape(hidden=a["hidden"], layers=layers, heads=a["heads"],
+                       kv_heads=a["kv_heads"], head_dim=a["hidden"] // a["heads"], ffn=a["ffn"],
+                       vocab=a["vocab"], gated_mlp=True, norm="rms")
+    train = TrainShape(seq_len=a["seq"], micro_batch=a["micro"], dtype="fp32",
+                       recompute=case["recompute"], flash_attention=False,
+                       dropout=case["dropout"] > 0, fused=False)
+    layout = ParallelLayout(tp=case["tp"], sequence_parallel=case["sp"]).resolve(case["tp"])
+    lines = activation_bytes(model, train, layout, rank_params(model, layout), stage=0,
+                             num_microbatches=1)
+    return sum(v for k, v in lines.items() if not k.startswith("recompute"))
+
+
+@pytest.fixture(scope="module")
+def measured(rank_pool_2):
+    return rank_pool_2.run(mc.measure_activations, CASES, timeout=600)
+
+
+def _errors(case: dict, per_rank: list[dict]) -> list[tuple[str, int, float, float]]:
+    rows = []
+    for rank, results in enumerate(per_rank):
+        got = results[case["name"]]
+        layer = (got["layers4"] - got["layers2"]) / 2
+        layer_pred = (predicted(case, 4) - predicted(case, 2)) / 2
+        rows.append((f"rank {rank} per layer", layer, layer_pred, layer_pred / layer - 1))
+        whole_pred = predicted(case, 4)
+        rows.append((f"rank {rank} 4-layer model", got["layers4"], whole_pred,
+                     whole_pred / got["layers4"] - 1))
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_activation_bytes_match_megatron_saved_tensors(case, measured):
+    rows = _errors(case, measured)
+    report = "\n".join(f"{case['name']}, {what}: measured {m:.0f} B, predicted {p:.0f} B "
+                       f"({100 * err:+.1f}%)" for what, m, p, err in rows)
+    print("\n" + report)
+    for what, _, _, err in rows:
+        assert abs(err) <= TOLERANCE, f"{case['name']} {what}: {100 * err:+.1f}%\n{report}"
