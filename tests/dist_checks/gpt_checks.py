@@ -8,6 +8,8 @@ piece, so any layout bug shows as a numeric difference.
 
 from __future__ import annotations
 
+import copy
+
 import re
 
 import torch
@@ -302,7 +304,9 @@ def check_cuda_matches_cpu() -> dict:
     (model,) = build(layout.resolve(dist.get_world_size()))
     tokens, _ = batch(2)
     pos = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
-    cpu_model = model.cpu()
+    # A copy for the CPU run: megatron-core caches rotary tables per module instance (on the
+    # device of the first call), so one instance must not serve both devices.
+    cpu_model = copy.deepcopy(model).cpu()
     with torch.no_grad():
         ref = cpu_model(tokens, pos, None).float()
         gpu = model.cuda()(tokens.cuda(), pos.cuda(), None).float().cpu()

@@ -181,6 +181,7 @@ def build_engine(
     runtime.prepare_deepspeed()
     config = with_optimizer_defaults(ds_config)
     module = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+    mark_tensor_parallel_params(chunks)
     _mark_pipeline_replicas(chunks)
     if experts:
         _register_expert_groups(experts)
@@ -239,6 +240,35 @@ def _register_expert_groups(experts: list[torch.nn.Parameter]) -> str:
     return name
 
 
+def mark_tensor_parallel_params(chunks: Sequence[torch.nn.Module]) -> int:
+    """Tag tensor-parallel weights as megatron-core's own initialisation would; returns how many.
+
+    megatron-core (0.16) sets ``tensor_model_parallel`` / ``partition_dim`` on a weight only while
+    initialising it: a model built with ``perform_initialization=False`` (filled from an HF
+    checkpoint) has untagged shards. DeepSpeed's grad norm counts an untagged weight on tp rank 0
+    only, so at tp>1 it drops the other ranks' shards and clips with a wrong norm.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+    tagged = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            dim = next((d for cls, d in dims if isinstance(module, cls)), None)
+            weight = getattr(module, "weight", None)
+            if dim is None or weight is None or hasattr(weight, "tensor_model_parallel"):
+                continue
+            weight.tensor_model_parallel = True
+            weight.partition_dim = dim
+            weight.partition_stride = 1
+            tagged += 1
+    return tagged
+
+
 def _mark_pipeline_replicas(chunks: Sequence[torch.nn.Module]) -> None:
     """Count the last stage's copy of a tied embedding once in DeepSpeed's grad norm.
 
@@ -249,6 +279,40 @@ def _mark_pipeline_replicas(chunks: Sequence[torch.nn.Module]) -> None:
         for p in chunk.parameters():
             if getattr(p, "shared", False):
                 p.ds_pipe_replicated = True
+
+
+def mask_vocab_padding(chunks: Sequence[torch.nn.Module], vocab_size: int) -> int:
+    """Give the padded vocab columns of the output layer a logit of -inf; returns their count.
+
+    With tp>1 the embedding and output layer are padded to a multiple of tp. The padded rows are
+    zeros, so their logits (0) would enter the softmax of megatron-core's
+    ``vocab_parallel_cross_entropy`` and the loss would differ from the unpadded model's
+    (Megatron-LM issue 1754). -inf makes them vanish from the softmax and get no gradient.
+    """
+    masked = 0
+    for chunk in chunks:
+        if not getattr(chunk, "post_process", False):
+            continue
+        padded = int(chunk.vocab_size)  # GPTModel's (padded) vocab
+        if padded <= vocab_size:
+            continue
+        masked = padded - vocab_size
+        chunk.output_layer.register_forward_hook(_vocab_mask_hook(vocab_size, padded))
+    return masked
+
+
+def _vocab_mask_hook(vocab_size: int, padded: int):
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]
+        # this rank's columns: all of them when the output was gathered, else its tp partition
+        first = 0 if width == padded else ps.get_tensor_model_parallel_rank() * width
+        if first + width <= vocab_size:
+            return output
+        cols = torch.arange(first, first + width, device=logits.device) >= vocab_size
+        return logits.masked_fill(cols, float("-inf")), bias
+
+    return hook
 
 
 # -- one step ----------------------------------------------------------------------------------

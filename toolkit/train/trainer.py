@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from toolkit import parallel, runtime
+from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
+    CheckpointError,
     CheckpointManager,
     TrainingState,
     check_resume,
@@ -38,7 +40,15 @@ from toolkit.train.data import (
     prepare_data_distributed,
     step_batches,
 )
-from toolkit.train.engine import _forward_step_func, _mean_loss, build_engine, train_step
+from toolkit.train.engine import (
+    EngineError,
+    _forward_step_func,
+    _mean_loss,
+    build_engine,
+    check_supported,
+    mask_vocab_padding,
+    train_step,
+)
 from toolkit.train.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -112,6 +122,10 @@ def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout):
     return chunks, adapter
 
 
+def _has_experts(hf_config: dict[str, Any]) -> bool:
+    return bool(hf_config.get("num_local_experts") or hf_config.get("num_experts"))
+
+
 # -- DeepSpeed config ----------------------------------------------------------------------------
 
 def _device_memory() -> tuple[int, int]:
@@ -131,13 +145,20 @@ def deepspeed_config(cfg: TrainConfig, run: cfgmod.RunPlan, hf_config: dict[str,
     chosen); a path is the user's JSON, linted first. The trainer owns batch sizes, clipping and
     the LR schedule, so those keys are set from the run plan and DeepSpeed's scheduler is dropped.
     """
-    from toolkit.dsconfig import lint as dslint
+    from toolkit.dsconfig.lint import lint, load_config
 
     ds = cfg.deepspeed
     world = run.layout.world_size
+    if ds.zero_stage != "auto":  # refuse what the engine cannot run before sizing anything
+        check_supported({"zero_optimization": {"stage": int(ds.zero_stage)},
+                         "fp16": {"enabled": cfg.train.precision == "fp16"}},
+                        pp=run.layout.pp, has_experts=_has_experts(hf_config))
     if ds.config and ds.config != "auto":
-        config = dslint.load_config(ds.config)
-        report = dslint.lint(config, world_size=world, layout=run.layout)
+        try:
+            config = load_config(ds.config)
+        except ValueError as e:
+            raise ConfigError(f"deepspeed.config={ds.config}: {e}") from e
+        report = lint(config, world_size=world, layout=run.layout)
         if not report.ok:
             raise ConfigError(f"deepspeed.config={ds.config}: " + "; ".join(report.errors))
         notes = [f"user DeepSpeed config {ds.config}"] + report.warnings
@@ -187,14 +208,38 @@ def deepspeed_config(cfg: TrainConfig, run: cfgmod.RunPlan, hf_config: dict[str,
 # -- the run ---------------------------------------------------------------------------------------
 
 def run(cfg: TrainConfig) -> TrainResult:
-    """Train as ``cfg`` says on the ranks of the current launch (collective: every rank)."""
+    """Train as ``cfg`` says on the ranks of the current launch (collective: every rank).
+
+    Every refusal (layout, DeepSpeed config, resume) is a ``ConfigError`` raised before the
+    engine starts. The process groups and the engine are torn down on the way out, also after an
+    error, so ``run`` can be called again in the same process (tests, sweeps).
+    """
     runtime.enable_cpu_mode()
     runtime.init_distributed()
+    engine = None
+    try:
+        mpu, run_plan, hf_config = _setup(cfg)
+        chunks, adapter, data, ds_config, notes, total = _prepare(cfg, mpu, run_plan, hf_config)
+        engine = build_engine(chunks, mpu, ds_config)
+        return _train(cfg, mpu, run_plan, hf_config, chunks, adapter, data, engine, ds_config,
+                      notes, total)
+    except (LayoutError, EngineError, CheckpointError) as e:
+        raise ConfigError(str(e)) from e
+    finally:
+        if engine is not None:
+            engine.destroy()
+        parallel.destroy()
+
+
+def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, dict[str, Any]]:
+    """Layout checks that need no model, then megatron-core's process groups."""
     world, rank = dist.get_world_size(), dist.get_rank()
     run_plan = cfgmod.plan(cfg, world)
     layout = run_plan.layout
+    parallel.check_supported(layout)  # cp>1 without Transformer Engine, before any group exists
     if cfg.parallel.sequence_parallel:
         layout.validate_model(num_layers=1, num_heads=layout.tp, seq_len=cfg.train.seq_len)
+    hf_config = _hf_config_dict(cfg)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     out = Path(str(cfg.output_dir))
@@ -203,30 +248,43 @@ def run(cfg: TrainConfig) -> TrainResult:
         _write_json(out / "config.resolved.json", cfg.to_dict())
     _log(f"{world} ranks, {layout.describe()}, global batch {run_plan.global_batch} = micro "
          f"{run_plan.micro_batch} x {run_plan.grad_accum} accumulation x dp {layout.dp}")
+    return mpu, run_plan, hf_config
 
-    hf_config = _hf_config_dict(cfg)
-    chunks, adapter = build_model(cfg, layout)
+
+def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[str, Any]):
+    """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
+    layout = run_plan.layout
     data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
                                     cfg.data_cache_dir, cfg.data.num_proc)
+    total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
+    ds_config, notes = deepspeed_config(cfg, run_plan, hf_config, total)
+    check_supported(ds_config, pp=layout.pp, has_experts=_has_experts(hf_config))
+    for note in notes:
+        _log(f"deepspeed: {note}")
+    if dist.get_rank() == 0:
+        _write_json(Path(str(cfg.output_dir)) / "ds_config.json", ds_config)
+    chunks, adapter = build_model(cfg, layout)
     vocab = adapter.dims.vocab
     for split in ("train", "validation"):
         top = data.meta.get(split, {}).get("max_token_id")
         if top is not None and top >= vocab:
             raise ConfigError(f"data: token id {top} in the {split} split is outside the model's "
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
-    total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
+    mask_vocab_padding(chunks, vocab)
+    return chunks, adapter, data, ds_config, notes, total
+
+
+def _train(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[str, Any], chunks,
+           adapter, data, engine, ds_config: dict[str, Any], notes: list[str],
+           total: int) -> TrainResult:
+    """Resume, the step loop (metrics, eval, checkpoints), the HF export."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = run_plan.layout
+    out = Path(str(cfg.output_dir))
     dp_rank = mpu.get_data_parallel_rank()
     sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, dp_rank, cfg.train.seed, cfg.data.shuffle)
     schedule = LRSchedule.from_config(cfg.optim, total)
-
-    ds_config, notes = deepspeed_config(cfg, run_plan, hf_config, total)
-    for note in notes:
-        _log(f"deepspeed: {note}")
-    if rank == 0:
-        _write_json(out / "ds_config.json", ds_config)
-    engine = build_engine(chunks, mpu, ds_config)
-
     manager = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
     start = _resume(cfg, manager, engine, layout, run_plan, data.key, sampler)
     result = TrainResult(steps=total, start_step=start, ds_config=ds_config, ds_notes=notes)

@@ -1,0 +1,220 @@
+"""Rank functions for the trainer checks (toolkit.train.trainer.run, end to end).
+
+Every case runs the real trainer: HF checkpoint -> adapters -> megatron-core chunks -> DeepSpeed
+engine -> data pipeline -> steps. The reference is the same config on one rank (tp = pp = dp = 1);
+a layout only changes how the model, the global batch and the reductions are split, so every
+per-step loss must match it. Many cases run one after another in the same ranks, which also
+checks that ``run`` tears its process groups and engine down.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+PRETRAIN = str(ROOT / "examples" / "data" / "pretrain.jsonl")
+SFT = str(ROOT / "examples" / "data" / "sft.jsonl")
+STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
+TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
+VOCAB = {"dense": 512, "odd": 507, "moe": 512}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One trainer run: the model, the layout and the DeepSpeed settings."""
+
+    name: str
+    model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral)
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    zero: int = 1
+    offload: str = "none"
+    steps: int = STEPS
+    overrides: tuple[str, ...] = ()
+
+
+# -- assets (built in the test process, without mdtk's CPU mode) ---------------------------------
+
+def make_assets(root: Path) -> dict[str, str]:
+    """A tiny tokenizer and three tiny HF checkpoints with random weights."""
+    import transformers as tf
+
+    from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(root / "tokenizer", vocab_size=TOKENIZER_VOCAB)
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                  max_position_embeddings=256, eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    configs = {
+        "dense": tf.LlamaConfig(**common, vocab_size=VOCAB["dense"], tie_word_embeddings=False),
+        # odd vocab: tp=2 pads the embedding/output to 508; tied as in Llama 3.2
+        "odd": tf.LlamaConfig(**common, vocab_size=VOCAB["odd"], tie_word_embeddings=True),
+        "moe": tf.MixtralConfig(**{**common, "intermediate_size": 48, "num_hidden_layers": 2},
+                                vocab_size=VOCAB["moe"], num_local_experts=4,
+                                num_experts_per_tok=2, sliding_window=None),
+    }
+    out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
+    for i, (name, config) in enumerate(configs.items()):
+        torch.manual_seed(10 + i)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # larger weights than HF's init: the losses move visibly in 5 steps
+            for pname, p in model.named_parameters():
+                if "norm" not in pname:
+                    p.normal_(0.0, 0.08)
+        model.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+def config(case: Case, assets: dict[str, str], out: str | Path, *, mode: str = "pretrain"):
+    from toolkit.train.config import apply_overrides, config_from_dict
+
+    raw: dict[str, Any] = {
+        "output_dir": str(out),
+        "model": {"path": assets[case.model], "tokenizer": assets["tokenizer"]},
+        "parallel": {"tp": case.tp, "pp": case.pp, "vpp": case.vpp, "cp": case.cp,
+                     "ep": case.ep, "sequence_parallel": case.sp},
+        "deepspeed": {"zero_stage": case.zero, "offload": case.offload},
+        "data": {"mode": mode, "sources": [PRETRAIN if mode == "pretrain" else SFT],
+                 "validation_split": 0.0, "cache_dir": assets["cache"]},
+        # constant LR: a run stopped early and resumed with more steps keeps the same schedule
+        "optim": {"lr": LR, "decay": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+                  "clip_grad": 1.0},
+        "train": {"steps": case.steps, "micro_batch": MICRO, "global_batch": GLOBAL,
+                  "seq_len": SEQ, "precision": "fp32", "seed": 1234},
+        "checkpoint": {"interval": 0, "keep_last": 0, "resume": "none"},
+        "logging": {"interval": 1},
+    }
+    return config_from_dict(apply_overrides(raw, case.overrides))
+
+
+# -- rank functions ------------------------------------------------------------------------------
+
+def run_case(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]:
+    """Train ``case`` with the real trainer; its per-step losses and what the ranks saw."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.train import trainer
+
+    out = Path(workdir) / case.name
+    cfg = config(case, assets, out)
+    seen: dict[str, Any] = {}
+    original = trainer.build_engine
+
+    def spy(chunks, mpu, ds_config):  # records the layout the run really used
+        seen.update(tp=ps.get_tensor_model_parallel_world_size(),
+                    pp=ps.get_pipeline_model_parallel_world_size(),
+                    dp=ps.get_data_parallel_world_size(),
+                    ep=ps.get_expert_model_parallel_world_size(), chunks=len(chunks),
+                    padded_vocab=int(chunks[0].vocab_size))
+        return original(chunks, mpu, ds_config)
+
+    trainer.build_engine = spy
+    try:
+        result = trainer.run(cfg)
+    finally:
+        trainer.build_engine = original
+    metrics = []
+    if dist.get_rank() == 0:
+        metrics = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text()
+                   .splitlines()]
+    return {"case": case.name, "losses": result.losses, "start": result.start_step,
+            "metrics": metrics, "stage": result.ds_config["zero_optimization"]["stage"],
+            "left_initialised": _groups_left(), **seen}
+
+
+def _groups_left() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return bool(ps.model_parallel_is_initialized())
+
+
+def run_cases(cases: list[Case], assets: dict[str, str], workdir: str) -> list[dict[str, Any]]:
+    return [run_case(c, assets, workdir) for c in cases]
+
+
+def resume_runs(assets: dict[str, str], workdir: str, zero: int = 2) -> dict[str, Any]:
+    """6 steps straight; 3 steps + checkpoint; the same folder resumed up to 6 steps."""
+    full = run_case(Case("resume_full6", zero=zero, steps=6), assets, workdir)
+    stop = Case("resume_stop3", zero=zero, steps=3,
+                overrides=("checkpoint.interval=3", "checkpoint.resume=auto"))
+    first = run_case(stop, assets, workdir)
+    more = run_case(Case("resume_stop3", zero=zero, steps=6, overrides=stop.overrides),
+                    assets, workdir)
+    return {"full": full, "first": first, "resumed": more,
+            "checkpoint": str(Path(workdir) / "resume_stop3" / "checkpoints" / "step_0000003")}
+
+
+def refusal(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]:
+    """The ConfigError ``run`` raises for ``case`` and whether it got as far as the engine."""
+    from toolkit.train import trainer
+    from toolkit.train.config import ConfigError
+
+    out = Path(workdir) / case.name
+    try:
+        trainer.run(config(case, assets, out))
+    except ConfigError as e:
+        return {"case": case.name, "error": str(e),
+                "ds_config_written": (out / "ds_config.json").exists(),
+                "left_initialised": _groups_left()}
+    return {"case": case.name, "error": "", "ds_config_written": True,
+            "left_initialised": _groups_left()}
+
+
+def refusals(cases: list[Case], assets: dict[str, str], workdir: str) -> list[dict[str, Any]]:
+    return [refusal(c, assets, workdir) for c in cases]
+
+
+def two_rank_checks(cases: list[Case], refuse: list[Case], assets: dict[str, str],
+                    workdir: str) -> dict[str, Any]:
+    """Everything that runs on 2 ranks, in one pool call: layouts, resume, refusals."""
+    return {"cases": run_cases(cases, assets, workdir), "resume": resume_runs(assets, workdir),
+            "refusals": refusals(refuse, assets, workdir)}
+
+
+def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[Case],
+                       checkpoint: str) -> dict[str, Any]:
+    """On one rank: the reference runs, a dp-changing resume, the SFT loss by hand."""
+    out: dict[str, Any] = {"refs": run_cases(refs, assets, workdir)}
+    resume = Case("resume_dp1", steps=6, zero=2, overrides=(f"checkpoint.resume={checkpoint}",))
+    out["resume_dp_change"] = refusal(resume, assets, workdir)
+    out["sft"] = sft_loss_by_hand(assets, workdir)
+    return out
+
+
+def sft_loss_by_hand(assets: dict[str, str], workdir: str) -> dict[str, float]:
+    """The trainer's first SFT loss vs cross-entropy computed with transformers on the same
+    samples, counting only the response tokens (loss mask), mean per micro-batch."""
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.train import trainer
+    from toolkit.train.data import DataSettings, GlobalBatchSampler, prepare_data
+
+    cfg = config(Case("sft", steps=1), assets, Path(workdir) / "sft", mode="sft")
+    result = trainer.run(cfg)
+    data = prepare_data(DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.data_cache_dir)
+    sampler = GlobalBatchSampler(len(data.train), GLOBAL, MICRO, 1, 0, cfg.train.seed)
+    hf = AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32,
+                                              attn_implementation="eager")
+    per_micro, kept, total = [], 0, 0
+    with torch.no_grad():
+        for idx in sampler.micro_batches(0):
+            b = data.train.batch(idx)
+            logits = hf(b["tokens"]).logits
+            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), b["labels"],
+                                                   reduction="none")
+            mask = b["loss_mask"]
+            per_micro.append(((ce * mask).sum() / mask.sum()).item())
+            kept, total = kept + int(mask.sum()), total + mask.numel()
+    return {"trainer": result.losses[0], "by_hand": sum(per_micro) / len(per_micro),
+            "kept_tokens": kept, "all_tokens": total}

@@ -1,0 +1,181 @@
+"""The trainer end to end (``toolkit.train.trainer.run``): loss parity across layouts, padded
+vocab, exact resume, SFT masking, refusals, and the demo.
+
+Every layout trains the same tiny HF checkpoint for 5 steps in fp32 on the same global batches;
+its per-step losses must equal the same config on one rank (tp = pp = dp = 1) within 1e-5
+relative. All layouts of one world size run in one pool call (the ranks stay warm; ``run`` is
+called many times per process); each case is asserted by its own test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_checks import trainer_checks as tc
+from dist_checks.trainer_checks import Case
+
+from toolkit.testing.distributed import RankPool
+
+ROOT = Path(__file__).resolve().parent.parent
+LOSS_RTOL = 1e-5
+
+CASES_2 = [
+    Case("dp2_zero1", zero=1),
+    Case("dp2_zero2", zero=2),
+    Case("dp2_zero3", zero=3),
+    Case("tp2", tp=2),
+    Case("tp2_sp", tp=2, sp=True),
+    Case("pp2", pp=2),
+    Case("pp2_vpp2", pp=2, vpp=2),
+    Case("moe_ep2", model="moe", ep=2),
+    Case("tp2_odd_vocab", model="odd", tp=2),  # vocab 507 padded to 508
+]
+CASES_4 = [
+    Case("tp2_pp2", tp=2, pp=2),
+    Case("dp2_tp2_zero3_cpu_offload", tp=2, zero=3, offload="cpu"),
+]
+REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe")]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    out = tc.make_assets(root)
+    bad = root / "bad_ds.json"  # accepted by DeepSpeed, but offload_param does nothing at stage 2
+    bad.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
+    }))
+    out["bad_ds"] = str(bad)
+    out["work"] = str(root / "runs")
+    return out
+
+
+@pytest.fixture(scope="module")
+def results_2(rank_pool_2, assets):
+    refuse = [
+        Case("refuse_cp2", cp=2),
+        Case("refuse_zero3_pp2", zero=3, pp=2),
+        Case("refuse_bad_ds_json", overrides=(f"deepspeed.config={assets['bad_ds']}",)),
+    ]
+    first, second = rank_pool_2.run(tc.two_rank_checks, CASES_2, refuse, assets, assets["work"],
+                                    timeout=900)
+    return _merge([first, second])
+
+
+@pytest.fixture(scope="module")
+def results_4(rank_pool_4, assets):
+    return _merge(rank_pool_4.run(tc.run_cases, CASES_4, assets, assets["work"], timeout=900))
+
+
+@pytest.fixture(scope="module")
+def results_1(assets, results_2):
+    """One rank: the references, a resume at another dp, the SFT loss by hand."""
+    with RankPool(1) as pool:
+        (out,) = pool.run(tc.single_rank_checks, assets, assets["work"], REFS,
+                          results_2["resume"][0]["checkpoint"], timeout=600)
+    out["refs"] = {r["case"]: r for r in out["refs"]}
+    return out
+
+
+def _merge(per_rank) -> dict:
+    """{case: [rank 0's result, rank 1's, ...]} (dict results keyed by their own names)."""
+    out: dict = {}
+    for rank_result in per_rank:
+        items = rank_result.items() if isinstance(rank_result, dict) else [
+            (r["case"], r) for r in rank_result]
+        for key, value in items:
+            if isinstance(value, list):  # a list of case results
+                for r in value:
+                    out.setdefault(r["case"], []).append(r)
+            else:
+                out.setdefault(key, []).append(value)
+    return out
+
+
+def _assert_parity(ranks: list[dict], ref: dict, case: Case, world: int) -> None:
+    assert len(ranks) == world
+    assert len(ref["losses"]) == tc.STEPS
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # it trains: a wrong update would show
+    for r in ranks:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL, abs=0), r["case"]
+        assert r["losses"] == ranks[0]["losses"]  # every rank reports the same step loss
+        assert (r["tp"], r["pp"], r["ep"]) == (case.tp, case.pp, case.ep)
+        assert r["dp"] == world // (case.tp * case.pp)
+        assert r["chunks"] == (case.vpp or 1)
+        assert r["stage"] == case.zero
+        assert not r["left_initialised"]  # run() tore its process groups down
+    assert ranks[0]["metrics"] == ranks[0]["losses"]  # metrics.jsonl holds the same numbers
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
+def test_layout_matches_single_rank_2_ranks(results_2, results_1, case):
+    _assert_parity(results_2[case.name], results_1["refs"][f"ref_{case.model}"], case, 2)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
+def test_layout_matches_single_rank_4_ranks(results_4, results_1, case):
+    _assert_parity(results_4[case.name], results_1["refs"][f"ref_{case.model}"], case, 4)
+
+
+def test_odd_vocab_padded_only_at_tp2(results_2, results_1):
+    # the parity above holds although tp=2 pads the vocab: the padded logit is masked out
+    assert results_1["refs"]["ref_odd"]["padded_vocab"] == tc.VOCAB["odd"]
+    assert {r["padded_vocab"] for r in results_2["tp2_odd_vocab"]} == {tc.VOCAB["odd"] + 1}
+
+
+def test_resume_continues_bit_for_bit(results_2):
+    for r in results_2["resume"]:
+        full, first, resumed = r["full"], r["first"], r["resumed"]
+        assert first["start"] == 0 and len(first["losses"]) == 3
+        assert resumed["start"] == 3 and len(resumed["losses"]) == 3
+        assert first["losses"] == full["losses"][:3]
+        assert resumed["losses"] == full["losses"][3:]  # exact, not approximate
+
+
+def test_resume_at_another_dp_refused(results_1):
+    r = results_1["resume_dp_change"]
+    assert "saved at dp=2, this run has dp=1" in r["error"]
+    assert "checkpoint.resume=none" in r["error"]
+    assert not r["left_initialised"]
+
+
+def test_refusals_name_the_reason_before_any_engine(results_2):
+    expected = {
+        "refuse_cp2": ["cp=2", "Transformer Engine"],
+        "refuse_zero3_pp2": ["ZeRO stage 3 with pp>1 is not supported because",
+                             "zero_stage 1 or 2"],
+        "refuse_bad_ds_json": ["deepspeed.config=", "offload_param", "stage 2"],
+    }
+    for name, words in expected.items():
+        for r in results_2[name]:
+            for w in words:
+                assert w in r["error"], (name, r["error"])
+            assert not r["ds_config_written"], name  # refused before the engine (and model)
+            assert not r["left_initialised"], name
+
+
+def test_sft_loss_counts_only_response_tokens(results_1):
+    r = results_1["sft"]
+    assert 0 < r["kept_tokens"] < r["all_tokens"]  # prompts and padding are masked out
+    assert r["trainer"] == pytest.approx(r["by_hand"], rel=LOSS_RTOL, abs=0)
+
+
+def test_demo_learns_and_exports_matching_hf_model(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "demo", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
+    vals = {int(k): v for k, v in summary["val_losses"].items()}
+    assert min(vals) == 0 and max(vals) == summary["steps"]
+    assert vals[max(vals)] < vals[0] - 0.3  # fine-tuning lowered the validation loss
+    assert summary["export_max_abs_diff"] is not None
+    assert summary["export_max_abs_diff"] <= 1e-4  # transformers' logits vs the trained model
+    assert (tmp_path / "sft" / "hf" / "config.json").is_file()
