@@ -126,8 +126,14 @@ def bare_steps(cfg) -> list[float]:
             c.to(device)
         mark_tensor_parallel_params(chunks)
         params = [p for c in chunks for p in c.parameters()]
-        opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps)
+        # bf16/fp16 params get fp32 master weights, as any mixed-precision optimizer keeps
+        # (DeepSpeed's included): comparing against AdamW on bf16 weights would flatter the bare
+        # loop with less work and worse numerics.
+        mixed = params[0].dtype != torch.float32
+        master = [p.detach().float().requires_grad_() for p in params] if mixed else params
+        opt = torch.optim.AdamW(master, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps,
+                                fused=runtime.use_cuda() or None)
         mb, seq, n = run_plan.micro_batch, cfg.train.seq_len, run_plan.grad_accum
         gen = torch.Generator().manual_seed(1)
         dp_group = ps.get_data_parallel_group()
@@ -167,7 +173,13 @@ def bare_steps(cfg) -> list[float]:
             coeff = cfg.optim.clip_grad / (norm + 1e-6)
             if coeff < 1.0:  # megatron-core's clip_grad_by_total_norm_fp32 (CUDA-only assert)
                 torch._foreach_mul_(grads, coeff)
+            if mixed:
+                for m, p in zip(master, params, strict=True):
+                    m.grad = None if p.grad is None else p.grad.float()
             opt.step()
+            if mixed:
+                with torch.no_grad():
+                    torch._foreach_copy_(params, master)
             if runtime.use_cuda():
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

@@ -184,6 +184,15 @@ def test_wrong_mapping_is_detected(tiny_root, rank_pool_2):
     assert min(diffs) > 1e-2, diffs
 
 
+def test_wrong_routing_normalisation_is_detected(tiny_root, rank_pool_2):
+    """Negative control: Qwen-MoE loaded with the other norm_topk_prob translation (softmax
+    before vs after top-k) moves the logits far, so the routing settings are really checked."""
+    families = ["qwen2_moe", "qwen3_moe"]
+    for diffs in rank_pool_2.run(ac.wrong_routing_diff, str(tiny_root), families):
+        assert set(diffs) == set(families)
+        assert min(diffs.values()) > 1e-2, diffs
+
+
 def test_verify_hf_against_megatron_core(tiny_root, rank_pool_2):
     """`mdtk verify`'s library path: HF model vs the same folder loaded into megatron-core."""
     from toolkit.verify import run_hf

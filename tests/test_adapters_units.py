@@ -95,10 +95,10 @@ def test_coalesce_merges_only_adjacent_regions():
 @pytest.mark.parametrize("layout", [
     dict(tp=1), dict(tp=2), dict(pp=2), dict(pp=2, vpp=2), dict(tp=2, pp=2), dict(tp=2, pp=4),
 ])
-@pytest.mark.parametrize("family", list(ac.tiny_configs()))
+@pytest.mark.parametrize("family", [*ac.tiny_configs(), *ac.tiny_moe_configs()])
 def test_plans_tile_every_hf_tensor_exactly_once(family, layout):
     """Over all ranks of a layout, the pieces of distinct shards cover each HF element once."""
-    config = ac.tiny_configs()[family]
+    config = {**ac.tiny_configs(), **ac.tiny_moe_configs()}[family]
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")
                             .replace("GPT2ForCausalLM", "GPT2LMHeadModel")]
     adapter = adapter_for(config)
@@ -129,7 +129,8 @@ def test_unsupported_architecture_lists_supported(tiny, tmp_path):
     text = str(err.value)
     assert "FooForCausalLM" in text
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM", "GPT2LMHeadModel"):
+                 "Qwen3ForCausalLM", "GPT2LMHeadModel", "MixtralForCausalLM",
+                 "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         assert arch in text
 
 
@@ -179,6 +180,67 @@ def test_refuses_bias_combination(tiny, tmp_path):
                  config={"attention_bias": True, "mlp_bias": False})
     with pytest.raises(UnsupportedModel, match="attention_bias=True with mlp_bias=False"):
         adapter_for(path)
+
+
+def _qwen_moe(name: str, **changes):
+    config = ac.tiny_moe_configs()[name]
+    config.architectures = [{"qwen2_moe": "Qwen2MoeForCausalLM",
+                             "qwen3_moe": "Qwen3MoeForCausalLM"}[name]]
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(mlp_only_layers=[0, 1, 2, 3]), r"mlp_only_layers=\[0, 1, 2, 3\].*no layer is sparse"),
+    (dict(decoder_sparse_step=5), r"decoder_sparse_step=5: no layer is sparse"),
+    (dict(num_experts=0), r"num_experts=0.*no layer is sparse"),
+    (dict(num_experts_per_tok=1, norm_topk_prob=True),
+     r"num_experts_per_tok=1 with norm_topk_prob=True"),
+    (dict(shared_expert_intermediate_size=0), r"shared_expert_intermediate_size=0"),
+])
+def test_qwen2_moe_refuses_what_megatron_cannot_represent(changes, message):
+    with pytest.raises(UnsupportedModel, match=message):
+        adapter_for(_qwen_moe("qwen2_moe", **changes))
+
+
+def test_qwen3_moe_refuses_attention_bias():
+    """Qwen3-MoE's attention_bias adds an o_proj bias but no expert bias: one megatron switch."""
+    with pytest.raises(UnsupportedModel, match="attention_bias=True with mlp_bias=False"):
+        adapter_for(_qwen_moe("qwen3_moe", attention_bias=True))
+
+
+def test_qwen_moe_routing_and_dense_layers():
+    """norm_topk_prob picks softmax-before-top-k; dense layers (decoder_sparse_step=2: layers 0
+    and 2) become moe_layer_freq zeros with a dense MLP of intermediate_size and no experts."""
+    a2 = adapter_for(_qwen_moe("qwen2_moe", decoder_sparse_step=2))
+    kw = a2.family.transformer_kwargs(a2.hf_config)
+    assert kw["moe_router_pre_softmax"] is True  # norm_topk_prob=False
+    assert kw["moe_layer_freq"] == [0, 1, 0, 1]
+    assert kw["moe_shared_expert_intermediate_size"] == 80 and kw["moe_shared_expert_gate"]
+    assert (kw["ffn_hidden_size"], kw["moe_ffn_hidden_size"]) == (96, 48)
+    table = a2.table(1)
+    for i in (0, 2):
+        rules = table.layers[i]
+        assert table.experts[i] == []
+        assert not any("router" in k or "shared" in k for k in rules)
+        fc1 = rules["mlp.linear_fc1.weight"]
+        assert (fc1.gate.source, fc1.ffn) == (f"model.layers.{i}.mlp.gate_proj.weight", 96)
+    for i in (1, 3):
+        rules = table.layers[i]
+        assert len(table.experts[i]) == 4 and "mlp.linear_fc1.weight" not in rules
+        assert rules["mlp.shared_experts.gate_weight"].source == \
+            f"model.layers.{i}.mlp.shared_expert_gate.weight"
+    shapes = a2.expected_tensors()
+    assert shapes["model.layers.1.mlp.shared_expert_gate.weight"] == (1, 64)
+    assert shapes["model.layers.1.mlp.shared_expert.up_proj.weight"] == (80, 64)
+    assert "model.layers.0.mlp.gate.weight" not in shapes
+    a3 = adapter_for(_qwen_moe("qwen3_moe"))
+    kw3 = a3.family.transformer_kwargs(a3.hf_config)
+    assert kw3["moe_router_pre_softmax"] is False  # norm_topk_prob=True
+    assert "moe_shared_expert_intermediate_size" not in kw3
+    assert kw3["kv_channels"] == 24 and kw3["qk_layernorm"] and not kw3["add_qkv_bias"]
+    assert kw3["moe_layer_freq"] == [1, 1, 0, 1]  # tiny config: mlp_only_layers=[2]
 
 
 def test_gpt2_hub_style_names_and_mask_buffers(tiny):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_checks import gpt_checks as gc
+from dist_checks import adapter_checks as ac
 
 from toolkit.testing.distributed import RankPool
 
@@ -14,8 +14,17 @@ pytestmark = [
                        reason="needs a CUDA GPU (runs on the device machine, not in CPU CI)"),
 ]
 
+TOL = 1e-4  # fp32, TF32 off: the same bound as the CPU adapter tests
 
-def test_cuda_logits_match_cpu_fp32():
+
+def test_cuda_logits_match_hf_every_family(tmp_path):
+    """Every adapter family on the GPU (nccl, SDPA attention, no CPU redirects) vs transformers'
+    own model on CPU in fp32: the numerical reference of the whole project."""
+    families = list(ac.tiny_configs()) + list(ac.tiny_moe_configs())
+    ac.build_checkpoints(tmp_path)  # this process: HF references on CPU, before any CPU mode
     with RankPool(1, env={"MDTK_DEVICE": "cuda", "DS_ACCELERATOR": "cuda"}) as pool:
-        (r,) = pool.run(gc.check_cuda_matches_cpu)
-    assert r["max_abs"] < 1e-4, r
+        (r,) = pool.run(ac.check_cuda_logits, str(tmp_path), families, timeout=600)
+    assert set(r) == set(families)
+    bad = {f: v for f, v in r.items() if not v["max_abs"] <= TOL}
+    assert not bad, bad
+    assert {v["core"] for v in r.values()} == {"SDPAttention"}, r

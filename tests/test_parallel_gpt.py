@@ -18,11 +18,16 @@ def _assert_parity(r: dict) -> None:
     assert r["grad_diff"] < GRAD_ATOL, r
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
-def test_tensor_parallel_matches_single_rank(rank_pool_2, sp):
-    results = rank_pool_2.run(gc.check_tensor_parallel, sp)
+@pytest.mark.parametrize("sp,attention", [(False, None), (True, None), (False, "sdpa"),
+                                          (True, "sdpa")],
+                         ids=["tp2", "tp2_sp", "tp2_sdpa", "tp2_sp_sdpa"])
+def test_tensor_parallel_matches_single_rank(rank_pool_2, sp, attention):
+    """The reference is always tp=1 with megatron-core's local attention, so the sdpa cases also
+    check toolkit.models.attention.SDPAttention (the GPU default) against it: loss and grads."""
+    results = rank_pool_2.run(gc.check_tensor_parallel, sp, attention)
     for r in results:
         _assert_parity(r)
+        assert r["core"] == ("SDPAttention" if attention == "sdpa" else "DotProductAttention")
     # each rank really holds a shard: well under the full model, more than half (norms replicate)
     for r in results:
         assert r["full_params"] / 2 < r["n_params"] < 0.6 * r["full_params"], r

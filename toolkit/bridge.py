@@ -270,7 +270,9 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
     from megatron.core import parallel_state as ps
 
     b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    device = next(chunks[0].parameters()).device  # CPU, or the GPU the chunks were moved to
+    tokens = tokens.to(device)
+    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
     coord = current_coord()
     config = chunks[0].config
     seq = s // coord.tp if config.sequence_parallel else s
@@ -281,7 +283,8 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
         first = coord.pp_rank == 0 and v == 0
         last = coord.pp_rank == coord.pp - 1 and v == len(chunks) - 1
         if not first:
-            hidden = torch.empty(seq, b, config.hidden_size, dtype=config.params_dtype)
+            hidden = torch.empty(seq, b, config.hidden_size, dtype=config.params_dtype,
+                                 device=device)
             dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
             chunk.set_input_tensor(hidden)
         out = chunk(tokens, pos, None)
@@ -294,10 +297,10 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
         dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
         logits = torch.cat(parts, dim=-1)
     if logits is None:
-        logits = torch.empty(b, s, vocab_size, dtype=torch.float32)
+        logits = torch.empty(b, s, vocab_size, dtype=torch.float32, device=device)
     else:
         logits = logits[..., :vocab_size].float().contiguous()
     if coord.pp > 1:
         dist.broadcast(logits, ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
-    return logits
+    return logits.cpu()

@@ -47,12 +47,24 @@ def tiny_moe_configs() -> dict:
     """Small mixture-of-experts configs (4 experts, top-2, GQA, odd vocab)."""
     import transformers as tf
 
+    common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     return {
         "mixtral": tf.MixtralConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=4,
                                     num_attention_heads=4, num_key_value_heads=2,
                                     vocab_size=VOCAB, num_local_experts=4,
                                     num_experts_per_tok=2, rms_norm_eps=1e-5, bos_token_id=1,
                                     eos_token_id=2, sliding_window=None),
+        # Routed experts + a gated shared expert, q/k/v biases, softmax-then-top-k routing
+        # without renormalisation (norm_topk_prob=False, as the released Qwen2-MoE configs).
+        "qwen2_moe": tf.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48,
+                                       shared_expert_intermediate_size=80,
+                                       norm_topk_prob=False),
+        # q/k norm, head_dim 24 != 64 / 4, top-k then renormalise (norm_topk_prob=True); layer 2
+        # has a dense MLP (mlp_only_layers -> megatron-core's moe_layer_freq).
+        "qwen3_moe": tf.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48,
+                                       head_dim=24, norm_topk_prob=True, mlp_only_layers=[2]),
     }
 
 
@@ -191,6 +203,30 @@ def wrong_mapping_diff(root: str) -> float:
     return (logits - ref).abs().max().item()
 
 
+def wrong_routing_diff(root: str, families: list[str]) -> dict[str, float]:
+    """Logit diff of each MoE family loaded with the other routing normalisation
+    (``moe_router_pre_softmax`` flipped; must be large): shows norm_topk_prob is tested."""
+    from toolkit import parallel
+    from toolkit.adapters import adapter_for
+    from toolkit.bridge import build_model, fill_chunks, forward_logits
+    from toolkit.checkpoint.hf import HFReader
+
+    out = {}
+    for family in families:
+        path = Path(root) / family
+        mpu = parallel.initialize(_layout_kwargs({}))
+        adapter = adapter_for(path)
+        flipped = not adapter.transformer_config(mpu.layout).moe_router_pre_softmax
+        with HFReader(path) as reader:
+            chunks = build_model(adapter, mpu.layout, moe_router_pre_softmax=flipped)
+            fill_chunks(chunks, adapter, reader)
+        logits = forward_logits(chunks, tokens(), adapter.dims.vocab)
+        parallel.destroy()
+        ref = torch.load(Path(root) / f"{family}.logits.pt", weights_only=True)
+        out[family] = (logits - ref).abs().max().item()
+    return out
+
+
 def check_dtypes(root: str, out: str) -> dict:
     """Load an fp32 checkpoint as bf16 at tp=2 through ``load_hf``; export keeps the checkpoint's
     dtype by default (values = bf16-rounded originals) or writes the dtype asked for."""
@@ -240,3 +276,32 @@ def reference_tokens() -> torch.Tensor:
     from toolkit.verify import fixed_tokens
 
     return fixed_tokens(VOCAB, 2, 16)
+
+
+def check_cuda_logits(root: str, families: list[str]) -> dict[str, float]:
+    """Each family loaded through the adapter on this rank's GPU (the GPU defaults: SDPA core
+    attention) vs transformers' CPU fp32 logits saved by ``build_checkpoints``: max abs diff."""
+    from toolkit import parallel
+    from toolkit.adapters import adapter_for
+    from toolkit.bridge import build_model, fill_chunks, forward_logits
+    from toolkit.checkpoint.hf import HFReader
+    from toolkit.parallel import ParallelLayout
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rootp = Path(root)
+    out = {}
+    for family in families:
+        ref = torch.load(rootp / f"{family}.logits.pt", weights_only=True)
+        mpu = parallel.initialize(ParallelLayout())
+        adapter = adapter_for(rootp / family, dtype=torch.float32)
+        with HFReader(rootp / family) as reader:
+            chunks = build_model(adapter, mpu.layout)
+            fill_chunks(chunks, adapter, reader)
+        chunks = [c.cuda() for c in chunks]
+        core = type(chunks[0].decoder.layers[0].self_attention.core_attention).__name__
+        with torch.no_grad():
+            logits = forward_logits(chunks, tokens(), adapter.dims.vocab)
+        out[family] = {"max_abs": (logits - ref).abs().max().item(), "core": core}
+        parallel.destroy()
+    return out

@@ -8,8 +8,6 @@ piece, so any layout bug shows as a numeric difference.
 
 from __future__ import annotations
 
-import copy
-
 import re
 
 import torch
@@ -46,9 +44,10 @@ def tiny_config(layout: ParallelLayout, *, num_experts: int | None = None):
     )
 
 
-def build(layout: ParallelLayout, *, num_experts: int | None = None, tied: bool = True):
+def build(layout: ParallelLayout, *, num_experts: int | None = None, tied: bool = True,
+          attention: str | None = None):
     config = tiny_config(layout, num_experts=num_experts)
-    spec = layer_spec(normalization="LayerNorm", num_experts=num_experts)
+    spec = layer_spec(normalization="LayerNorm", num_experts=num_experts, attention=attention)
     return build_chunks(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                         position_embedding_type="rope",
                         share_embeddings_and_output_weights=tied)
@@ -130,11 +129,12 @@ def reference(num_experts=None, n_micro=1, micro=2, seed=0, tied=True):
 
 # -- checks run on ranks ------------------------------------------------------------------------
 
-def check_tensor_parallel(sequence_parallel: bool) -> dict:
+def check_tensor_parallel(sequence_parallel: bool, attention: str | None = None) -> dict:
+    """tp=2 (optionally SP, optionally another core attention) vs the tp=1 local-attention model."""
     weights, ref_loss, ref_grads = reference()
     layout = ParallelLayout(tp=2, sequence_parallel=sequence_parallel)
     parallel.initialize(layout, seed=SEED)
-    chunks = build(layout.resolve(dist.get_world_size()))
+    chunks = build(layout.resolve(dist.get_world_size()), attention=attention)
     load_from_full(chunks, weights)
     tokens, labels = batch(2)
     loss = lm_loss(chunks[0], tokens, labels)
@@ -142,7 +142,8 @@ def check_tensor_parallel(sequence_parallel: bool) -> dict:
     finalize_grads(chunks)
     out = {"ref_loss": ref_loss, "loss": loss.item(), "grad_diff": grad_diff(chunks, ref_grads),
            "n_params": sum(p.numel() for p in chunks[0].parameters()),
-           "full_params": sum(v.numel() for v in weights.values())}
+           "full_params": sum(v.numel() for v in weights.values()),
+           "core": type(chunks[0].decoder.layers[0].self_attention.core_attention).__name__}
     parallel.destroy()
     return out
 
@@ -293,25 +294,6 @@ def check_mpu(layout: ParallelLayout) -> dict:
     }
     parallel.destroy()
     return out
-
-
-def check_cuda_matches_cpu() -> dict:
-    """GPU path (nccl, no CPU redirects): the same weights give the CPU fp32 logits on CUDA."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    layout = ParallelLayout()
-    parallel.initialize(layout)
-    (model,) = build(layout.resolve(dist.get_world_size()))
-    tokens, _ = batch(2)
-    pos = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
-    # A copy for the CPU run: megatron-core caches rotary tables per module instance (on the
-    # device of the first call), so one instance must not serve both devices.
-    cpu_model = copy.deepcopy(model).cpu()
-    with torch.no_grad():
-        ref = cpu_model(tokens, pos, None).float()
-        gpu = model.cuda()(tokens.cuda(), pos.cuda(), None).float().cpu()
-    parallel.destroy()
-    return {"max_abs": (gpu - ref).abs().max().item(), "device": torch.cuda.get_device_name()}
 
 
 def check_layout_cycles_release_threads(cycles: int = 4) -> list[int]:

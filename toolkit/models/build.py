@@ -12,7 +12,10 @@ from typing import Any
 
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_mlp_module_spec,
+)
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -20,8 +23,10 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from toolkit import runtime
+from toolkit.models.attention import core_attention
 from toolkit.models.norm import TorchNorm
 
 # Fused kernels that need CUDA (or apex / Transformer Engine). Off by default everywhere: mdtk
@@ -55,8 +60,10 @@ def layer_spec(
     qk_layernorm: bool = False,
     normalization: str = "RMSNorm",
     moe_grouped_gemm: bool = False,
+    attention: str | None = None,
 ) -> ModuleSpec:
-    """megatron-core's local layer spec with TorchNorm in every norm slot (SP-safe)."""
+    """megatron-core's local layer spec with TorchNorm in every norm slot (SP-safe) and the core
+    attention ``attention`` picks (``toolkit.models.attention``: SDPA on CUDA by default)."""
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=moe_grouped_gemm,
@@ -67,6 +74,7 @@ def layer_spec(
     sub.input_layernorm = TorchNorm
     sub.pre_mlp_layernorm = TorchNorm
     attn = sub.self_attention.submodules
+    attn.core_attention = core_attention(attention)
     if attn.q_layernorm is not IdentityOp:
         attn.q_layernorm = TorchNorm
     if attn.k_layernorm is not IdentityOp:
@@ -74,11 +82,43 @@ def layer_spec(
     return spec
 
 
+def moe_layer_pattern(config: TransformerConfig) -> list[int] | None:
+    """megatron-core's ``moe_layer_freq`` per global layer (1 = MoE, 0 = dense MLP); None when
+    every layer is the same (a dense model, or MoE in every layer)."""
+    if not config.num_moe_experts:
+        return None
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        pattern = [int(i % freq == 0) for i in range(config.num_layers)]
+    else:
+        pattern = [int(x) for x in freq]
+    if len(pattern) != config.num_layers:
+        raise ValueError(f"moe_layer_freq has {len(pattern)} entries for {config.num_layers} "
+                         "layers.")
+    return None if all(pattern) else pattern
+
+
+def dense_variant(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` (a MoE layer) with megatron-core's local dense MLP in the MLP slot."""
+    mlp = get_mlp_module_spec(use_te=False, num_experts=None)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+
+
 def block_spec(config: TransformerConfig, spec: ModuleSpec,
                vp_stage: int | None = None) -> TransformerBlockSubmodules:
-    """The decoder block of one (virtual) stage, with TorchNorm as the final norm."""
+    """The decoder block of one (virtual) stage, with TorchNorm as the final norm.
+
+    With MoE and a ``moe_layer_freq`` that leaves some layers dense (as megatron-core's own
+    ``get_gpt_decoder_block_spec`` reads it), those layers get the dense MLP.
+    """
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=TorchNorm)
+    specs = [spec] * n
+    pattern = moe_layer_pattern(config)
+    if pattern is not None:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        dense = dense_variant(spec)
+        specs = [spec if pattern[offset + j] else dense for j in range(n)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
 
 
 def build_chunks(config: TransformerConfig, spec: ModuleSpec,
