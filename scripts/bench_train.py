@@ -205,6 +205,24 @@ def compare(assets: dict[str, str], opts: dict) -> dict:
     return {"rank": dist.get_rank(), "bare": bare, "trainer": trained, "rows": rows}
 
 
+def profile_trainer(assets: dict[str, str], opts: dict) -> str:
+    """torch.profiler over a short trainer run: the ops that cost the most, device and host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from toolkit import runtime
+
+    runtime.enable_cpu_mode()
+    runtime.init_distributed()
+    cfg = train_config(assets, Path(assets["root"]) / "profile", **opts["train"])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runtime.use_cuda() else [])
+    with profile(activities=acts) as prof:
+        trainer_steps(cfg)
+    key = "self_cuda_time_total" if runtime.use_cuda() else "self_cpu_time_total"
+    averages = prof.key_averages()
+    return (averages.table(sort_by=key, row_limit=25)
+            + averages.table(sort_by="cpu_time_total", row_limit=25))
+
+
 def summarize(res: dict) -> dict:
     b, t = statistics.median(res["bare"]), statistics.median(res["trainer"])
     out = {"bare_s": b, "trainer_s": t, "overhead_pct": 100.0 * (t - b) / b,
@@ -248,7 +266,10 @@ def gpu_part(args) -> dict | str:
         assets = make_assets(Path(tmp), GPU_MODEL, weights=False)
         opts = {"rounds": 1, "train": dict(layout={"tp": 1}, steps=args.gpu_steps,
                                            seq=args.gpu_seq, micro=args.gpu_micro,
-                                           global_batch=args.gpu_micro, precision="bf16")}
+                                           global_batch=args.gpu_micro * args.gpu_accum,
+                                           precision="bf16")}
+        if args.profile:
+            print(profile_trainer(assets, opts))
         return summarize(compare(assets, opts))
 
 
@@ -259,8 +280,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="alternating bare/trainer rounds")
     p.add_argument("--gpu-steps", type=int, default=20)
     p.add_argument("--gpu-seq", type=int, default=2048)
-    p.add_argument("--gpu-micro", type=int, default=4)
+    p.add_argument("--gpu-micro", type=int, default=8)
+    p.add_argument("--gpu-accum", type=int, default=1,
+                   help="micro-batches per step (gradient accumulation); the optimizer's fixed "
+                        "cost per step is shared by this many micro-batches")
     p.add_argument("--skip-cpu", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU part: print torch.profiler tables of a trainer run first")
     args = p.parse_args()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
     if not args.skip_cpu:
@@ -277,7 +303,8 @@ def main() -> int:
     else:
         mfu = f"{gpu['mfu'] * 100:.1f}%" if gpu.get("mfu") is not None else "n/a"
         print(f"GPU, 1 device, Llama-3.2-1B-sized, bf16, seq {args.gpu_seq}, micro "
-              f"{args.gpu_micro}: trainer {gpu['tokens_per_s']:.0f} tokens/s, MFU {mfu}; "
+              f"{args.gpu_micro} x {args.gpu_accum} accumulation: trainer "
+              f"{gpu['tokens_per_s']:.0f} tokens/s, MFU {mfu}; "
               f"bare {gpu['bare_s'] * 1e3:.1f} ms/step, trainer {gpu['trainer_s'] * 1e3:.1f} "
               f"ms/step, overhead {gpu['overhead_pct']:+.1f}%")
     return 0

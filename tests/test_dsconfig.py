@@ -51,6 +51,19 @@ def test_auto_picks_least_communication_stage_that_fits_and_explains():
     assert z["reduce_bucket_size"] == 4096 * 4096 and isinstance(z["reduce_bucket_size"], int)
 
 
+def test_small_hidden_sizes_get_the_bucket_floor():
+    """h*h buckets of a small model would cost ~100 latency-bound collectives a step."""
+    from toolkit.dsconfig.generator import MIN_BUCKET, zero_options
+
+    tiny = ModelShape(hidden=256, ffn=704, layers=4, heads=8, kv_heads=4, head_dim=32,
+                      vocab=2048)
+    z = zero_options(tiny, 2)
+    assert z.reduce_bucket_size == z.allgather_bucket_size == MIN_BUCKET == 2048 * 2048
+    assert z.prefetch_bucket_size == int(0.9 * 256 * 256)  # stage-3 prefetch keeps h*h
+    big = zero_options(load_model_shape("llama-3.1-8b"), 2)
+    assert big.reduce_bucket_size == 4096 * 4096
+
+
 def test_offload_only_when_nothing_fits_on_gpus_and_pin_memory_from_host_ram():
     plan = generate(request("llama-3.1-70b", gpu_mem=80, cpu_mem=4096,
                             train=TrainShape(seq_len=4096, global_batch=64, recompute="full")))
