@@ -8,8 +8,14 @@ Each command group lives in its own module listed in COMMAND_MODULES, which expo
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import typer
+
+# megatron-core warns once per module about each optional kernel package it cannot import;
+# `mdtk env` lists what is missing, so runs keep their logs to what matters.
+warnings.filterwarnings("ignore",
+                        message=r"(Transformer Engine and Apex are|Apex is) not installed")
 
 app = typer.Typer(
     name="mdtk",
@@ -33,6 +39,7 @@ COMMAND_MODULES: list[str] = [
     "toolkit.commands.estimate",
     "toolkit.commands.dsconfig",
     "toolkit.commands.verify",
+    "toolkit.commands.convert",
     "toolkit.commands.train",
     "toolkit.commands.demo",
 ]

@@ -4,9 +4,12 @@ A checkpoint spec is ``KIND:PATH`` or a bare path (its kind detected). Each kind
 in ``RUNNERS`` returning the logits and the output of every decoder layer; other formats (e.g.
 megatron-core checkpoints from the converter) add a runner and a detector here.
 
-Kinds now: ``hf`` (transformers' own model class, fp32, eager attention: the reference) and
+Kinds now: ``hf`` (transformers' own model class, fp32, eager attention: the reference),
 ``hf-mcore`` (the same HF folder loaded through mdtk's adapter into megatron-core, tp=1, in
-this process: checks the adapter on a real checkpoint).
+this process: checks the adapter on a real checkpoint), ``mcore`` (a torch_dist checkpoint
+loaded by megatron-core's own ``dist_checkpointing.load``) and ``megatron-legacy``
+(``mp_rank_XX`` files of any tp/pp merged by the converter's reader). Megatron folders need the
+``hf_config/`` folder the converter writes.
 """
 
 from __future__ import annotations
@@ -72,33 +75,90 @@ def _single_process_dist() -> None:
         os.environ.setdefault(key, value)
 
 
+def _run_chunks(chunks: list, vocab: int, tokens: torch.Tensor) -> Run:
+    """Logits and per-layer outputs of megatron-core chunks (this process, tp=pp=1)."""
+    from toolkit.bridge import forward_logits
+
+    layers: list[torch.Tensor] = []
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: layers.append(
+        _first_output(out).detach().float().transpose(0, 1)))
+        for chunk in chunks for layer in chunk.decoder.layers]
+    try:
+        logits = forward_logits(chunks, tokens, vocab)
+    finally:
+        for h in hooks:
+            h.remove()
+    return Run(logits, layers)
+
+
 def run_hf_mcore(path: Path, tokens: torch.Tensor) -> Run:
     """The HF folder loaded into megatron-core through mdtk's adapter (tp=pp=1, fp32)."""
     from toolkit import parallel, runtime
-    from toolkit.bridge import forward_logits, load_hf
+    from toolkit.bridge import load_hf
     from toolkit.parallel import ParallelLayout
 
     _single_process_dist()
     runtime.enable_cpu_mode()
     chunks, adapter = load_hf(path, ParallelLayout(), dtype=torch.float32)
     try:
-        layers: list[torch.Tensor] = []
-        hooks = [layer.register_forward_hook(lambda _m, _i, out: layers.append(
-            _first_output(out).detach().float().transpose(0, 1)))
-            for chunk in chunks for layer in chunk.decoder.layers]
-        try:
-            logits = forward_logits(chunks, tokens, adapter.dims.vocab)
-        finally:
-            for h in hooks:
-                h.remove()
+        return _run_chunks(chunks, adapter.dims.vocab, tokens)
     finally:
         parallel.destroy()
-    return Run(logits, layers)
+
+
+def _megatron_model(path: Path):
+    """(chunks at tp=pp=1 fp32, adapter, source) for a Megatron checkpoint folder."""
+    from toolkit import parallel, runtime
+    from toolkit.adapters import adapter_for
+    from toolkit.bridge import build_model
+    from toolkit.convert import _Ctx, _open, detect
+
+    op = _open(_Ctx(detect(path), str(path), None, None, 1))
+    _single_process_dist()
+    runtime.enable_cpu_mode()
+    mpu = parallel.initialize(parallel.ParallelLayout())
+    adapter = adapter_for(op.adapter.hf_config, dtype=torch.float32)
+    return build_model(adapter, mpu.layout), adapter, op
+
+
+def run_mcore(path: Path, tokens: torch.Tensor) -> Run:
+    """A torch_dist checkpoint loaded by megatron-core's own ``dist_checkpointing.load``."""
+    from megatron.core import dist_checkpointing
+
+    from toolkit import parallel
+    from toolkit.checkpoint.mcore_dist import checkpoint_dir, marker
+
+    chunks, adapter, op = _megatron_model(path)
+    try:
+        op.source.close()
+        folder, _ = checkpoint_dir(path, marker)
+        # Megatron-LM's layout: the model under "model", run metadata (common.pt) beside it.
+        state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, str(folder))
+        chunks[0].load_state_dict(state["model"], strict=True)
+        return _run_chunks(chunks, adapter.dims.vocab, tokens)
+    finally:
+        parallel.destroy()
+
+
+def run_megatron_legacy(path: Path, tokens: torch.Tensor) -> Run:
+    """A legacy ``mp_rank_XX`` checkpoint (any tp/pp) merged by mdtk's reader, run at tp=1."""
+    from toolkit import parallel
+    from toolkit.bridge import fill_chunks
+
+    chunks, adapter, op = _megatron_model(path)
+    try:
+        fill_chunks(chunks, adapter, op.source)
+        return _run_chunks(chunks, adapter.dims.vocab, tokens)
+    finally:
+        op.source.close()
+        parallel.destroy()
 
 
 RUNNERS: dict[str, Callable[[Path, torch.Tensor], Run]] = {
     "hf": run_hf,
     "hf-mcore": run_hf_mcore,
+    "mcore": run_mcore,
+    "megatron-legacy": run_megatron_legacy,
 }
 
 
@@ -106,6 +166,15 @@ def detect(path: Path) -> str:
     """The kind of a bare path."""
     if (path / "config.json").is_file():
         return "hf"
+    from toolkit.checkpoint.hf import CheckpointError
+    from toolkit.convert import detect as detect_format
+
+    try:
+        kind = detect_format(path)
+    except CheckpointError:
+        kind = None
+    if kind in RUNNERS:
+        return kind
     raise ValueError(f"{path}: cannot tell its format (no config.json); write KIND:PATH with "
                      f"KIND in {sorted(RUNNERS)}.")
 
@@ -119,9 +188,16 @@ def parse_spec(spec: str) -> tuple[str, Path]:
 
 
 def vocab_size(path: Path) -> int:
+    """vocab_size of an HF folder, or of the HF config a Megatron checkpoint carries."""
     import json
 
-    return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    from toolkit.checkpoint.mcore_dist import find_hf_config
+
+    folder = path if (path / "config.json").is_file() else find_hf_config(path)
+    if folder is None:
+        raise ValueError(f"{path}: no config.json (nor hf_config/config.json) to read the "
+                         "vocab size from.")
+    return int(json.loads((folder / "config.json").read_text())["vocab_size"])
 
 
 def fixed_tokens(vocab: int, batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:

@@ -6,16 +6,20 @@ import typer
 
 
 def verify(
-    a: str = typer.Argument(..., help="Checkpoint A: a folder, or KIND:PATH (hf, hf-mcore)."),
+    a: str = typer.Argument(..., help="Checkpoint A: a folder (format detected), or KIND:PATH "
+                            "with KIND one of hf, hf-mcore, mcore, megatron-legacy."),
     b: str = typer.Argument(..., help="Checkpoint B, same forms as A."),
     tol: float = typer.Option(1e-4, "--tol", help="Max absolute logit difference allowed."),
-    batch: int = typer.Option(2, "--batch", min=1),
-    seq_len: int = typer.Option(16, "--seq-len", min=1),
-    seed: int = typer.Option(0, "--seed"),
+    batch: int = typer.Option(2, "--batch", min=1, help="Sequences in the token batch."),
+    seq_len: int = typer.Option(16, "--seq-len", min=1, help="Tokens per sequence."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random token batch."),
 ) -> None:
     """Run A and B on one fixed random token batch (fp32) and compare logits. Prints the max
     absolute and relative difference; above --tol also the per-layer differences, exit 1.
-    `hf-mcore:PATH` loads an HF folder into megatron-core through mdtk's adapter."""
+    `hf-mcore:PATH` loads an HF folder into megatron-core through mdtk's adapter; `mcore:PATH`
+    is a torch_dist checkpoint loaded by megatron-core's own dist_checkpointing.load;
+    `megatron-legacy:PATH` merges mp_rank_XX files of any tp/pp (both need the hf_config/
+    folder `mdtk convert` writes)."""
     from toolkit.verify import verify as run_verify
 
     try:

@@ -1,0 +1,588 @@
+"""megatron-core distributed checkpoints (``torch_dist``), read and written offline.
+
+Format facts (checked against megatron-core 0.16.1 and torch 2.13):
+- A checkpoint folder holds ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``),
+  ``common.pt`` (the non-sharded part, ``torch.save``) and PyTorch DCP files: ``.metadata``
+  (a pickled ``torch.distributed.checkpoint.metadata.Metadata``) plus ``__R_I.distcp`` data
+  files in which each chunk is a ``torch.save``d tensor (or raw bytes for objects).
+- ``GPTModel.sharded_state_dict()`` keys are layout independent: layers are stacked along a
+  leading axis (``decoder.layers.self_attention.linear_qkv.weight`` has global shape
+  ``(L, out, in)``), experts along a second one (``decoder.layers.mlp.experts.experts.*``,
+  ``(L, E, ...)``); norms use TE-style names from the layer spec's
+  ``sharded_state_dict_keys_map`` (``input_layernorm.weight`` ->
+  ``self_attention.linear_qkv.layer_norm_weight``). The global tensor of a key is the tp=1
+  tensor (SwiGLU ``linear_fc1`` is ``[gate; up]``), so the tp=1 megatron tensor of layer i is
+  slice i. Vocab tensors keep the padding they were saved with (global shape = padded vocab).
+- Each linear module has an ``_extra_state`` ShardedObject (key ``<module>._extra_state/shard_
+  <offsets>_<axes>``); the local spec stores ``[None]`` there. A tied output layer is not stored.
+
+Megatron-LM's ``--load`` wants ``latest_checkpointed_iteration.txt`` next to ``iter_XXXXXXX/``
+(or ``release/``); ``common.pt`` holds ``args``, ``checkpoint_version`` and ``iteration``.
+mdtk also stores the HF config (and tokenizer files) in ``hf_config/`` at the root, so its
+checkpoints convert back without extra arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import pickle
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.checkpoint.canonical import McoreFullSource, local_tensor
+from toolkit.checkpoint.hf import TOKENIZER_FILES, CheckpointError
+from toolkit.checkpoint.safe_load import load_dcp_metadata, load_torch
+from toolkit.mapping import EXPERTS
+
+FORMAT = "mcore"
+TRACKER = "latest_checkpointed_iteration.txt"
+HF_CONFIG_DIR = "hf_config"
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+           "common_backend": "torch", "common_backend_version": 1}
+CHECKPOINT_VERSION = 3.0
+_LINEAR = re.compile(r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(rf"^{re.escape(EXPERTS)}\.(\d+)\.(.*)$")
+
+
+# -- Megatron-LM folder layout (shared with the legacy format) ------------------------------------
+
+def iteration_dir_name(iteration: int | None) -> str:
+    return "release" if not iteration else f"iter_{iteration:07d}"
+
+
+def checkpoint_dir(path: Path, marker: Callable[[Path], bool]) -> tuple[Path, int | None]:
+    """The iteration folder of a Megatron-LM checkpoint root (or the folder itself) + iteration.
+
+    ``marker(folder)`` says whether a folder holds the format's files.
+    """
+    path = Path(path)
+    if marker(path):
+        m = re.fullmatch(r"iter_(\d+)", path.name)
+        return path, int(m.group(1)) if m else None
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            sub, iteration = path / "release", None
+        elif text.isdigit():
+            sub, iteration = path / iteration_dir_name(int(text)), int(text)
+        else:
+            raise CheckpointError(f"{tracker} holds {text!r}: expected an iteration number or "
+                                  "'release'.")
+        if not sub.is_dir():
+            raise CheckpointError(f"{tracker} points to {sub.name}, which does not exist.")
+        if not marker(sub):
+            raise CheckpointError(f"{sub} does not hold the checkpoint files {TRACKER} promises.")
+        return sub, iteration
+    raise CheckpointError(f"{path}: not a Megatron checkpoint folder (no {TRACKER}).")
+
+
+def write_tracker(root: Path, iteration: int | None) -> Path:
+    """Create ``root/<iteration dir>`` and the tracker file Megatron-LM reads; returns the dir."""
+    sub = root / iteration_dir_name(iteration)
+    sub.mkdir(parents=True, exist_ok=True)
+    (root / TRACKER).write_text("release" if not iteration else str(iteration))
+    return sub
+
+
+def find_hf_config(path: Path) -> Path | None:
+    """The ``hf_config/`` folder mdtk stores at a checkpoint root (looked up from a sub-folder)."""
+    for p in (path, *list(path.parents)[:2]):
+        if (p / HF_CONFIG_DIR / "config.json").is_file():
+            return p / HF_CONFIG_DIR
+    return None
+
+
+def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype | None) -> None:
+    """config.json (+ tokenizer files) of the model, so the checkpoint describes itself."""
+    import shutil
+
+    out = root / HF_CONFIG_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    adapter.export_config(dtype).save_pretrained(out)
+    src = adapter.source
+    if src is not None:
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / name)
+
+
+def megatron_args(adapter: Any, layout: Any, padded_vocab: int, iteration: int | None,
+                  ckpt_format: str, dtype: torch.dtype) -> argparse.Namespace:
+    """The run arguments Megatron-LM's ``--load`` compares (``check_checkpoint_args``)."""
+    d = adapter.dims
+    kw = adapter.family.transformer_kwargs(adapter.hf_config)
+    gpt = adapter.family.model_kwargs(adapter.hf_config)
+    return argparse.Namespace(
+        num_layers=d.layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn,
+        num_attention_heads=d.heads, num_query_groups=d.groups, kv_channels=d.head_dim,
+        group_query_attention=d.groups != d.heads, max_position_embeddings=gpt.get(
+            "max_sequence_length"), position_embedding_type=gpt.get("position_embedding_type"),
+        add_position_embedding=gpt.get("position_embedding_type") == "learned_absolute",
+        vocab_size=d.vocab, padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=padded_vocab // layout.tp if padded_vocab % layout.tp == 0
+        else 1, untie_embeddings_and_output_weights=not d.tied,
+        normalization=kw.get("normalization"), swiglu=bool(kw.get("gated_linear_unit")),
+        num_experts=d.experts or None, tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
+        expert_model_parallel_size=layout.ep, ckpt_format=ckpt_format, iteration=iteration or 0,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        hf_architecture=adapter.architecture,
+    )
+
+
+# -- keys -----------------------------------------------------------------------------------------
+
+def keys_map(adapter: Any) -> dict[str, str]:
+    """The layer spec's renames of module names in sharded keys (TE-style norm names)."""
+    spec = adapter.layer_spec()
+    return dict(getattr(spec.submodules, "sharded_state_dict_keys_map", {}) or {})
+
+
+def non_homogeneous(adapter: Any) -> bool:
+    """Whether megatron-core stores this model's layers under per-layer keys.
+
+    ``TransformerBlock.sharded_state_dict`` stacks layers along a leading axis only when every
+    layer is alike; with ``moe_layer_freq`` (dense and MoE layers mixed) or heterogeneous
+    checkpoints each layer has its own keys (``decoder.layers.<i>.<suffix>``, experts still
+    stacked along one axis).
+    """
+    kw = adapter.family.transformer_kwargs(adapter.hf_config)
+    freq = kw.get("moe_layer_freq")
+    mixed = (isinstance(freq, int) and freq > 1) or isinstance(freq, (list, tuple))
+    return bool(mixed or kw.get("hetereogenous_dist_checkpoint")
+                or kw.get("heterogeneous_block_specs"))
+
+
+def dist_key(name: str, renames: dict[str, str], flat: bool = False
+             ) -> tuple[str, tuple[int, ...]]:
+    """(sharded key, offsets along the stacked axes) of a global megatron-core name.
+
+    ``flat``: per-layer keys (see ``non_homogeneous``): the layer number stays in the key.
+    """
+    m = _LAYER.match(name)
+    if not m:
+        return name, ()
+    layer, rest = int(m.group(1)), m.group(2)
+    base = f"decoder.layers.{layer}." if flat else "decoder.layers."
+    lead = () if flat else (layer,)
+    e = _EXPERT.match(rest)
+    if e:
+        return f"{base}mlp.experts.experts.{e.group(2)}", (*lead, int(e.group(1)))
+    for old, new in renames.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return f"{base}{rest}", lead
+
+
+def stacked_axes(key: str) -> int:
+    """How many leading axes of a stored key index layers / experts."""
+    if re.match(r"^decoder\.layers\.\d+\.", key):  # per-layer keys
+        return 1 if ".mlp.experts.experts." in key else 0
+    if key.startswith("decoder.layers.mlp.experts.experts."):
+        return 2
+    return 1 if key.startswith("decoder.layers.") else 0
+
+
+def extra_state_module(name: str) -> str | None:
+    """The module of a linear layer's weight (which carries ``_extra_state``), else None."""
+    return name[: -len(".weight")] if _LINEAR.search(name) else None
+
+
+def marker(path: Path) -> bool:
+    meta = path / "metadata.json"
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text()).get("sharded_backend") == "torch_dist"
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def has_checkpoint(path: Path, folder_marker: Callable[[Path], bool]) -> bool:
+    """Whether ``path`` is a Megatron-LM checkpoint root or iteration folder of that marker."""
+    try:
+        checkpoint_dir(path, folder_marker)
+        return True
+    except CheckpointError:
+        return False
+
+
+def looks_like(path: Path) -> bool:
+    return has_checkpoint(path, marker)
+
+
+# -- reader ---------------------------------------------------------------------------------------
+
+@dataclass
+class DistCheckpoint:
+    """The parsed metadata of a torch_dist folder; tensors are read chunk by chunk on demand."""
+
+    path: Path
+    iteration: int | None
+    tensors: dict[str, Any]  # key -> TensorStorageMetadata
+    storage: dict[tuple[str, tuple[int, ...]], Any]  # (key, chunk offsets) -> _StorageInfo
+    objects: list[str]
+    common: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path) -> DistCheckpoint:
+        folder, iteration = checkpoint_dir(path, marker)
+        md_file = folder / ".metadata"
+        if not md_file.is_file():
+            raise CheckpointError(f"{folder} has metadata.json but no .metadata (incomplete "
+                                  "torch_dist checkpoint).")
+        md = load_dcp_metadata(md_file)
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        tensors, objects = {}, []
+        for key, value in md.state_dict_metadata.items():
+            if isinstance(value, TensorStorageMetadata):
+                tensors[key] = value
+            else:
+                objects.append(key)
+        storage = {(idx.fqn, tuple(idx.offset) if idx.offset is not None else ()): info
+                   for idx, info in md.storage_data.items()}
+        for key, value in tensors.items():
+            for c in value.chunks:
+                info = storage.get((key, tuple(c.offsets)))
+                if info is None:
+                    raise CheckpointError(f"{md_file}: chunk {tuple(c.offsets)} of {key} has no "
+                                          "storage entry.")
+                if getattr(info, "transform_descriptors", None):
+                    raise CheckpointError(f"{folder}: chunk of {key} uses storage transforms "
+                                          f"{info.transform_descriptors} (not supported).")
+                data = folder / info.relative_path
+                if not data.is_file():
+                    raise CheckpointError(f"{data} (holding {key}) is missing.")
+                if data.stat().st_size < info.offset + info.length:
+                    raise CheckpointError(f"{data} is truncated: {key} needs bytes up to "
+                                          f"{info.offset + info.length}, the file has "
+                                          f"{data.stat().st_size}.")
+        common = {}
+        if (folder / "common.pt").is_file():
+            common = load_torch(folder / "common.pt") or {}
+        return cls(folder, iteration, tensors, storage, objects, common)
+
+    def _chunk(self, key: str, offsets: tuple[int, ...],
+               sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+        info = self.storage[(key, offsets)]
+        file = self.path / info.relative_path
+        if sizes is not None:
+            fast = _read_saved_tensor(file, info.offset, info.length, sizes,
+                                      self.tensors[key].properties.dtype)
+            if fast is not None:
+                return fast
+        with open(file, "rb") as f:
+            f.seek(info.offset)
+            buf = f.read(info.length)
+        try:
+            t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any failure here is a damaged chunk
+            raise CheckpointError(f"{file}: chunk {offsets} of {key} cannot be read "
+                                  f"({err}).") from err
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{file}: chunk {offsets} of {key} is not a tensor.")
+        return t
+
+    def read(self, key: str, prefix: tuple[int, ...]) -> torch.Tensor:
+        """The slice ``key[prefix]`` (prefix = indices along the stacked axes), assembled."""
+        md = self.tensors[key]
+        size = tuple(md.size)
+        n = len(prefix)
+        want = tuple((i, i + 1) for i in prefix) + tuple((0, s) for s in size[n:])
+        out = torch.empty(size[n:], dtype=md.properties.dtype)
+        filled = 0
+        for c in md.chunks:
+            offs, sizes = tuple(c.offsets), tuple(c.sizes)
+            inter = [(max(a, o), min(b, o + s)) for (a, b), o, s in zip(want, offs, sizes,
+                                                                         strict=True)]
+            if any(lo >= hi for lo, hi in inter):
+                continue
+            data = self._chunk(key, offs, sizes)
+            part = data[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offs,
+                                                                          strict=True))]
+            part = part.reshape(part.shape[n:])
+            if tuple(part.shape) == tuple(out.shape) and part.numel() == data.numel():
+                return part  # one chunk is the whole tensor: no copy
+            out[tuple(slice(lo, hi) for lo, hi in inter[n:])] = part
+            filled += part.numel()
+        if filled != out.numel():
+            raise CheckpointError(f"{self.path}: chunks of {key}{list(prefix)} cover {filled} of "
+                                  f"{out.numel()} elements.")
+        return out
+
+
+class _ProbeUnpickler(pickle.Unpickler):
+    """Reads a torch.save pickle of one tensor without building it: records its layout."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size),
+                                                                 tuple(stride))
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return tuple(pid)
+
+
+def _read_saved_tensor(file: Path, offset: int, length: int, sizes: tuple[int, ...],
+                       dtype: torch.dtype) -> torch.Tensor | None:
+    """A contiguous tensor ``torch.save``d at ``file[offset:offset+length]``, read with one copy
+    straight into its storage; None when the record is anything else (the caller then uses
+    ``torch.load``)."""
+    import zipfile
+
+    numel = 1
+    for s in sizes:
+        numel *= s
+    with open(file, "rb") as f:
+        window = _Window(f, offset, length)
+        try:
+            zf = zipfile.ZipFile(window)
+            names = zf.namelist()
+            data = [x for x in names if re.search(r"/data/\d+$", x)]
+            pkl = [x for x in names if x.endswith("/data.pkl")]
+            if len(data) != 1 or len(pkl) != 1:
+                return None
+            zi = zf.getinfo(data[0])
+            if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != numel * dtype.itemsize:
+                return None
+            storage, off, size, stride = _ProbeUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+        except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError,
+                EOFError):
+            return None
+        want = []
+        acc = 1
+        for s in reversed(sizes):
+            want.append(acc)
+            acc *= s
+        if off != 0 or size != tuple(sizes) or (numel > 1 and stride != tuple(reversed(want))):
+            return None
+        if not (isinstance(storage, tuple) and len(storage) >= 5 and storage[4] == numel):
+            return None
+        window.seek(zi.header_offset)
+        head = window.read(30)
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            return None
+        start = zi.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(
+            head[28:30], "little")
+        out = torch.empty(sizes, dtype=dtype)
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        f.seek(offset + start)
+        pos = 0
+        while pos < len(buf):
+            got = f.readinto(buf[pos:])
+            if not got:
+                return None
+            pos += got
+        return out
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of an open file from ``offset``."""
+
+    def __init__(self, f: Any, offset: int, length: int):
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        if n == 0:
+            return 0
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(b)[:n]) or 0
+        self.pos += got
+        return got
+
+
+def full_names(ckpt: DistCheckpoint, adapter: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Global megatron-core name -> (sharded key, stacked-axis indices) of every stored tensor.
+
+    Stored keys the adapter's mapping does not know come back under their own name (with a
+    ``[i, ...]`` suffix) so the source reports them instead of dropping them.
+    """
+    renames = keys_map(adapter)
+    flat = any(re.match(r"^decoder\.layers\.\d+\.", k) for k in ckpt.tensors)
+    known: dict[tuple[str, tuple[int, ...]], str] = {}
+    for name, _ in adapter.table(1).items():
+        known[dist_key(name, renames, flat)] = name
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for key, md in ckpt.tensors.items():
+        axes = stacked_axes(key)
+        if axes == 0:
+            out[known.get((key, ()), key)] = (key, ())
+            continue
+        # Only the layers / experts some chunk holds: a stacked key spans all layers, but in a
+        # model mixing dense and MoE layers each layer stores only its own kind of MLP.
+        held: set[tuple[int, ...]] = set()
+        for c in md.chunks:
+            held.update(_indices(tuple(c.sizes)[:axes], tuple(c.offsets)[:axes]))
+        for prefix in sorted(held):
+            name = known.get((key, prefix), f"{key}{list(prefix)}")
+            out[name] = (key, prefix)
+    return out
+
+
+def _indices(shape: tuple[int, ...], start: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
+    start = start or (0,) * len(shape)
+    out: list[tuple[int, ...]] = [()]
+    for n, s in zip(shape, start, strict=True):
+        out = [(*p, i) for p in out for i in range(s, s + n)]
+    return out
+
+
+def open_source(path: Path, adapter_for_config: Callable[[Path | None, dict], Any]
+                ) -> tuple[McoreFullSource, DistCheckpoint]:
+    """A torch_dist checkpoint as an HF-named source (``adapter_for_config(hf_dir, common)``)."""
+    ckpt = DistCheckpoint.open(path)
+    adapter = adapter_for_config(find_hf_config(ckpt.path), ckpt.common)
+    names = full_names(ckpt, adapter)
+    shapes = {}
+    for name, (key, prefix) in names.items():
+        md = ckpt.tensors[key]
+        shapes[name] = (tuple(md.size)[len(prefix):], md.properties.dtype)
+    source = McoreFullSource(adapter, adapter.hf_config, shapes,
+                             lambda name: ckpt.read(*names[name]))
+    return source, ckpt
+
+
+# -- writer ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Item:
+    """One chunk to write: the tp=1 tensor of ``name`` at ``prefix`` of sharded key ``key``."""
+
+    name: str
+    key: str
+    prefix: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+    axes: tuple[int, ...] = ()  # sizes of the stacked axes ``prefix`` indexes
+
+
+def plan_items(adapter: Any, tp: int, dtype_of: Callable[[str], torch.dtype]) -> list[Item]:
+    """Every tensor chunk of the checkpoint (one per layer / expert), in table order."""
+    renames = keys_map(adapter)
+    flat = non_homogeneous(adapter)
+    table = adapter.table(tp)
+    d = adapter.dims
+    items = []
+    for name, rule in table.items():
+        if name == "output_layer.weight" and table.tied:
+            continue  # megatron-core stores the tied output layer as the embedding
+        key, prefix = dist_key(name, renames, flat)
+        axes = ((d.experts,) if flat else (d.layers, d.experts))[: len(prefix)]
+        shape = rule.local_shape(1)
+        numel = 1
+        for s in shape:
+            numel *= s
+        items.append(Item(name, key, prefix, shape,
+                          numel * dtype_of(rule.sources[0]).itemsize, axes))
+    return items
+
+
+def write_data_file(path: Path, items: list[Item], table: Any, read: Callable,
+                    dtype_of: Callable[[str], torch.dtype],
+                    tick: Callable[[int], None] = lambda n: None) -> list[dict]:
+    """Write ``items`` into one DCP data file; returns their storage records."""
+    rules = dict(table.items())
+    records = []
+    with open(path, "wb") as f:
+        for it in items:
+            rule = rules[it.name]
+            t = local_tensor(rule, 0, 1, read, dtype_of(rule.sources[0]))
+            t = t.reshape((1,) * len(it.prefix) + tuple(t.shape)).contiguous()
+            offset = f.tell()
+            torch.save(t, f)
+            records.append({"key": it.key, "offsets": (*it.prefix, *(0,) * len(it.shape)),
+                            "sizes": tuple(t.shape), "dtype": t.dtype, "file": path.name,
+                            "offset": offset, "length": f.tell() - offset})
+            tick(it.nbytes)
+    return records
+
+
+def write_metadata(folder: Path, items: list[Item], records: list[dict], num_layers: int,
+                   num_experts: int, common: dict[str, Any]) -> None:
+    """``.metadata`` (DCP), the ``_extra_state`` objects file, ``metadata.json``, ``common.pt``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    chunks: dict[str, list] = {}
+    for r in records:
+        chunks.setdefault(r["key"], []).append(r)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for it in items:
+        shapes[it.key] = (*it.axes, *it.shape)
+    for key, rs in chunks.items():
+        md_chunks = []
+        for i, r in enumerate(rs):
+            md_chunks.append(ChunkStorageMetadata(torch.Size(r["offsets"]),
+                                                  torch.Size(r["sizes"])))
+            storage[MetadataIndex(key, r["offsets"], i)] = _StorageInfo(
+                r["file"], r["offset"], r["length"])
+        state[key] = TensorStorageMetadata(TensorProperties(dtype=rs[0]["dtype"]),
+                                           torch.Size(shapes[key]), md_chunks)
+    # _extra_state of every linear module: megatron-core's local layers store [None].
+    blob = io.BytesIO()
+    torch.save([None], blob)
+    data = blob.getvalue()
+    objects = sorted({(f"{extra_state_module(it.key)}._extra_state", it.prefix, it.axes)
+                      for it in items if extra_state_module(it.key)})
+    with open(folder / "__extra_0.distcp", "wb") as f:
+        for key, prefix, axes in objects:
+            fqn = (f"{key}/shard_{'.'.join(map(str, prefix))}_{'.'.join(map(str, axes))}"
+                   if prefix else f"{key}/shard_0_1")
+            state[fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(fqn)] = _StorageInfo("__extra_0.distcp", f.tell(), len(data))
+            f.write(data)
+    from torch.distributed.checkpoint import filesystem
+
+    version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+    md = Metadata(state_dict_metadata=state, storage_data=storage,
+                  storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4())),
+                  version=version)
+    import pickle
+
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    torch.save(common, folder / "common.pt")
+    (folder / "metadata.json").write_text(json.dumps(BACKEND))

@@ -1,0 +1,128 @@
+"""Loading untrusted pickle-based checkpoint files without running code from them.
+
+Every ``.pt`` / ``.bin`` the converter reads goes through ``load_torch``: ``torch.load`` with
+``weights_only=True`` plus an explicit allowlist. Megatron-LM stores its run arguments as an
+``argparse.Namespace`` (allowed) whose values may include megatron enums or classes; those are
+replaced by inert placeholders (``Opaque``) that only record their name and arguments: they can
+never execute anything, and the tensors are untouched.
+
+DCP's ``.metadata`` (torch_dist checkpoints) is a plain pickle: ``load_dcp_metadata`` reads it
+with an unpickler that resolves only DCP's metadata classes, ``torch.Size`` and dtypes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.checkpoint.hf import CheckpointError
+
+#: Modules whose globals (in a checkpoint's ``args``) become inert placeholders.
+OPAQUE_PREFIXES = ("megatron.", "transformer_engine.", "apex.", "deepspeed.", "enum.")
+
+
+class Opaque:
+    """Stand-in for a class or enum stored in a checkpoint's metadata (never executed)."""
+
+    qualname = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname}{self.args!r}>"
+
+
+def _opaque(name: str) -> type:
+    return type(name.rsplit(".", 1)[-1], (Opaque,), {"qualname": name})
+
+
+def load_torch(path: str | Path, *, mmap: bool = True) -> Any:
+    """``torch.load(path, weights_only=True)`` with Namespace allowed and megatron classes inert.
+
+    Raises CheckpointError naming the file when it is truncated or holds other globals.
+    """
+    path = Path(path)
+    allowed: list[Any] = [argparse.Namespace]
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as err:  # noqa: BLE001 - any parse failure means a damaged file
+        raise CheckpointError(f"{path}: cannot read it as a torch checkpoint ({err}); the file "
+                              "is damaged or truncated.") from err
+    refused = []
+    for name in unsafe:
+        if name == "argparse.Namespace":
+            continue
+        if name.startswith(OPAQUE_PREFIXES):
+            allowed.append((_opaque(name), name))
+        else:
+            refused.append(name)
+    if refused:
+        raise CheckpointError(f"{path} contains objects that are not weights ({', '.join(refused)})"
+                              "; refusing to unpickle them. Re-save the tensors only.")
+    # Add only what is not registered yet: leaving the context removes what it added, and
+    # megatron-core registers Namespace itself at import.
+    present = torch.serialization.get_safe_globals()
+    allowed = [a for a in allowed if a not in present]
+    with torch.serialization.safe_globals(allowed):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError as err:
+            if mmap and "mmap" in str(err):  # legacy (non-zip) files cannot be memory-mapped
+                return load_torch(path, mmap=False)
+            raise CheckpointError(f"{path}: cannot load ({err}); the file is damaged or "
+                                  "truncated.") from err
+        except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise CheckpointError(f"{path}: cannot load ({err}).") from err
+
+
+def _dcp_allowed() -> dict[tuple[str, str], Any]:
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    out: dict[tuple[str, str], Any] = {("torch", "Size"): torch.Size,
+                                       ("torch.serialization", "_get_layout"):
+                                           torch.serialization._get_layout,
+                                       ("collections", "OrderedDict"): __import__(
+                                           "collections").OrderedDict}
+    for mod, names in (
+        (metadata, ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+                    "StorageMeta", "MetadataIndex")),
+        (filesystem, ("_StorageInfo",)),
+        (planner, ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan",
+                   "ReadItem", "LoadItemType")),
+    ):
+        for name in names:
+            if hasattr(mod, name):
+                out[(mod.__name__, name)] = getattr(mod, name)
+    return out
+
+
+class _DCPUnpickler(pickle.Unpickler):
+    allowed: dict[tuple[str, str], Any] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed:
+            return self.allowed[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not a DCP metadata class")
+
+
+def load_dcp_metadata(path: str | Path) -> Any:
+    """The ``Metadata`` object of a DCP ``.metadata`` file, unpickled with an allowlist."""
+    path = Path(path)
+    _DCPUnpickler.allowed = _dcp_allowed()
+    try:
+        return _DCPUnpickler(io.BytesIO(path.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{path}: not a readable torch.distributed.checkpoint metadata "
+                              f"file ({err}).") from err

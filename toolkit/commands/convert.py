@@ -1,0 +1,142 @@
+"""``mdtk convert SRC DST --to ...`` and ``mdtk inspect PATH``: offline checkpoint conversion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def convert(
+    src: Path = typer.Argument(..., help="Source checkpoint folder: HF (config.json + "
+                               "safetensors/.bin), megatron-core torch_dist or legacy Megatron "
+                               "(the run folder with latest_checkpointed_iteration.txt, or an "
+                               "iter_XXXXXXX folder), or a DeepSpeed checkpoint written by "
+                               "`mdtk train` (a step_XXXXXXX folder or the checkpoint root). "
+                               "The format is detected."),
+    dst: Path = typer.Argument(..., help="Output folder (must not exist unless --overwrite). "
+                               "Written into a temporary sibling and renamed at the end."),
+    to: str = typer.Option(..., "--to", help="Target format: hf, mcore (megatron-core "
+                           "torch_dist, layout independent) or megatron-legacy "
+                           "(iter_XXXXXXX/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt)."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size of the target (legacy: "
+                           "one file per rank; mcore: sets the vocab padding and the stored "
+                           "args)."),
+    pp: int = typer.Option(1, "--pp", min=1, help="Pipeline-parallel size of the target."),
+    vpp: int | None = typer.Option(None, "--vpp", min=1, help="Virtual pipeline stages per "
+                                   "pipeline rank (legacy: model0, model1, ... per file)."),
+    ep: int = typer.Option(1, "--ep", min=1, help="Expert-parallel size of the target."),
+    etp: int | None = typer.Option(None, "--etp", min=1, help="Expert tensor-parallel size "
+                                   "(legacy: must equal --tp)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors to bf16, fp16 "
+                                     "or fp32 (default: keep each tensor's dtype)."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Worker processes writing output "
+                                "files in parallel (megatron targets; each opens the source)."),
+    verify: bool = typer.Option(False, "--verify", help="Read every tensor of the result back "
+                                "and compare it bit-exactly with the source (after --dtype)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST (only "
+                                   "once the new one is complete)."),
+    hf_config: Path | None = typer.Option(None, "--hf-config", help="Folder with the model's "
+                                          "config.json, for Megatron/DeepSpeed checkpoints that "
+                                          "do not carry one."),
+    source_format: str | None = typer.Option(None, "--from", help="Source format when detection "
+                                             "is ambiguous: hf, mcore, megatron-legacy, "
+                                             "deepspeed."),
+    vocab_multiple: int = typer.Option(1, "--vocab-multiple", min=1, help="Megatron targets: "
+                                       "pad the vocab to a multiple of this x tp (Megatron-LM's "
+                                       "--make-vocab-size-divisible-by)."),
+    max_shard_gb: float = typer.Option(5.0, "--max-shard-gb", help="HF target: largest "
+                                       "safetensors shard, in GiB."),
+    fsync: bool = typer.Option(False, "--fsync", help="fsync every output file before the "
+                               "final rename (durable against power loss; slower)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Convert a checkpoint to another format and layout, offline (no GPU, no process group).
+
+    Reads only the tensor slices each output file needs, writes each output file as soon as it
+    is complete, and holds about one output tensor (one rank file for megatron-legacy) in
+    memory. A failed or interrupted conversion leaves no DST. Examples:
+
+      mdtk convert ./Llama-3.2-1B ./ckpt --to mcore --tp 2 --pp 2
+
+      mdtk convert ./ckpt ./legacy --to megatron-legacy --tp 2 --pp 2 --vpp 2
+
+      mdtk convert ./run/checkpoints/step_0000100 ./hf --to hf --dtype bf16
+    """
+    from toolkit.checkpoint.hf import CheckpointError
+    from toolkit.convert import convert as run_convert
+    from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+    try:
+        layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        report = run_convert(src, dst, to, layout, dtype=dtype, workers=workers,
+                             overwrite=overwrite, progress=not quiet,
+                             source_format=source_format, hf_config=hf_config,
+                             vocab_multiple=vocab_multiple, verify=verify,
+                             max_shard_bytes=int(max_shard_gb * 2**30), fsync=fsync)
+    except (CheckpointError, LayoutError, ValueError, FileNotFoundError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    lay = "" if to == "hf" else (f" tp={layout.tp} pp={layout.pp}"
+                                 + (f" vpp={layout.vpp}" if layout.vpp else "")
+                                 + (f" ep={layout.ep}" if layout.ep > 1 else ""))
+    typer.echo(f"{report.source_format} -> {to}{lay}: {report.tensors} tensors, "
+               f"{report.bytes / 2**20:.1f} MiB, {len(report.files)} files in "
+               f"{report.seconds:.1f} s -> {report.dst}")
+    if verify:
+        typer.echo(f"verified: {report.verified} tensors read back bit-exactly equal")
+
+
+def inspect(
+    path: Path = typer.Argument(..., help="A checkpoint folder of any supported format."),
+    hf_config: Path | None = typer.Option(None, "--hf-config", help="Folder with config.json "
+                                          "for checkpoints that carry none."),
+    source_format: str | None = typer.Option(None, "--from", help="Format, when detection is "
+                                             "ambiguous."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Describe a checkpoint: format, architecture, layout, dtypes, parameter count, files, and
+    the consistency problems found (missing or truncated files, shapes that differ from
+    config.json, missing ranks). Exit 1 when there are problems."""
+    import dataclasses
+    import json
+
+    from toolkit.convert import inspect as run_inspect
+
+    info = run_inspect(path, hf_config=hf_config, source_format=source_format)
+    if as_json:
+        data = dataclasses.asdict(info)
+        data["path"] = str(info.path)
+        typer.echo(json.dumps(data, indent=1))
+    else:
+        typer.echo(f"path:         {info.path}")
+        typer.echo(f"format:       {info.format or 'unknown'}")
+        if info.architecture:
+            typer.echo(f"architecture: {info.architecture}")
+        if info.iteration is not None:
+            typer.echo(f"iteration:    {info.iteration}")
+        if info.layout:
+            typer.echo("layout:       " + " ".join(f"{k}={v}" for k, v in info.layout.items()))
+        if info.dtypes:
+            typer.echo("dtypes:       " + ", ".join(f"{k} ({v} tensors)"
+                                                   for k, v in info.dtypes.items()))
+        if info.tensors:
+            typer.echo(f"parameters:   {info.parameters:,} in {info.tensors} tensors")
+        typer.echo(f"files:        {len(info.files)}")
+        for f in info.files[:20]:
+            typer.echo(f"  {f}")
+        if len(info.files) > 20:
+            typer.echo(f"  ... ({len(info.files) - 20} more)")
+        if info.problems:
+            typer.echo("problems:")
+            for p in info.problems:
+                typer.echo(f"  - {p}")
+        else:
+            typer.echo("problems:     none found")
+    if info.problems:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("convert")(convert)
+    app.command("inspect")(inspect)
