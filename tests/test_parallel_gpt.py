@@ -92,3 +92,11 @@ def test_destroy_releases_process_group_threads(rank_pool_2):
     destroy only forgets its groups; each used gloo group keeps 2 threads alive)."""
     for counts in rank_pool_2.run(gc.check_layout_cycles_release_threads):
         assert counts[-1] <= counts[0], counts
+
+
+def test_destroy_releases_deepspeed_mpu(rank_pool_2):
+    """Regression: a DeepSpeed engine built without an mpu after mdtk's layout was destroyed
+    used DeepSpeed's stale global mpu and failed on megatron-core's missing groups."""
+    for r in rank_pool_2.run(gc.check_engine_after_destroy_without_mpu):
+        assert r["held"]  # DeepSpeed really cached mdtk's mpu (else this test proves nothing)
+        assert r["dp"] == 2 and r["loss"] > 0, r

@@ -309,3 +309,35 @@ def check_layout_cycles_release_threads(cycles: int = 4) -> list[int]:
         parallel.destroy()
         counts.append(len(os.listdir(f"/proc/{os.getpid()}/task")))
     return counts
+
+
+def check_engine_after_destroy_without_mpu() -> dict:
+    """An engine over mdtk's mpu, torn down; then a plain DeepSpeed engine with no mpu (dp = all
+    ranks) must build and step: DeepSpeed must not keep asking the destroyed layout for groups."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    from toolkit import runtime
+
+    runtime.prepare_deepspeed()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 1}, "steps_per_print": 10**9}
+    mpu = parallel.initialize(ParallelLayout(tp=2), seed=SEED)
+    (model,) = build(mpu.layout)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config={**config, "train_batch_size": 2}, mpu=mpu)
+    held = groups.mpu is mpu
+    engine.destroy()
+    parallel.destroy()
+    plain = torch.nn.Linear(8, 8)
+    world = dist.get_world_size()
+    engine, *_ = deepspeed.initialize(model=plain, model_parameters=plain.parameters(),
+                                      config={**config, "train_batch_size": 2 * world})
+    x = torch.ones(2, 8)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    dp = engine.dp_world_size
+    engine.destroy()
+    return {"held": held, "dp": dp, "loss": loss.item()}

@@ -184,3 +184,8 @@ def destroy() -> None:
         dist.destroy_process_group(pg)
         if ds_groups is not None:
             ds_groups._release_process_group_references(pg)
+    if ds_groups is not None:
+        # DeepSpeed also keeps the last engine's mpu (``groups.mpu``, set by every engine built
+        # with one): left pointing at the groups just destroyed, a later engine built without
+        # an mpu would ask it for a data-parallel group that no longer exists.
+        ds_groups.mpu = None
