@@ -56,6 +56,16 @@ def test_model_errors_name_the_numbers(kwargs, model, needles):
         assert needle in str(e.value), str(e.value)
 
 
+def test_seq_len_checked_alone_for_any_5d_layout():
+    """The trainer checks the sequence length before the model is known: a layout with ep, pp
+    and sp must not be judged against made-up model sizes (tp2 x ep2 + sp was refused)."""
+    ParallelLayout(tp=2, pp=2, ep=2, sequence_parallel=True).validate_seq_len(32)
+    with pytest.raises(LayoutError, match=r"seq_len=31 is not divisible by tp=2"):
+        ParallelLayout(tp=2, ep=2, sequence_parallel=True).validate_seq_len(31)
+    with pytest.raises(LayoutError, match=r"2\*cp = 4"):
+        ParallelLayout(cp=2).validate_seq_len(30)
+
+
 def test_valid_model_passes():
     ParallelLayout(tp=2, pp=2, vpp=2, ep=2).validate_model(
         num_layers=8, num_heads=8, num_query_groups=2, num_experts=8, vocab_size=1001,

@@ -38,6 +38,8 @@ CASES_2 = [
 CASES_4 = [
     Case("tp2_pp2", tp=2, pp=2),
     Case("dp2_tp2_zero3_cpu_offload", tp=2, zero=3, offload="cpu"),
+    # megatron-core's MoE needs sequence parallelism with tp > 1
+    Case("moe_ep2_tp2_sp", model="moe", tp=2, ep=2, sp=True),
 ]
 REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe")]
 

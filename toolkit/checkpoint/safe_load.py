@@ -30,6 +30,7 @@ class Opaque:
     """Stand-in for a class or enum stored in a checkpoint's metadata (never executed)."""
 
     qualname = "?"
+    args: tuple[Any, ...] = ()  # unpickling may bypass __init__ (NEWOBJ + __setstate__)
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.args = args

@@ -149,16 +149,21 @@ class ParallelLayout:
         if vocab_size is not None and vocab_size < self.tp:
             raise LayoutError(f"vocab_size={vocab_size} is smaller than tp={self.tp}.")
         if seq_len is not None:
-            if self.cp > 1 and seq_len % (2 * self.cp):
-                raise LayoutError(
-                    f"seq_len={seq_len} is not divisible by 2*cp = {2 * self.cp} (context "
-                    "parallelism splits each sequence into 2*cp chunks): change seq_len or cp."
-                )
-            if self.sequence_parallel and seq_len % self.tp:
-                raise LayoutError(
-                    f"seq_len={seq_len} is not divisible by tp={self.tp} (sequence parallelism "
-                    "splits the sequence across tensor-parallel ranks): change seq_len or tp."
-                )
+            self.validate_seq_len(seq_len)
+
+    def validate_seq_len(self, seq_len: int) -> None:
+        """Raise LayoutError if sequences of ``seq_len`` cannot be split over cp / sp ranks (a
+        training-shape check, usable before the model's sizes are known)."""
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise LayoutError(
+                f"seq_len={seq_len} is not divisible by 2*cp = {2 * self.cp} (context "
+                "parallelism splits each sequence into 2*cp chunks): change seq_len or cp."
+            )
+        if self.sequence_parallel and seq_len % self.tp:
+            raise LayoutError(
+                f"seq_len={seq_len} is not divisible by tp={self.tp} (sequence parallelism "
+                "splits the sequence across tensor-parallel ranks): change seq_len or tp."
+            )
 
     def describe(self) -> str:
         parts = [f"dp={self.dp if self.dp is not None else '?'}", f"tp={self.tp}", f"pp={self.pp}"]

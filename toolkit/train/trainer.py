@@ -237,8 +237,7 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, dict[str, Any]]:
     run_plan = cfgmod.plan(cfg, world)
     layout = run_plan.layout
     parallel.check_supported(layout)  # cp>1 without Transformer Engine, before any group exists
-    if cfg.parallel.sequence_parallel:
-        layout.validate_model(num_layers=1, num_heads=layout.tp, seq_len=cfg.train.seq_len)
+    layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes are checked on load
     hf_config = _hf_config_dict(cfg)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     torch.manual_seed(cfg.train.seed)

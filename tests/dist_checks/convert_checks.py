@@ -1,0 +1,80 @@
+"""Helpers for the converter tests that must run outside the pytest process.
+
+``verify_many`` runs ``toolkit.verify``'s runners (the ones behind ``mdtk verify``) on converted
+checkpoints: the HF references first (transformers must load before mdtk's CPU mode is on in a
+process), then every megatron checkpoint (megatron-core's own ``dist_checkpointing.load`` for
+torch_dist, mdtk's reader for legacy files). Run as a script it reads a JSON list of
+``[reference HF folder, spec]`` pairs and prints one JSON line of results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def verify_many(pairs: list[tuple[str, str]], batch: int = 2, seq_len: int = 16) -> list[dict]:
+    from toolkit.verify import RUNNERS, compare, fixed_tokens, parse_spec, vocab_size
+
+    refs = {}
+    for ref, _ in pairs:  # all transformers runs first
+        if ref not in refs:
+            tokens = fixed_tokens(vocab_size(Path(ref)), batch, seq_len)
+            refs[ref] = (tokens, RUNNERS["hf"](Path(ref), tokens))
+    out = []
+    for ref, spec in pairs:
+        kind, path = parse_spec(spec)
+        tokens, run_a = refs[ref]
+        c = compare(run_a, RUNNERS[kind](path, tokens))
+        out.append({"ref": ref, "spec": spec, "kind": kind, "max_abs": c.max_abs,
+                    "max_rel": c.max_rel, "layers": len(c.layers)})
+    return out
+
+
+# -- DeepSpeed: a real trainer run whose ZeRO checkpoint the converter must read ---------------
+
+def make_qwen2_moe(root: Path) -> str:
+    """A tiny Qwen2-MoE for the trainer (routed experts + a gated shared expert), built like
+    ``trainer_checks.make_assets``' models (in the test process, before mdtk's CPU mode)."""
+    import torch
+    import transformers as tf
+
+    config = tf.Qwen2MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=512, num_experts=4,
+                               num_experts_per_tok=2, intermediate_size=96,
+                               moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                               norm_topk_prob=False, rms_norm_eps=1e-5,
+                               max_position_embeddings=256, eos_token_id=0, pad_token_id=1,
+                               bos_token_id=None)
+    torch.manual_seed(40)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # as make_assets: weights that move visibly in a few steps
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(root / "qwen2_moe")
+    return str(root / "qwen2_moe")
+
+
+def train_for_conversion(assets: dict[str, str], workdir: str, cases: list) -> list[dict]:
+    """Run the trainer for each case (saving a checkpoint at the last step and exporting HF
+    from the live model), then return where the checkpoint and the export are."""
+    from dist_checks import trainer_checks as tc
+    from toolkit.train import trainer
+
+    out = []
+    for case in cases:
+        run_dir = Path(workdir) / case.name
+        cfg = tc.config(case, assets, run_dir)
+        result = trainer.run(cfg)
+        out.append({"case": case.name, "losses": result.losses,
+                    "checkpoints": str(run_dir / "checkpoints"),
+                    "export_dir": result.export_dir,
+                    "export_max_abs_diff": result.export_max_abs_diff})
+    return out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    print(json.dumps(verify_many([tuple(p) for p in json.loads(sys.argv[1])])))
