@@ -248,6 +248,8 @@ def cpu_part(args) -> dict:
         opts = {"rounds": args.rounds, "train": dict(layout=layout, steps=args.steps, seq=128,
                                                      micro=4, global_batch=8, precision="fp32")}
         with RankPool(2) as pool:
+            if args.profile:
+                print(pool.run(profile_trainer, assets, opts, timeout=3600)[0])
             per_rank = pool.run(compare, assets, opts, timeout=3600)
     return summarize(per_rank[0])
 
@@ -286,7 +288,7 @@ def main() -> int:
                         "cost per step is shared by this many micro-batches")
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--profile", action="store_true",
-                   help="GPU part: print torch.profiler tables of a trainer run first")
+                   help="print torch.profiler tables of a trainer run first (rank 0)")
     args = p.parse_args()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
     if not args.skip_cpu:

@@ -41,6 +41,7 @@ class Case:
     offload: str = "none"
     steps: int = STEPS
     overrides: tuple[str, ...] = ()
+    ref: str | None = None  # the reference case to match (default: ref_<model>)
 
 
 # -- assets (built in the test process, without mdtk's CPU mode) ---------------------------------

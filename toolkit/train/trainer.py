@@ -151,7 +151,8 @@ def deepspeed_config(cfg: TrainConfig, run: cfgmod.RunPlan, hf_config: dict[str,
     world = run.layout.world_size
     if ds.zero_stage != "auto":  # refuse what the engine cannot run before sizing anything
         check_supported({"zero_optimization": {"stage": int(ds.zero_stage)},
-                         "fp16": {"enabled": cfg.train.precision == "fp16"}},
+                         "fp16": {"enabled": cfg.train.precision == "fp16"},
+                         "gradient_clipping": cfg.optim.clip_grad},
                         pp=run.layout.pp, has_experts=_has_experts(hf_config))
     if ds.config and ds.config != "auto":
         try:
