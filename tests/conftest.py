@@ -61,3 +61,14 @@ def rank_pool_4():
     pool = _LazyPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    """Tiny random-weight HF checkpoints of every adapter family (+ their HF logits), built
+    once per session in this process (without mdtk's CPU mode). Tests only add subfolders."""
+    from dist_checks import adapter_checks
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    adapter_checks.build_checkpoints(root)
+    return root

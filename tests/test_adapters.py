@@ -31,13 +31,6 @@ _SPLIT = re.compile(
 
 
 @pytest.fixture(scope="session")
-def tiny_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    ac.build_checkpoints(root)
-    return root
-
-
-@pytest.fixture(scope="session")
 def results_2(tiny_root, rank_pool_2):
     per_rank = rank_pool_2.run(ac.check_layouts, str(tiny_root), FAMILIES, LAYOUTS_2,
                                timeout=900)

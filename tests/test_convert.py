@@ -58,18 +58,11 @@ def _chain(src: Path, out: Path, family: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("convert")
-    ac.build_checkpoints(root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def chains(tiny):
+def chains(tiny_root):
     results = {}
     for family in FAMILIES:
         try:
-            results[family] = _chain(tiny / family, tiny / "out" / family, family)
+            results[family] = _chain(tiny_root / family, tiny_root / "out" / family, family)
         except Exception:  # noqa: BLE001 - reported by the family's own test
             results[family] = {"error": traceback.format_exc()}
     return results
@@ -90,11 +83,11 @@ def test_every_format_pair_round_trips_bit_exactly(chains, family):
         assert cmp["unequal"] == [], (route, cmp["unequal"])
 
 
-def test_megatron_files_have_the_layouts_asked_for(chains, tiny):
+def test_megatron_files_have_the_layouts_asked_for(chains, tiny_root):
     """Legacy folders hold one file per rank of the asked layout, shards of the right shapes;
     torch_dist stores the vocab padded for the tp it was written for."""
     assert "error" not in chains["llama"], chains["llama"].get("error")
-    out = tiny / "out" / "llama"
+    out = tiny_root / "out" / "llama"
     assert _rank_dirs(out / "leg_a") == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
                                          "mp_rank_01_001"]
     assert _rank_dirs(out / "leg_b") == [f"mp_rank_00_{p:03d}" for p in range(4)]
@@ -107,7 +100,7 @@ def test_megatron_files_have_the_layouts_asked_for(chains, tiny):
     assert first["args"].tensor_model_parallel_size == 2
     # pp rank 1 with vpp=2 holds global layers 1 and 3 as chunk-local layer 0
     assert "decoder.layers.1.self_attention.linear_qkv.weight" not in first["model0"]
-    with HFReader(tiny / "llama") as ref:
+    with HFReader(tiny_root / "llama") as ref:
         full = ref.read("model.embed_tokens.weight", ((0, 1001), (0, 64)))
     assert torch.equal(emb[:500], full[501:1001])
     assert torch.count_nonzero(emb[500]) == 0  # the padding row
@@ -119,27 +112,27 @@ def test_megatron_files_have_the_layouts_asked_for(chains, tiny):
         assert common["args"].padded_vocab_size == rows
     moe = chains.get("mixtral", {})
     assert "error" not in moe, moe.get("error")
-    assert _rank_dirs(tiny / "out" / "mixtral" / "leg_b") == [
+    assert _rank_dirs(tiny_root / "out" / "mixtral" / "leg_b") == [
         f"mp_rank_00_{p:03d}_{e:03d}" for p in range(2) for e in range(4)]
 
 
-def test_converted_checkpoints_give_the_hf_logits(chains, tiny):
+def test_converted_checkpoints_give_the_hf_logits(chains, tiny_root):
     """`mdtk verify`'s runners, every family: the torch_dist checkpoint loaded by megatron-core's
     own dist_checkpointing.load, and a re-sharded legacy checkpoint; a tampered copy must fail."""
     ok = [f for f in FAMILIES if "error" not in chains[f]]
     assert ok == FAMILIES
-    tampered = tiny / "out" / "llama" / "tampered"
-    shutil.copytree(tiny / "out" / "llama" / "leg_b", tampered)
+    tampered = tiny_root / "out" / "llama" / "tampered"
+    shutil.copytree(tiny_root / "out" / "llama" / "leg_b", tampered)
     file = tampered / "release" / "mp_rank_00_001" / "model_optim_rng.pt"
     state = load_torch(file, mmap=False)
     state["model"]["decoder.layers.0.mlp.linear_fc2.weight"][0, 0] += 0.5
     torch.save(state, file)
     pairs = []
     for f in FAMILIES:
-        ref = str(tiny / f)
-        pairs += [(ref, f"mcore:{tiny / 'out' / f / 'm_tp2'}"),
-                  (ref, f"megatron-legacy:{tiny / 'out' / f / 'leg_b'}")]
-    pairs.append((str(tiny / "llama"), f"megatron-legacy:{tampered}"))
+        ref = str(tiny_root / f)
+        pairs += [(ref, f"mcore:{tiny_root / 'out' / f / 'm_tp2'}"),
+                  (ref, f"megatron-legacy:{tiny_root / 'out' / f / 'leg_b'}")]
+    pairs.append((str(tiny_root / "llama"), f"megatron-legacy:{tampered}"))
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "dist_checks" /
                                                "convert_checks.py"), json.dumps(pairs)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -153,19 +146,21 @@ def test_converted_checkpoints_give_the_hf_logits(chains, tiny):
     assert bad["max_abs"] > 1e-2, bad  # the comparison can fail
 
 
-def test_mdtk_verify_cli_after_conversion(chains, tiny):
+def test_mdtk_verify_cli_after_conversion(chains, tiny_root):
     assert "error" not in chains["qwen3"], chains["qwen3"].get("error")
-    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "mdtk"), "verify",
-                           f"hf:{tiny / 'qwen3'}", f"mcore:{tiny / 'out' / 'qwen3' / 'm_tp1'}",
-                           "--tol", str(TOL)], capture_output=True, text=True, timeout=600)
+    converted = tiny_root / "out" / "qwen3" / "m_tp1"
+    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "verify",
+                           f"hf:{tiny_root / 'qwen3'}", f"mcore:{converted}",
+                           "--tol", str(TOL)], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "OK: logits match" in proc.stdout
 
 
-def test_dtype_cast_and_workers(tiny, tmp_path):
+def test_dtype_cast_and_workers(tiny_root, tmp_path):
     """--dtype bf16 gives exactly the bf16-rounded weights; 2 worker processes write the same
     tensors as one process; --verify reads the result back."""
-    src = tiny / "qwen2"
+    src = tiny_root / "qwen2"
     report = convert(src, tmp_path / "m", "mcore", L(tp=2), dtype="bf16", progress=False,
                      verify=True)
     assert report.verified == report.tensors > 0
@@ -205,9 +200,10 @@ def _fails(src: Path, dst: Path, to: str, names: str, layout: L | None = None) -
 
 
 @pytest.fixture
-def sharded(tiny, tmp_path):
+def sharded(tiny_root, tmp_path):
     """The llama checkpoint re-written as 6 safetensors shards with an index."""
-    convert(tiny / "llama", tmp_path / "sharded", "hf", progress=False, max_shard_bytes=100_000)
+    convert(tiny_root / "llama", tmp_path / "sharded", "hf", progress=False,
+            max_shard_bytes=100_000)
     return tmp_path / "sharded"
 
 
@@ -228,16 +224,16 @@ def test_missing_shard_in_index(sharded, tmp_path):
     assert "missing" in msg
 
 
-def test_mismatched_shapes(tiny, tmp_path):
+def test_mismatched_shapes(tiny_root, tmp_path):
     bad = tmp_path / "bad"
-    shutil.copytree(tiny / "llama", bad)
+    shutil.copytree(tiny_root / "llama", bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (bad / "config.json").write_text(json.dumps(cfg))
     msg = _fails(bad, tmp_path / "out", "mcore", str(bad / "model.safetensors"))
     assert "gate_proj" in msg and "(96, 64)" in msg
     # a legacy rank file holding a tensor of the wrong shape
-    convert(tiny / "llama", tmp_path / "leg", "megatron-legacy", L(tp=2), progress=False)
+    convert(tiny_root / "llama", tmp_path / "leg", "megatron-legacy", L(tp=2), progress=False)
     file = tmp_path / "leg" / "release" / "mp_rank_01" / "model_optim_rng.pt"
     state = load_torch(file, mmap=False)
     key = "decoder.layers.2.mlp.linear_fc2.weight"
@@ -247,13 +243,14 @@ def test_mismatched_shapes(tiny, tmp_path):
     assert key in msg
 
 
-def test_damaged_megatron_checkpoints(tiny, tmp_path):
-    convert(tiny / "mixtral", tmp_path / "m", "mcore", progress=False)
+def test_damaged_megatron_checkpoints(tiny_root, tmp_path):
+    convert(tiny_root / "mixtral", tmp_path / "m", "mcore", progress=False)
     data = tmp_path / "m" / "release" / "__0_0.distcp"
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
     _fails(tmp_path / "m", tmp_path / "out", "hf", str(data))
-    convert(tiny / "mixtral", tmp_path / "leg", "megatron-legacy", L(pp=2, ep=2), progress=False)
+    convert(tiny_root / "mixtral", tmp_path / "leg", "megatron-legacy", L(pp=2, ep=2),
+            progress=False)
     shutil.rmtree(tmp_path / "leg" / "release" / "mp_rank_00_001_001")
     msg = _fails(tmp_path / "leg", tmp_path / "out", "hf", "missing")
     assert "(0, 1, 1)" in msg and str(tmp_path / "leg" / "release") in msg
@@ -265,16 +262,16 @@ def test_damaged_megatron_checkpoints(tiny, tmp_path):
     _fails(tmp_path / "leg", tmp_path / "out", "mcore", str(rank))
 
 
-def test_refuses_to_overwrite(tiny, tmp_path):
+def test_refuses_to_overwrite(tiny_root, tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="--overwrite"):
-        convert(tiny / "gpt2", dst, "mcore", progress=False)
+        convert(tiny_root / "gpt2", dst, "mcore", progress=False)
     assert (dst / "keep.txt").read_text() == "mine"
     with pytest.raises(ValueError, match="inside the source"):
-        convert(tiny / "gpt2", tiny / "gpt2" / "sub", "hf", progress=False)
-    convert(tiny / "gpt2", dst, "mcore", progress=False, overwrite=True)
+        convert(tiny_root / "gpt2", tiny_root / "gpt2" / "sub", "hf", progress=False)
+    convert(tiny_root / "gpt2", dst, "mcore", progress=False, overwrite=True)
     assert not (dst / "keep.txt").exists() and (dst / "latest_checkpointed_iteration.txt").exists()
     mask = os.umask(0)
     os.umask(mask)
@@ -284,7 +281,7 @@ def test_refuses_to_overwrite(tiny, tmp_path):
 
 # -- the command line --------------------------------------------------------------------------
 
-def test_cli_convert_and_inspect(tiny, tmp_path):
+def test_cli_convert_and_inspect(tiny_root, tmp_path):
     from toolkit.cli import app
 
     runner = CliRunner()
@@ -293,7 +290,7 @@ def test_cli_convert_and_inspect(tiny, tmp_path):
                 "--verify", "--overwrite", "--hf-config"):
         assert opt in help_text, opt
     dst = tmp_path / "leg"
-    res = runner.invoke(app, ["convert", str(tiny / "mistral"), str(dst), "--to",
+    res = runner.invoke(app, ["convert", str(tiny_root / "mistral"), str(dst), "--to",
                               "megatron-legacy", "--tp", "2", "--pp", "2", "--verify"])
     assert res.exit_code == 0, res.output
     assert "MB" in res.output or "kB" in res.output  # the progress bar's byte counts
@@ -305,11 +302,11 @@ def test_cli_convert_and_inspect(tiny, tmp_path):
         assert line in res.output, res.output
     params = sum(t.numel() for t in
                  __import__("transformers").AutoModelForCausalLM.from_pretrained(
-                     tiny / "mistral").state_dict().values())
+                     tiny_root / "mistral").state_dict().values())
     assert f"parameters:   {params:,}" in res.output
-    res = runner.invoke(app, ["convert", str(tiny / "mistral"), str(dst), "--to", "hf"])
+    res = runner.invoke(app, ["convert", str(tiny_root / "mistral"), str(dst), "--to", "hf"])
     assert res.exit_code == 2 and "--overwrite" in res.output
-    res = runner.invoke(app, ["convert", str(tiny / "mistral"), str(tmp_path / "x"), "--to",
+    res = runner.invoke(app, ["convert", str(tiny_root / "mistral"), str(tmp_path / "x"), "--to",
                               "mcore", "--tp", "3"])
     assert res.exit_code == 2 and "tp=3" in res.output
     _no_output(tmp_path / "x")
