@@ -12,10 +12,15 @@ import warnings
 
 import typer
 
-# megatron-core warns once per module about each optional kernel package it cannot import;
-# `mdtk env` lists what is missing, so runs keep their logs to what matters.
-warnings.filterwarnings("ignore",
-                        message=r"(Transformer Engine and Apex are|Apex is) not installed")
+# Library noise, once per rank, that says nothing about the run: megatron-core warns about each
+# optional kernel package it cannot import (`mdtk env` lists them) and about its own default
+# cuda_graph_scope; DeepSpeed calls a torch collective torch has renamed.
+for _pattern, _category in (
+    (r"(Transformer Engine and Apex are|Apex is) not installed", UserWarning),
+    (r"full scope is deprecated", UserWarning),
+    (r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning),
+):
+    warnings.filterwarnings("ignore", message=_pattern, category=_category)
 
 app = typer.Typer(
     name="mdtk",
