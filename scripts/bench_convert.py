@@ -39,19 +39,17 @@ MDTK = str(ROOT / ".venv" / "bin" / "mdtk")
 _LLAMA3_ROPE = {"rope_type": "llama3", "original_max_position_embeddings": 8192,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 # The published config.json values of meta-llama/Llama-3.2-1B and meta-llama/Llama-3.1-8B.
+_LLAMA3 = dict(architectures=["LlamaForCausalLM"], num_attention_heads=32, num_key_value_heads=8,
+               vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+               rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001, hidden_act="silu",
+               attention_bias=False, mlp_bias=False, torch_dtype="bfloat16")
 CONFIGS = {
-    "1b": dict(architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
-               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-               vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-               rope_theta=500000.0, rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
-               tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
-               hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="bfloat16"),
-    "8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-               rope_theta=500000.0, rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
-               tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-               hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="bfloat16"),
+    "1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               head_dim=64, rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
+               tie_word_embeddings=True),
+    "8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               head_dim=128, rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
+               tie_word_embeddings=False),
 }
 
 

@@ -18,7 +18,6 @@ import concurrent.futures as cf
 import importlib
 import multiprocessing
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,15 +27,10 @@ from typing import Any
 import torch
 
 from toolkit.adapters import CheckpointMismatch, adapter_for, load_hf_config
+from toolkit.atomic import building
 from toolkit.checkpoint import detect as detect_mod
 from toolkit.checkpoint import mcore_dist, megatron_legacy
-from toolkit.checkpoint.hf import (
-    CheckpointError,
-    HFReader,
-    HFWriter,
-    _replace_dir,
-    make_temp_dir,
-)
+from toolkit.checkpoint.hf import CheckpointError, HFReader, HFWriter
 from toolkit.parallel.layout import ParallelLayout
 
 TARGETS = ("hf", "mcore", "megatron-legacy")
@@ -68,7 +62,9 @@ def _open_hf(path: Path, hf_config: Path | None = None) -> tuple[Any, Any, dict]
                                                        "files": files}
 
 
-def _adapter_factory(override: Path | None) -> Callable[[Path | None, dict], Any]:
+def adapter_factory(override: Path | None) -> Callable[[Path | None, dict], Any]:
+    """For Megatron-side sources: ``make(found_hf_dir, common)`` builds the adapter from the
+    checkpoint's own ``hf_config/`` folder, or from ``override`` (``--hf-config``)."""
     def make(found: Path | None, common: dict) -> Any:
         folder = override or found
         if folder is None:
@@ -86,7 +82,7 @@ def _layout_from_args(args: Any) -> dict[str, Any]:
 
 
 def _open_mcore(path: Path, hf_config: Path | None = None) -> tuple[Any, Any, dict]:
-    source, ckpt = mcore_dist.open_source(path, _adapter_factory(hf_config))
+    source, ckpt = mcore_dist.open_source(path, adapter_factory(hf_config))
     return source, source.hf_config, {
         "hf_dir": source.adapter.source, "iteration": ckpt.iteration, "folder": ckpt.path,
         "layout": _layout_from_args(ckpt.common.get("args")),
@@ -94,7 +90,7 @@ def _open_mcore(path: Path, hf_config: Path | None = None) -> tuple[Any, Any, di
 
 
 def _open_legacy(path: Path, hf_config: Path | None = None) -> tuple[Any, Any, dict]:
-    source, ckpt = megatron_legacy.open_source(path, _adapter_factory(hf_config))
+    source, ckpt = megatron_legacy.open_source(path, adapter_factory(hf_config))
     return source, source.hf_config, {
         "hf_dir": source.adapter.source, "iteration": ckpt.iteration, "folder": ckpt.path,
         "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
@@ -160,6 +156,15 @@ def _open(ctx: _Ctx) -> _Opened:
         source.close()
         raise
     return _Opened(source, adapter, info, names)
+
+
+def open_checkpoint(path: str | Path, hf_config: str | Path | None = None,
+                    fmt: str | None = None) -> _Opened:
+    """Any supported checkpoint folder as HF-named tensors: ``.read(name, region)``,
+    ``.adapter``, ``.info``, ``.source`` (close it when done). ``fmt`` defaults to detection."""
+    path = Path(path)
+    return _open(_Ctx(fmt or detect(path), str(path), str(hf_config) if hf_config else None,
+                      None, 1))
 
 
 def _where(source: Any, adapter: Any, stored: dict[str, tuple[int, ...]]) -> str:
@@ -353,9 +358,7 @@ def _write_megatron(ctx: _Ctx, op: _Opened, to: str, dst: Path, layout: Parallel
                     overwrite: bool, bar: Any, fsync: bool = False) -> None:
     adapter = op.adapter
     iteration = op.info.get("iteration")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(dst)
-    try:
+    with building(dst) as tmp:
         folder = mcore_dist.write_tracker(tmp, iteration)
         out_dtype = dtype or dtype_of(next(iter(adapter.expected_tensors())))
         mcore_dist.save_hf_config(adapter, tmp, out_dtype)
@@ -387,10 +390,6 @@ def _write_megatron(ctx: _Ctx, op: _Opened, to: str, dst: Path, layout: Parallel
             _fsync_tree(tmp)
         if dst.exists() and not overwrite:
             raise CheckpointError(f"{dst} appeared while converting; not overwriting it.")
-        _replace_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _fsync_tree(root: Path) -> None:
@@ -404,7 +403,7 @@ def verify_conversion(ctx: _Ctx, dst: Path, to: str, dtype: torch.dtype | None) 
     """Read every HF tensor of ``dst`` and compare bit-exactly with the source (cast to dtype)."""
     fmt = {"hf": "hf", "mcore": mcore_dist.FORMAT, "megatron-legacy": megatron_legacy.FORMAT}[to]
     a = _open(ctx)
-    b = _open(_Ctx(fmt, str(dst), ctx.hf_config if to != "hf" else None, None, 1))
+    b = open_checkpoint(dst, ctx.hf_config if to != "hf" else None, fmt)
     try:
         bad, n = [], 0
         for name, shape in a.adapter.expected_tensors().items():
@@ -497,7 +496,7 @@ def inspect(path: str | Path, *, hf_config: str | Path | None = None,
         return Info(path, None, problems=[str(err)])
     info = Info(path, fmt)
     try:
-        op = _open(_Ctx(fmt, str(path), str(hf_config) if hf_config else None, None, 1))
+        op = open_checkpoint(path, hf_config, fmt)
     except (CheckpointError, ValueError, OSError) as err:
         info.problems.append(f"{type(err).__name__}: {err}")
         info.files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())

@@ -10,10 +10,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from toolkit.atomic import building
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = ROOT / "examples" / "sft_tiny.yaml"
@@ -38,14 +39,11 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
 
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_tokenizer(tmp)
-    config = AutoConfig.for_model(**json.loads(TINY_LLAMA.read_text()))
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)  # an incomplete earlier attempt
-    tmp.rename(out)
+    with building(out) as tmp:  # replaces an incomplete earlier attempt
+        build_tiny_tokenizer(tmp)
+        config = AutoConfig.for_model(**json.loads(TINY_LLAMA.read_text()))
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
     return out
 
 

@@ -111,9 +111,9 @@ def _megatron_model(path: Path):
     from toolkit import parallel, runtime
     from toolkit.adapters import adapter_for
     from toolkit.bridge import build_model
-    from toolkit.convert import _Ctx, _open, detect
+    from toolkit.convert import open_checkpoint
 
-    op = _open(_Ctx(detect(path), str(path), None, None, 1))
+    op = open_checkpoint(path)
     _single_process_dist()
     runtime.enable_cpu_mode()
     mpu = parallel.initialize(parallel.ParallelLayout())

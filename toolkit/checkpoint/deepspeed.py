@@ -507,9 +507,9 @@ def _param_name(chunk: int, name: str, vpp: int) -> str:
 # -- registration as a converter source ---------------------------------------------------------
 
 def _open(path: Path, hf_config: Path | None = None) -> tuple[Any, Any, dict]:
-    from toolkit.convert import _adapter_factory
+    from toolkit.convert import adapter_factory
 
-    source, ckpt = open_source(path, _adapter_factory(hf_config))
+    source, ckpt = open_source(path, adapter_factory(hf_config))
     return source, source.hf_config, {
         "hf_dir": source.adapter.source, "iteration": ckpt.step, "folder": ckpt.path,
         "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,

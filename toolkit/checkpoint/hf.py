@@ -18,13 +18,14 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from toolkit.atomic import replace_dir, temp_dir
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -306,7 +307,7 @@ class HFWriter:
             raise CheckpointError(f"{self.out_dir} exists: choose a new folder or pass "
                                   "overwrite=True (--overwrite).")
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = make_temp_dir(self.out_dir)
+        self.tmp = temp_dir(self.out_dir)
         self.max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -373,7 +374,7 @@ class HFWriter:
                 for f in self.tmp.iterdir():
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
-            _replace_dir(self.tmp, self.out_dir)
+            replace_dir(self.tmp, self.out_dir)
         except BaseException:
             self.abort()
             raise
@@ -456,23 +457,3 @@ class _StreamPlan:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def make_temp_dir(dst: Path) -> Path:
-    """A temporary sibling of ``dst`` (``.NAME.tmp-*``) with the permissions a plain mkdir gives
-    (``tempfile.mkdtemp`` makes 0700 folders, which would become the output's mode)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)
-    return tmp
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-    os.replace(dst, old / dst.name)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)

@@ -7,11 +7,10 @@ regenerates them and compares.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from toolkit.atomic import write_text
 from toolkit.dsconfig.generator import Plan, Request, generate
 from toolkit.memory import GIB, Cluster, TrainShape, load_model_shape
 
@@ -94,20 +93,6 @@ def readme(plans: dict[str, Plan]) -> str:
 
 def render(config: dict[str, Any]) -> str:
     return json.dumps(config, indent=2) + "\n"
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write to a temporary sibling, then rename: readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_json(path: Path, config: dict[str, Any]) -> None:

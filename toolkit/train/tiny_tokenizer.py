@@ -10,12 +10,11 @@ about a second and saves it as a normal HF tokenizer folder that ``AutoTokenizer
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from toolkit.atomic import building
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -71,11 +70,8 @@ def build_tiny_tokenizer(out_dir: str | Path, texts: Iterable[str] | None = None
                                       model_max_length=1 << 20)
     wrapped.chat_template = CHAT_TEMPLATE
 
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    wrapped.save_pretrained(str(tmp))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with building(out) as tmp:
+        wrapped.save_pretrained(str(tmp))
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit import parallel, runtime
+from toolkit.atomic import write_text
 from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
 from toolkit.train.checkpointing import (
@@ -345,9 +346,7 @@ def _train(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[str,
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=1))
 
 
 def evaluate(cfg: TrainConfig, engine, chunks, split, run_plan: cfgmod.RunPlan, dp: int,

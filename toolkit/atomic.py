@@ -1,0 +1,70 @@
+"""Outputs appear whole or not at all: write into a temporary sibling, rename when complete.
+
+A rename within one folder is atomic, so a reader (or a user after a crash) sees the old output,
+the new one, or nothing; never half a file, never a folder that looks complete but is not.
+Temporary siblings are dot-named (``.NAME.tmp-*``) so listings and globs skip them.
+
+Collective writers (the trainer's checkpoints, the tokenised-data cache) have their own
+protocols on top (every rank writes, rank 0 renames after a barrier); single-writer outputs
+use this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def temp_dir(dst: Path) -> Path:
+    """A temporary sibling folder of ``dst`` with the permissions a plain mkdir gives
+    (``tempfile.mkdtemp`` makes 0700 folders, which would become the output's mode)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)
+    return tmp
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished folder ``src`` to ``dst``, replacing what is there."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.replace(dst, old / dst.name)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building(dst: str | Path) -> Iterator[Path]:
+    """``with building(dst) as tmp:`` fill ``tmp``; on success it becomes ``dst`` (replacing it),
+    on any error it is removed and ``dst`` is left as it was."""
+    dst = Path(dst)
+    tmp = temp_dir(dst)
+    try:
+        yield tmp
+        replace_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
