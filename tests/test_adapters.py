@@ -188,7 +188,7 @@ def test_wrong_routing_normalisation_is_detected(tiny_root, rank_pool_2):
 
 def test_verify_hf_against_megatron_core(tiny_root, rank_pool_2):
     """`mdtk verify`'s library path: HF model vs the same folder loaded into megatron-core."""
-    from toolkit.verify import run_hf
+    from toolkit.convert.verify import run_hf
 
     # The HF reference runs here: transformers models loaded in a process after megatron-core's
     # CPU mode was enabled get garbage RoPE buffers (reported to the runtime owner).

@@ -22,7 +22,8 @@ import torch
 from dist_checks import adapter_checks as ac
 from typer.testing import CliRunner
 
-from toolkit.checkpoint.hf import CheckpointError, HFReader
+from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.hf import HFReader
 from toolkit.checkpoint.safe_load import load_torch
 from toolkit.convert import convert, inspect
 from toolkit.parallel.layout import ParallelLayout as L

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from toolkit.adapters import Adapter, adapter_for
-from toolkit.checkpoint.hf import CheckpointError, HFReader, HFWriter
+from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.hf import HFReader, HFWriter
 from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 

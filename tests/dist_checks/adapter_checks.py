@@ -232,7 +232,8 @@ def check_dtypes(root: str, out: str) -> dict:
     dtype by default (values = bf16-rounded originals) or writes the dtype asked for."""
     from toolkit import parallel
     from toolkit.bridge import export_hf, load_hf
-    from toolkit.checkpoint.hf import CheckpointError, HFReader
+    from toolkit.checkpoint import CheckpointError
+    from toolkit.checkpoint.hf import HFReader
 
     src = Path(root) / "qwen2"
     chunks, adapter = load_hf(src, _layout_kwargs({"tp": 2}), dtype="bfloat16")
@@ -265,15 +266,15 @@ def check_dtypes(root: str, out: str) -> dict:
 
 
 def verify_hf_mcore(path: str, reference) -> dict:
-    """toolkit.verify's megatron-core runner vs an HF run made in the test process."""
-    from toolkit.verify import compare, run_hf_mcore
+    """toolkit.convert.verify's megatron-core runner vs an HF run made in the test process."""
+    from toolkit.convert.verify import compare, run_hf_mcore
 
     c = compare(reference, run_hf_mcore(Path(path), reference_tokens()))
     return {"max_abs": c.max_abs, "max_rel": c.max_rel, "layers": c.layers}
 
 
 def reference_tokens() -> torch.Tensor:
-    from toolkit.verify import fixed_tokens
+    from toolkit.convert.verify import fixed_tokens
 
     return fixed_tokens(VOCAB, 2, 16)
 

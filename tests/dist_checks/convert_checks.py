@@ -1,10 +1,10 @@
 """Helpers for the converter tests that must run outside the pytest process.
 
-``verify_many`` runs ``toolkit.verify``'s runners (the ones behind ``mdtk verify``) on converted
-checkpoints: the HF references first (transformers must load before mdtk's CPU mode is on in a
-process), then every megatron checkpoint (megatron-core's own ``dist_checkpointing.load`` for
-torch_dist, mdtk's reader for legacy files). Run as a script it reads a JSON list of
-``[reference HF folder, spec]`` pairs and prints one JSON line of results.
+``verify_many`` runs ``toolkit.convert.verify``'s runners (the ones behind ``mdtk verify``) on
+converted checkpoints: the HF references first (transformers must load before mdtk's CPU mode is
+on in a process), then every megatron checkpoint (megatron-core's own
+``dist_checkpointing.load`` for torch_dist, mdtk's reader for legacy files). Run as a script it
+reads a JSON list of ``[reference HF folder, spec]`` pairs and prints one JSON line of results.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def verify_many(pairs: list[tuple[str, str]], batch: int = 2, seq_len: int = 16) -> list[dict]:
-    from toolkit.verify import RUNNERS, compare, fixed_tokens, parse_spec, vocab_size
+    from toolkit.convert.verify import RUNNERS, compare, fixed_tokens, parse_spec, vocab_size
 
     refs = {}
     for ref, _ in pairs:  # all transformers runs first

@@ -1,1 +1,9 @@
-"""Checkpoint readers and writers, one module per format (hf, ...)."""
+"""Checkpoint readers and writers, one module per format, and the format registry (``formats``).
+
+``CheckpointError`` lives here, below every format module, so that readers, writers and their
+users import the error without importing a reader.
+"""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be used as given; the message names the file or tensor."""

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from toolkit.checkpoint.hf import CheckpointError
+from toolkit.checkpoint import CheckpointError
 from toolkit.mapping import Column, Piece, Rule
 
 Region = tuple[tuple[int, int], ...]

@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
+from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
-from toolkit.checkpoint.hf import CheckpointError
 from toolkit.checkpoint.safe_load import load_torch
 from toolkit.mapping import Coord, plan_rank
 from toolkit.mapping.plan import EXPERTS
@@ -504,23 +504,17 @@ def _param_name(chunk: int, name: str, vpp: int) -> str:
     return f"{chunk}.{name}" if vpp > 1 else name
 
 
-# -- registration as a converter source ---------------------------------------------------------
+# -- registration as a checkpoint format ----------------------------------------------------------
 
-def _open(path: Path, hf_config: Path | None = None) -> tuple[Any, Any, dict]:
-    from toolkit.convert import adapter_factory
-
-    source, ckpt = open_source(path, adapter_factory(hf_config))
-    return source, source.hf_config, {
-        "hf_dir": source.adapter.source, "iteration": ckpt.step, "folder": ckpt.path,
+def open_format(path: Path, make_adapter: formats.AdapterFactory
+                ) -> tuple[McoreFullSource, Any, dict]:
+    """A DeepSpeed checkpoint of mdtk's trainer as a source (``formats`` opener)."""
+    source, ckpt = open_source(path, make_adapter)
+    return source, source.adapter, {
+        "iteration": ckpt.step, "folder": ckpt.path,
         "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
                    "dp": ckpt.dp, "ep": ckpt.ep, "etp": ckpt.etp, "zero": ckpt.stage},
         "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files)}
 
 
-def _register() -> None:
-    from toolkit.convert import register_source
-
-    register_source(FORMAT, _open, looks_like)
-
-
-_register()
+formats.register(FORMAT, open_format, looks_like)

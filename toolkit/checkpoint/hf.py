@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 from toolkit.atomic import replace_dir, temp_dir
+from toolkit.checkpoint import CheckpointError, formats
+from toolkit.checkpoint.formats import AdapterFactory
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -41,10 +43,6 @@ _SAFE_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be used as given; the message names the file or tensor."""
 
 
 @dataclass(frozen=True)
@@ -457,3 +455,27 @@ class _StreamPlan:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+# -- registration as a checkpoint format ----------------------------------------------------------
+
+FORMAT = "hf"
+
+
+def looks_like(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(
+        (path / f).is_file() for f in (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE))
+
+
+def open_format(path: Path, make_adapter: AdapterFactory) -> tuple[HFReader, Any, dict]:
+    """An HF folder as a source (``formats`` opener): its reader, adapter and weight files."""
+    reader = HFReader(path)
+    try:
+        adapter = make_adapter(Path(path), {})
+    except BaseException:
+        reader.close()
+        raise
+    return reader, adapter, {"files": sorted(set(reader.files.values()))}
+
+
+formats.register(FORMAT, open_format, looks_like)

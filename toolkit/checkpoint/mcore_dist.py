@@ -9,7 +9,7 @@ Format facts (checked against megatron-core 0.16.1 and torch 2.13):
   leading axis (``decoder.layers.self_attention.linear_qkv.weight`` has global shape
   ``(L, out, in)``), experts along a second one (``decoder.layers.mlp.experts.experts.*``,
   ``(L, E, ...)``); norms use TE-style names from the layer spec's
-  ``sharded_state_dict_keys_map`` (``input_layernorm.weight`` ->
+  ``sharded_state_dict_keys_map`` (``KEYS_MAP``: ``input_layernorm.weight`` ->
   ``self_attention.linear_qkv.layer_norm_weight``). The global tensor of a key is the tp=1
   tensor (SwiGLU ``linear_fc1`` is ``[gate; up]``), so the tp=1 megatron tensor of layer i is
   slice i. Vocab tensors keep the padding they were saved with (global shape = padded vocab).
@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
+from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, local_tensor
-from toolkit.checkpoint.hf import TOKENIZER_FILES, CheckpointError
+from toolkit.checkpoint.hf import TOKENIZER_FILES
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_torch
 from toolkit.mapping import EXPERTS
 
@@ -102,13 +103,22 @@ def find_hf_config(path: Path) -> Path | None:
     return None
 
 
-def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype | None) -> None:
-    """config.json (+ tokenizer files) of the model, so the checkpoint describes itself."""
+def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype) -> None:
+    """config.json (+ tokenizer files) of the model, so the checkpoint describes itself.
+
+    config.json is the adapter's HF config as JSON (``to_dict()`` of a transformers config or of
+    the plain config.json view) with the dtype of the weights: no transformers import.
+    """
     import shutil
 
     out = root / HF_CONFIG_DIR
     out.mkdir(parents=True, exist_ok=True)
-    adapter.export_config(dtype).save_pretrained(out)
+    config = adapter.hf_config.to_dict()
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    if "torch_dtype" in config:  # the older name of the same key: keep the two in agreement
+        config["torch_dtype"] = name
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     src = adapter.source
     if src is not None:
         for name in (*TOKENIZER_FILES, "generation_config.json"):
@@ -143,10 +153,13 @@ def megatron_args(adapter: Any, layout: Any, padded_vocab: int, iteration: int |
 
 # -- keys -----------------------------------------------------------------------------------------
 
-def keys_map(adapter: Any) -> dict[str, str]:
-    """The layer spec's renames of module names in sharded keys (TE-style norm names)."""
-    spec = adapter.layer_spec()
-    return dict(getattr(spec.submodules, "sharded_state_dict_keys_map", {}) or {})
+#: The renames of module names in sharded keys (TE-style norm names) that megatron-core's local
+#: layer spec declares (``TransformerLayerSubmodules.sharded_state_dict_keys_map`` of
+#: ``get_gpt_layer_local_spec``, which ``toolkit.models.layer_spec`` builds on for every family).
+#: Spelled out here so naming torch_dist keys needs no megatron-core import; a test compares it
+#: with the spec of every registered family.
+KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
 def non_homogeneous(adapter: Any) -> bool:
@@ -430,7 +443,7 @@ def full_names(ckpt: DistCheckpoint, adapter: Any) -> dict[str, tuple[str, tuple
     Stored keys the adapter's mapping does not know come back under their own name (with a
     ``[i, ...]`` suffix) so the source reports them instead of dropping them.
     """
-    renames = keys_map(adapter)
+    renames = KEYS_MAP
     flat = any(re.match(r"^decoder\.layers\.\d+\.", k) for k in ckpt.tensors)
     known: dict[tuple[str, tuple[int, ...]], str] = {}
     for name, _ in adapter.table(1).items():
@@ -491,7 +504,7 @@ class Item:
 
 def plan_items(adapter: Any, tp: int, dtype_of: Callable[[str], torch.dtype]) -> list[Item]:
     """Every tensor chunk of the checkpoint (one per layer / expert), in table order."""
-    renames = keys_map(adapter)
+    renames = KEYS_MAP
     flat = non_homogeneous(adapter)
     table = adapter.table(tp)
     d = adapter.dims
@@ -586,3 +599,25 @@ def write_metadata(folder: Path, items: list[Item], records: list[dict], num_lay
         pickle.dump(md, f)
     torch.save(common, folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps(BACKEND))
+
+
+# -- registration as a checkpoint format ----------------------------------------------------------
+
+def layout_of(args: Any) -> dict[str, Any]:
+    """tp / pp / vpp / ep of Megatron-LM run arguments (``common.pt``'s ``args``)."""
+    keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+            "vpp": "virtual_pipeline_model_parallel_size", "ep": "expert_model_parallel_size"}
+    return {k: getattr(args, v, None) for k, v in keys.items()} if args is not None else {}
+
+
+def open_format(path: Path, make_adapter: formats.AdapterFactory
+                ) -> tuple[McoreFullSource, Any, dict]:
+    """A torch_dist checkpoint as a source (``formats`` opener)."""
+    source, ckpt = open_source(path, make_adapter)
+    return source, source.adapter, {
+        "iteration": ckpt.iteration, "folder": ckpt.path,
+        "layout": layout_of(ckpt.common.get("args")),
+        "files": sorted(p.name for p in ckpt.path.iterdir())}
+
+
+formats.register(FORMAT, open_format, looks_like)

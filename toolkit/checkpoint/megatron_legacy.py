@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
-from toolkit.checkpoint.hf import CheckpointError
 from toolkit.checkpoint.mcore_dist import (
     CHECKPOINT_VERSION,
     checkpoint_dir,
@@ -239,3 +239,19 @@ def write_rank_file(folder: Path, coord: Coord, table: Table, read: Callable,
              "checkpoint_version": CHECKPOINT_VERSION, **extra}
     torch.save(state, sub / FILE)
     return sub / FILE
+
+
+# -- registration as a checkpoint format ----------------------------------------------------------
+
+def open_format(path: Path, make_adapter: formats.AdapterFactory
+                ) -> tuple[McoreFullSource, Any, dict]:
+    """A legacy checkpoint as a source (``formats`` opener)."""
+    source, ckpt = open_source(path, make_adapter)
+    return source, source.adapter, {
+        "iteration": ckpt.iteration, "folder": ckpt.path,
+        "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
+                   "ep": ckpt.ep},
+        "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files.values())}
+
+
+formats.register(FORMAT, open_format, looks_like)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from toolkit.checkpoint.hf import CheckpointError
+from toolkit.checkpoint import CheckpointError
 
 #: Modules whose globals (in a checkpoint's ``args``) become inert placeholders.
 OPAQUE_PREFIXES = ("megatron.", "transformer_engine.", "apex.", "deepspeed.", "enum.")

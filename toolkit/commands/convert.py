@@ -63,7 +63,7 @@ def convert(
 
       mdtk convert ./run/checkpoints/step_0000100 ./hf --to hf --dtype bf16
     """
-    from toolkit.checkpoint.hf import CheckpointError
+    from toolkit.checkpoint import CheckpointError
     from toolkit.convert import convert as run_convert
     from toolkit.parallel.layout import LayoutError, ParallelLayout
 

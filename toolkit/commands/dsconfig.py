@@ -28,7 +28,6 @@ from toolkit.commands.estimate import (
     layout_of,
     print_estimate,
 )
-from toolkit.memory import GIB, TrainShape
 
 
 def ds_config(
@@ -64,7 +63,7 @@ def ds_config(
         fail("give --model (to generate a config) or --check FILE (to lint one).")
     from toolkit.dsconfig import ConfigError, Request, generate, lint
     from toolkit.dsconfig.presets import render, write_json
-    from toolkit.memory import load_model_shape
+    from toolkit.memory import TrainShape, load_model_shape
 
     try:
         request = Request(
@@ -92,6 +91,8 @@ def ds_config(
 
 
 def _explain(plan) -> None:
+    from toolkit.memory import GIB
+
     err = typer.echo
     err("Options considered (least communication first):", err=True)
     for option in plan.considered:

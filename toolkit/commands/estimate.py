@@ -1,13 +1,20 @@
-"""``mdtk estimate``: the per-rank memory breakdown of one layout and ZeRO stage."""
+"""``mdtk estimate``: the per-rank memory breakdown of one layout and ZeRO stage.
+
+The memory model is imported when the command runs (``mdtk`` imports every command module to
+list it; the others do not need it).
+"""
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
 
-from toolkit.memory import GIB, Cluster, Estimate, TrainShape, parse_bytes
 from toolkit.parallel.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from toolkit.memory import Cluster, Estimate
 
 # Options shared with ``mdtk ds-config`` (one definition, used by both commands).
 MODEL = typer.Option(..., "--model", help="Preset name, config.json, folder or hub id.")
@@ -31,6 +38,8 @@ FLASH = typer.Option(True, "--flash/--no-flash", help="Flash attention (no s^2 s
 
 def cluster_of(nodes: int, gpus: int, gpu_mem: str, cpu_mem: str, nvme_path: str | None = None,
                nvme_size: str | None = None) -> Cluster:
+    from toolkit.memory import Cluster, parse_bytes
+
     return Cluster(nodes=nodes, gpus_per_node=gpus, gpu_mem=parse_bytes(gpu_mem),
                    cpu_mem=parse_bytes(cpu_mem), nvme_path=nvme_path,
                    nvme_size=parse_bytes(nvme_size) if nvme_size else None)
@@ -48,6 +57,8 @@ def fail(message: str) -> None:
 def print_estimate(est: Estimate, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from toolkit.memory import GIB
 
     table = Table(title=title)
     for col in ("what", "device", "GiB", "note"):
@@ -75,7 +86,7 @@ def estimate_cmd(
 ) -> None:
     """Per-rank bytes (parameters, gradients, optimizer, DeepSpeed buffers, activations)."""
     from toolkit.dsconfig.generator import zero_options
-    from toolkit.memory import estimate, load_model_shape
+    from toolkit.memory import TrainShape, estimate, load_model_shape
 
     try:
         shape = load_model_shape(model)

@@ -20,7 +20,7 @@ def verify(
     is a torch_dist checkpoint loaded by megatron-core's own dist_checkpointing.load;
     `megatron-legacy:PATH` merges mp_rank_XX files of any tp/pp (both need the hf_config/
     folder `mdtk convert` writes)."""
-    from toolkit.verify import verify as run_verify
+    from toolkit.convert.verify import verify as run_verify
 
     try:
         result = run_verify(a, b, batch=batch, seq_len=seq_len, seed=seed)

@@ -442,7 +442,7 @@ def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
 def _verify_export(chunks, adapter, out_dir: str) -> float:
     """Max abs logit difference, HF export (transformers) vs the live model; on every rank."""
     from toolkit import bridge
-    from toolkit.verify import fixed_tokens, run_hf
+    from toolkit.convert.verify import fixed_tokens, run_hf
 
     vocab = adapter.dims.vocab
     tokens = fixed_tokens(vocab, batch=2, seq_len=16)

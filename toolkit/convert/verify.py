@@ -111,13 +111,14 @@ def _megatron_model(path: Path):
     from toolkit import parallel, runtime
     from toolkit.adapters import adapter_for
     from toolkit.bridge import build_model
-    from toolkit.convert import open_checkpoint
+    from toolkit.convert.sources import open_checkpoint
 
     op = open_checkpoint(path)
     _single_process_dist()
     runtime.enable_cpu_mode()
     mpu = parallel.initialize(parallel.ParallelLayout())
-    adapter = adapter_for(op.adapter.hf_config, dtype=torch.float32)
+    # the live model from transformers' own config of the folder the checkpoint carries
+    adapter = adapter_for(op.adapter.source, dtype=torch.float32)
     return build_model(adapter, mpu.layout), adapter, op
 
 
@@ -166,8 +167,8 @@ def detect(path: Path) -> str:
     """The kind of a bare path."""
     if (path / "config.json").is_file():
         return "hf"
-    from toolkit.checkpoint.hf import CheckpointError
-    from toolkit.convert import detect as detect_format
+    from toolkit.checkpoint import CheckpointError
+    from toolkit.convert.sources import detect as detect_format
 
     try:
         kind = detect_format(path)

@@ -1,0 +1,43 @@
+"""The HF target: safetensors shards streamed tensor by tensor, then config and side files.
+
+The shard layout is planned up front (``HFWriter(plan=...)``), so each tensor goes to its file as
+soon as it is read and memory holds one tensor. ``config.json`` and ``generation_config.json``
+are written by transformers' own config classes (the one place the converter imports
+transformers), from the HF config folder of the source.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from toolkit.checkpoint.hf import HFWriter
+from toolkit.convert.progress import Progress
+from toolkit.convert.sources import Opened, full
+
+
+def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
+             overwrite: bool, max_shard_bytes: int, fsync: bool) -> None:
+    """Write the open source as an HF folder at ``dst`` (floating tensors cast to ``dtype``)."""
+    from toolkit.adapters import adapter_for
+    from toolkit.bridge import _generation_config
+
+    dtype_of = op.dtype_of(dtype)
+    expected = op.adapter.expected_tensors()
+    out_dtype = dtype or dtype_of(next(iter(expected)))
+    writer = HFWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
+                      plan={n: (tuple(s), dtype_of(n)) for n, s in expected.items()})
+    writer.fsync = fsync
+    try:
+        for name, shape in expected.items():
+            writer.add(name, op.read(name, full(shape)).to(dtype_of(name)))
+            bar.advance(math.prod(shape) * dtype_of(name).itemsize)
+        # transformers' config of the same folder: it writes config.json as transformers does
+        live = adapter_for(op.adapter.source)
+        writer.finish(live.export_config(out_dtype), generation_config=_generation_config(live),
+                      copy_from=op.adapter.source)
+    except BaseException:
+        writer.abort()
+        raise

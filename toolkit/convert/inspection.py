@@ -1,0 +1,56 @@
+"""``inspect``: what a checkpoint folder holds, and what is wrong with it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.checkpoint import CheckpointError
+from toolkit.convert.sources import detect, open_checkpoint
+
+
+@dataclass
+class Info:
+    path: Path
+    format: str | None
+    architecture: str | None = None
+    layout: dict[str, Any] = field(default_factory=dict)
+    dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> number of tensors
+    parameters: int = 0
+    tensors: int = 0
+    files: list[str] = field(default_factory=list)
+    iteration: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def inspect(path: str | Path, *, hf_config: str | Path | None = None,
+            source_format: str | None = None) -> Info:
+    """What a checkpoint folder holds, and the consistency problems found (never raises for a
+    damaged checkpoint: the problems are listed)."""
+    path = Path(path)
+    try:
+        fmt = source_format or detect(path)
+    except CheckpointError as err:
+        return Info(path, None, problems=[str(err)])
+    info = Info(path, fmt)
+    try:
+        op = open_checkpoint(path, hf_config, fmt)
+    except (CheckpointError, ValueError, OSError) as err:
+        info.problems.append(f"{type(err).__name__}: {err}")
+        info.files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+        return info
+    try:
+        info.architecture = op.adapter.architecture
+        info.iteration = op.info.get("iteration")
+        info.layout = {k: v for k, v in (op.info.get("layout") or {}).items() if v}
+        info.files = [str(f) for f in op.info.get("files", [])]
+        for name, shape in op.adapter.expected_tensors().items():
+            dt = str(op.source.dtype(op.names[name])).replace("torch.", "")
+            info.dtypes[dt] = info.dtypes.get(dt, 0) + 1
+            info.parameters += math.prod(shape)
+            info.tensors += 1
+    finally:
+        op.source.close()
+    return info

@@ -1,0 +1,126 @@
+"""Any checkpoint the format registry knows, opened as HF-named tensors through its adapter.
+
+``toolkit.checkpoint.formats`` recognises and opens each format; here the model's adapter is
+built for it, from the HF config folder the checkpoint carries (or ``--hf-config``) read as plain
+JSON (``read_hf_config``: no transformers import), and the stored tensor names are matched
+against the adapter's mapping, so a checkpoint that does not fit its config.json fails here,
+naming the files that differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit.adapters import Adapter, CheckpointMismatch, adapter_for, read_hf_config
+from toolkit.checkpoint import CheckpointError, formats
+
+Region = tuple[tuple[int, int], ...]
+
+
+def full(shape: tuple[int, ...]) -> Region:
+    """The region covering a whole tensor."""
+    return tuple((0, n) for n in shape)
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a worker process needs to reopen the source (picklable)."""
+
+    fmt: str
+    src: str
+    hf_config: str | None
+    dtype: torch.dtype | None
+    vocab_multiple: int
+
+
+@dataclass
+class Opened:
+    """An open checkpoint: ``source`` (close it when done), the adapter, the format's info."""
+
+    source: Any
+    adapter: Adapter
+    info: dict
+    names: dict[str, str]  # expected HF name -> stored name
+
+    def read(self, name: str, region: Any) -> torch.Tensor:
+        return self.source.read(self.names[name], tuple(region))
+
+    def dtype_of(self, dtype: torch.dtype | None) -> Callable[[str], torch.dtype]:
+        """name -> output dtype: ``dtype`` for floating tensors when given, else as stored."""
+        def of(name: str) -> torch.dtype:
+            stored = self.source.dtype(self.names[name])
+            return dtype if dtype is not None and stored.is_floating_point else stored
+        return of
+
+
+def adapter_from_folder(folder: str | Path, vocab_multiple: int = 1) -> Adapter:
+    """The adapter of the ``config.json`` in ``folder`` (read as JSON), ``source`` = folder."""
+    adapter = adapter_for(read_hf_config(folder), vocab_multiple=vocab_multiple)
+    adapter.source = Path(folder)
+    return adapter
+
+
+def adapter_factory(override: str | Path | None) -> formats.AdapterFactory:
+    """A format opener's ``make_adapter(found_hf_dir, common)``: the adapter of the checkpoint's
+    own HF config folder, or of ``override`` (``--hf-config``)."""
+    def make(found: Path | None, common: dict) -> Adapter:
+        folder = override or found
+        if folder is None:
+            raise CheckpointError("this Megatron checkpoint carries no HF config (no hf_config/ "
+                                  "folder): pass --hf-config DIR, a folder with the model's "
+                                  "config.json.")
+        return adapter_from_folder(folder)
+    return make
+
+
+def detect(path: str | Path) -> str:
+    """The format name of a checkpoint folder (``toolkit.checkpoint.formats.detect``)."""
+    return formats.detect(path)
+
+
+def open_ctx(ctx: Ctx) -> Opened:
+    """Open ``ctx.src`` and match its tensors to the adapter (``vocab_multiple`` applied)."""
+    source, found, info = formats.get(ctx.fmt).open(Path(ctx.src), adapter_factory(ctx.hf_config))
+    try:
+        adapter = adapter_for(found.hf_config, vocab_multiple=ctx.vocab_multiple)
+        adapter.source = found.source
+        stored = {n: tuple(source.shape(n)) for n in source.names}
+        try:
+            names = adapter.match_checkpoint(stored)
+        except CheckpointMismatch as err:
+            raise CheckpointError(f"{ctx.src}: {err}{_where(source, adapter, stored)}") from err
+    except BaseException:
+        source.close()
+        raise
+    return Opened(source, adapter, info, names)
+
+
+def open_checkpoint(path: str | Path, hf_config: str | Path | None = None,
+                    fmt: str | None = None) -> Opened:
+    """Any supported checkpoint folder as HF-named tensors: ``.read(name, region)``,
+    ``.adapter``, ``.info``, ``.source`` (close it when done). ``fmt`` defaults to detection."""
+    path = Path(path)
+    return open_ctx(Ctx(fmt or detect(path), str(path), str(hf_config) if hf_config else None,
+                        None, 1))
+
+
+def _where(source: Any, adapter: Adapter, stored: dict[str, tuple[int, ...]]) -> str:
+    """`` (in FILE, ...)``: the files holding tensors whose shapes differ from config.json."""
+    locate = getattr(source, "locate", None)
+    if locate is None:
+        return ""
+    prefix = adapter.family.base_prefix
+    files = []
+    for name, shape in adapter.expected_tensors().items():
+        bare = name[len(prefix):] if prefix and name.startswith(prefix) else name
+        key = name if name in stored else bare
+        if key in stored and tuple(stored[key]) != tuple(shape):
+            f = str(locate(key))
+            if f not in files:
+                files.append(f)
+    return f" (in {', '.join(files[:4])})" if files else ""
