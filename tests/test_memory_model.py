@@ -7,6 +7,7 @@ import pytest
 import torch
 from dist_checks import memory_checks
 
+from toolkit.adapters.presets import MODEL_PRESETS, get_preset
 from toolkit.memory import (
     Cluster,
     TrainShape,
@@ -20,10 +21,9 @@ from toolkit.memory import (
 from toolkit.memory.activations import in_flight_microbatches, layer_activations
 from toolkit.memory.model import ModelConfigError, ModelShape
 from toolkit.parallel.layout import LayoutError, ParallelLayout
-from toolkit.presets import PRESETS, get_preset
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
 def test_param_count_exact_vs_transformers_meta_model(name):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -22,7 +22,7 @@ def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
              overwrite: bool, max_shard_bytes: int, fsync: bool) -> None:
     """Write the open source as an HF folder at ``dst`` (floating tensors cast to ``dtype``)."""
     from toolkit.adapters import adapter_for
-    from toolkit.bridge import _generation_config
+    from toolkit.adapters.live import generation_config
 
     dtype_of = op.dtype_of(dtype)
     expected = op.adapter.expected_tensors()
@@ -36,7 +36,7 @@ def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
             bar.advance(math.prod(shape) * dtype_of(name).itemsize)
         # transformers' config of the same folder: it writes config.json as transformers does
         live = adapter_for(op.adapter.source)
-        writer.finish(live.export_config(out_dtype), generation_config=_generation_config(live),
+        writer.finish(live.export_config(out_dtype), generation_config=generation_config(live),
                       copy_from=op.adapter.source)
     except BaseException:
         writer.abort()
