@@ -184,6 +184,51 @@ def test_dtype_cast_and_workers(tiny_root, tmp_path):
                 assert (v is None and sb["model"][k] is None) or torch.equal(v, sb["model"][k])
 
 
+def test_converter_reads_config_json_as_transformers_does(tiny_root):
+    """The converter and ``inspect`` build adapters from config.json read as plain JSON (no
+    transformers import): for every family the dims, the mapping tables, megatron-core's
+    arguments and the Megatron-LM args stored in the checkpoint equal those built from
+    transformers' own config class."""
+    from toolkit.adapters import adapter_for, supported
+    from toolkit.checkpoint.mcore_dist import megatron_args
+    from toolkit.convert.sources import adapter_from_folder
+
+    seen = set()
+    for family in FAMILIES:
+        plain, ref = adapter_from_folder(tiny_root / family), adapter_for(tiny_root / family)
+        assert type(plain.hf_config).__name__ == "HFConfig", family
+        assert plain.dims == ref.dims, family
+        assert plain.params_dtype == ref.params_dtype, family
+        for tp in (1, 2):
+            assert plain.table(tp) == ref.table(tp), (family, tp)
+        assert (plain.family.transformer_kwargs(plain.hf_config)
+                == ref.family.transformer_kwargs(ref.hf_config)), family
+        assert plain.family.model_kwargs(plain.hf_config) == ref.family.model_kwargs(
+            ref.hf_config), family
+        layout = L(tp=2, pp=2)
+        args = [vars(megatron_args(a, layout, a.padded_vocab(2), 7, "torch_dist", torch.bfloat16))
+                for a in (plain, ref)]
+        assert args[0] == args[1], family
+        seen.add(plain.architecture)
+    assert seen == set(supported())
+
+
+def test_torch_dist_key_renames_are_the_layer_specs(tiny_root):
+    """torch_dist keys are named without building megatron-core's layer spec
+    (``mcore_dist.KEYS_MAP``); the renames must be the spec's own for every registered family
+    (megatron-core's dist_checkpointing.load reads the results above)."""
+    from toolkit.adapters import adapter_for, supported
+    from toolkit.checkpoint.mcore_dist import KEYS_MAP
+
+    seen = set()
+    for family in FAMILIES:
+        adapter = adapter_for(tiny_root / family)
+        spec = adapter.layer_spec()
+        assert dict(spec.submodules.sharded_state_dict_keys_map) == KEYS_MAP, family
+        seen.add(adapter.architecture)
+    assert seen == set(supported())
+
+
 # -- damaged inputs: a clear error naming the file, and no DST (nor temporary folder) ----------
 
 def _no_output(dst: Path) -> None:
