@@ -22,7 +22,7 @@ from toolkit.adapters import Family, Moe, register
 class Mixtral(Family):
     architectures = ("MixtralForCausalLM",)
     model_types = ("mixtral",)
-    moe = Moe(experts_key="num_local_experts", ffn_key="intermediate_size",
+    moe = Moe(experts_key=("num_local_experts", "num_experts"), ffn_key="intermediate_size",
               block="block_sparse_moe.", expert_names=("w1", "w3", "w2"), renormalise=True,
               jitter=True)
     defaults = {**Family.defaults, "rms_norm_eps": 1e-5}

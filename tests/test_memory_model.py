@@ -52,8 +52,8 @@ def test_load_model_shape_from_file_and_errors(tmp_path):
     with pytest.raises(ModelConfigError, match="not a preset"):
         load_model_shape(str(tmp_path / "missing.json"))
     with pytest.raises(ModelConfigError, match="num_attention_heads"):
-        model_shape_from_hf({"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 8,
-                             "vocab_size": 10})
+        model_shape_from_hf({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                             "intermediate_size": 8, "vocab_size": 10})
     assert parse_bytes("80GB") == 80 * 1024**3 and parse_bytes("1TB") == 1024**4
     with pytest.raises(ValueError, match="80 gigs"):
         parse_bytes("80 gigs")

@@ -63,7 +63,9 @@ class Dims:
 class Moe:
     """Declared mixture-of-experts switches: HF config keys and module names of the sparse block."""
 
-    experts_key: str = "num_experts"
+    #: Config key(s) of the expert count; transformers 5 writes ``num_local_experts`` for
+    #: configs whose hub files say ``num_experts`` (its attribute_map): both are read.
+    experts_key: str | tuple[str, ...] = ("num_experts", "num_local_experts")
     ffn_key: str = "moe_intermediate_size"
     block: str = "mlp."  # HF module of the router (``gate.weight``) and ``experts.<e>.``
     expert_names: tuple[str, str, str] = SWIGLU  # gate, up, down projections of an expert
@@ -115,15 +117,17 @@ class Family:
     final_norm: ClassVar[str] = "model.norm."
 
     # -- reading the config ---------------------------------------------------------------------
-    def value(self, hf: Any, key: str, default: Any = _REQUIRED) -> Any:
-        """Config key ``key`` (Llama's name), else the declared default, else ``default``."""
-        name = self.keys.get(key, key)
-        found = getattr(hf, name, None)
+    def value(self, hf: Any, key: str | tuple[str, ...], default: Any = _REQUIRED) -> Any:
+        """Config key ``key`` (Llama's name; a tuple: the first one present), else the declared
+        default, else ``default``."""
+        names = [self.keys.get(k, k) for k in ((key,) if isinstance(key, str) else key)]
+        found = next((v for v in (getattr(hf, n, None) for n in names) if v is not None), None)
         if found is None:
-            found = self.defaults.get(name, default)
+            found = self.defaults.get(names[0], default)
         if found is _REQUIRED:
-            raise ConfigKeyError(f"config has no {name!r}: the {type(self).__name__} family "
-                                 "needs it (is config.json complete?).")
+            raise ConfigKeyError(f"config has no {' or '.join(map(repr, names))}: the "
+                                 f"{type(self).__name__} family needs it (is config.json "
+                                 "complete?).")
         return found
 
     def _switch(self, hf: Any, declared: bool | str) -> bool:
@@ -171,8 +175,9 @@ class Family:
         if (m := self.moe) is None:
             return
         if m.dense_layers and len(d.dense_layers) == d.layers:
+            experts_key = m.experts_key if isinstance(m.experts_key, str) else m.experts_key[0]
             raise UnsupportedModel(
-                f"{m.experts_key}={d.experts}, mlp_only_layers="
+                f"{experts_key}={d.experts}, mlp_only_layers="
                 f"{list(getattr(hf, 'mlp_only_layers', None) or [])}, decoder_sparse_step="
                 f"{getattr(hf, 'decoder_sparse_step', 1)}: no layer is sparse; megatron-core "
                 "needs at least one MoE layer in a MoE model.")
