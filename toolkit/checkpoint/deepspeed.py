@@ -430,11 +430,12 @@ def _hf_config_dir(ckpt: DeepSpeedCheckpoint) -> Path | None:
     return None
 
 
-def open_source(path: Path, adapter_for_config: Callable[[Path | None, dict], Any]
-                ) -> tuple[McoreFullSource, DeepSpeedCheckpoint]:
-    """A DeepSpeed checkpoint as an HF-named source (``adapter_for_config(hf_dir, common)``)."""
+def open_source(path: Path, make_adapter: formats.AdapterFactory
+                ) -> tuple[McoreFullSource, Any, dict]:
+    """A DeepSpeed checkpoint of mdtk's trainer as an HF-named source, its adapter
+    (``make_adapter(hf_dir, common)``) and info (the ``formats`` opener)."""
     ckpt = DeepSpeedCheckpoint.open(path)
-    adapter = adapter_for_config(_hf_config_dir(ckpt), {"iteration": ckpt.step})
+    adapter = make_adapter(_hf_config_dir(ckpt), {"iteration": ckpt.step})
     if ckpt.ep > 1 and not adapter.dims.experts:
         raise CheckpointError(f"{ckpt.path}: saved with ep={ckpt.ep}, but "
                               f"{adapter.architecture} has no experts.")
@@ -497,24 +498,15 @@ def open_source(path: Path, adapter_for_config: Callable[[Path | None, dict], An
             slice(a, b) for a, b in r)], torch.float32)
 
     shapes = {key: (full_rules[key].local_shape(1), torch.float32) for key in holders}
-    return McoreFullSource(adapter, adapter.hf_config, shapes, get), ckpt
+    info = {"iteration": ckpt.step, "folder": ckpt.path,
+            "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
+                       "dp": ckpt.dp, "ep": ckpt.ep, "etp": ckpt.etp, "zero": ckpt.stage},
+            "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files)}
+    return McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info
 
 
 def _param_name(chunk: int, name: str, vpp: int) -> str:
     return f"{chunk}.{name}" if vpp > 1 else name
 
 
-# -- registration as a checkpoint format ----------------------------------------------------------
-
-def open_format(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[McoreFullSource, Any, dict]:
-    """A DeepSpeed checkpoint of mdtk's trainer as a source (``formats`` opener)."""
-    source, ckpt = open_source(path, make_adapter)
-    return source, source.adapter, {
-        "iteration": ckpt.step, "folder": ckpt.path,
-        "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
-                   "dp": ckpt.dp, "ep": ckpt.ep, "etp": ckpt.etp, "zero": ckpt.stage},
-        "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files)}
-
-
-formats.register(FORMAT, open_format, looks_like)
+formats.register(FORMAT, open_source, looks_like)  # see toolkit.checkpoint.formats

@@ -27,7 +27,6 @@ from safetensors.torch import save_file
 
 from toolkit.atomic import replace_dir, temp_dir
 from toolkit.checkpoint import CheckpointError, formats
-from toolkit.checkpoint.formats import AdapterFactory
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -467,7 +466,8 @@ def looks_like(path: Path) -> bool:
         (path / f).is_file() for f in (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE))
 
 
-def open_format(path: Path, make_adapter: AdapterFactory) -> tuple[HFReader, Any, dict]:
+def open_source(path: Path, make_adapter: formats.AdapterFactory
+                ) -> tuple[HFReader, Any, dict]:
     """An HF folder as a source (``formats`` opener): its reader, adapter and weight files."""
     reader = HFReader(path)
     try:
@@ -478,4 +478,4 @@ def open_format(path: Path, make_adapter: AdapterFactory) -> tuple[HFReader, Any
     return reader, adapter, {"files": sorted(set(reader.files.values()))}
 
 
-formats.register(FORMAT, open_format, looks_like)
+formats.register(FORMAT, open_source, looks_like)

@@ -473,11 +473,19 @@ def _indices(shape: tuple[int, ...], start: tuple[int, ...] = ()) -> list[tuple[
     return out
 
 
-def open_source(path: Path, adapter_for_config: Callable[[Path | None, dict], Any]
-                ) -> tuple[McoreFullSource, DistCheckpoint]:
-    """A torch_dist checkpoint as an HF-named source (``adapter_for_config(hf_dir, common)``)."""
+def layout_of(args: Any) -> dict[str, Any]:
+    """tp / pp / vpp / ep of Megatron-LM run arguments (``common.pt``'s ``args``)."""
+    keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+            "vpp": "virtual_pipeline_model_parallel_size", "ep": "expert_model_parallel_size"}
+    return {k: getattr(args, v, None) for k, v in keys.items()} if args is not None else {}
+
+
+def open_source(path: Path, make_adapter: formats.AdapterFactory
+                ) -> tuple[McoreFullSource, Any, dict]:
+    """A torch_dist checkpoint as an HF-named source, its adapter (``make_adapter(hf_dir,
+    common)``) and info (the ``formats`` opener)."""
     ckpt = DistCheckpoint.open(path)
-    adapter = adapter_for_config(find_hf_config(ckpt.path), ckpt.common)
+    adapter = make_adapter(find_hf_config(ckpt.path), ckpt.common)
     names = full_names(ckpt, adapter)
     shapes = {}
     for name, (key, prefix) in names.items():
@@ -485,7 +493,9 @@ def open_source(path: Path, adapter_for_config: Callable[[Path | None, dict], An
         shapes[name] = (tuple(md.size)[len(prefix):], md.properties.dtype)
     source = McoreFullSource(adapter, adapter.hf_config, shapes,
                              lambda name: ckpt.read(*names[name]))
-    return source, ckpt
+    return source, adapter, {"iteration": ckpt.iteration, "folder": ckpt.path,
+                             "layout": layout_of(ckpt.common.get("args")),
+                             "files": sorted(p.name for p in ckpt.path.iterdir())}
 
 
 # -- writer ---------------------------------------------------------------------------------------
@@ -601,23 +611,4 @@ def write_metadata(folder: Path, items: list[Item], records: list[dict], num_lay
     (folder / "metadata.json").write_text(json.dumps(BACKEND))
 
 
-# -- registration as a checkpoint format ----------------------------------------------------------
-
-def layout_of(args: Any) -> dict[str, Any]:
-    """tp / pp / vpp / ep of Megatron-LM run arguments (``common.pt``'s ``args``)."""
-    keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-            "vpp": "virtual_pipeline_model_parallel_size", "ep": "expert_model_parallel_size"}
-    return {k: getattr(args, v, None) for k, v in keys.items()} if args is not None else {}
-
-
-def open_format(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[McoreFullSource, Any, dict]:
-    """A torch_dist checkpoint as a source (``formats`` opener)."""
-    source, ckpt = open_source(path, make_adapter)
-    return source, source.adapter, {
-        "iteration": ckpt.iteration, "folder": ckpt.path,
-        "layout": layout_of(ckpt.common.get("args")),
-        "files": sorted(p.name for p in ckpt.path.iterdir())}
-
-
-formats.register(FORMAT, open_format, looks_like)
+formats.register(FORMAT, open_source, looks_like)  # see toolkit.checkpoint.formats

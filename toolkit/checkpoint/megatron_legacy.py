@@ -137,12 +137,13 @@ def _padded_vocab(ckpt: LegacyCheckpoint, adapter: Any) -> int:
     return rows.shape[0] * ckpt.tp
 
 
-def open_source(path: Path, adapter_for_config: Callable[[Path | None, dict], Any]
-                ) -> tuple[McoreFullSource, LegacyCheckpoint]:
-    """A legacy checkpoint as an HF-named source (``adapter_for_config(hf_dir, common)``)."""
+def open_source(path: Path, make_adapter: formats.AdapterFactory
+                ) -> tuple[McoreFullSource, Any, dict]:
+    """A legacy checkpoint as an HF-named source, its adapter (``make_adapter(hf_dir, common)``)
+    and info (the ``formats`` opener)."""
     ckpt = LegacyCheckpoint.open(path)
-    adapter = adapter_for_config(find_hf_config(ckpt.path),
-                                 {"args": ckpt.args, "iteration": ckpt.iteration})
+    adapter = make_adapter(find_hf_config(ckpt.path),
+                           {"args": ckpt.args, "iteration": ckpt.iteration})
     padded = _padded_vocab(ckpt, adapter)
     table: Table = adapter.family.table(adapter.hf_config, adapter.dims, padded)
     rules = dict(table.items())
@@ -186,7 +187,11 @@ def open_source(path: Path, adapter_for_config: Callable[[Path | None, dict], An
     for key, shards in holders.items():
         rank, chunk, name = shards[min(shards)]
         shapes[key] = (full_rules[key].local_shape(1), ckpt.chunk(rank, chunk)[name].dtype)
-    return McoreFullSource(adapter, adapter.hf_config, shapes, get), ckpt
+    info = {"iteration": ckpt.iteration, "folder": ckpt.path,
+            "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
+                       "ep": ckpt.ep},
+            "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files.values())}
+    return McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info
 
 
 # -- writer ---------------------------------------------------------------------------------------
@@ -241,17 +246,4 @@ def write_rank_file(folder: Path, coord: Coord, table: Table, read: Callable,
     return sub / FILE
 
 
-# -- registration as a checkpoint format ----------------------------------------------------------
-
-def open_format(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[McoreFullSource, Any, dict]:
-    """A legacy checkpoint as a source (``formats`` opener)."""
-    source, ckpt = open_source(path, make_adapter)
-    return source, source.adapter, {
-        "iteration": ckpt.iteration, "folder": ckpt.path,
-        "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
-                   "ep": ckpt.ep},
-        "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files.values())}
-
-
-formats.register(FORMAT, open_format, looks_like)
+formats.register(FORMAT, open_source, looks_like)  # see toolkit.checkpoint.formats
