@@ -168,3 +168,38 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_hf_config_view_and_reader(tmp_path):
+    from toolkit.adapters import HFConfig, HFConfigError
+
+    cfg = HFConfig({"hidden_size": 8, "head_dim": None, "rope_scaling": {"factor": 2.0},
+                    "text_config": {"hidden_size": 4}})
+    assert cfg.hidden_size == 8 and getattr(cfg, "missing", 3) == 3 and not hasattr(cfg, "x")
+    assert cfg.head_dim is None and cfg.get("head_dim", 5) == 5
+    assert cfg.text_config.hidden_size == 4 and cfg.rope_scaling == {"factor": 2.0}
+    copy = cfg.to_dict()
+    copy["rope_scaling"]["factor"] = 9.0
+    assert cfg.rope_scaling["factor"] == 2.0  # to_dict is a deep copy
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.hidden_size = 3
+    with pytest.raises(HFConfigError, match="holds no config.json"):
+        read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{nope")
+    with pytest.raises(HFConfigError, match="not valid JSON"):
+        read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(HFConfigError, match="JSON list, not an object"):
+        read_hf_config(tmp_path / "config.json")
+
+
+def test_multimodal_text_config_and_model_type_lookup():
+    """A config whose decoder sits in ``text_config`` (no architectures of its own) is sized by
+    the family of its ``model_type``; an unknown one is refused naming the known types."""
+    from toolkit.memory import ModelConfigError
+
+    text = {k: v for k, v in get_preset("llama-3.1-8b").items() if k != "architectures"}
+    outer = {"architectures": ["LlavaForConditionalGeneration"], "text_config": text}
+    assert model_shape_from_hf(outer).num_params() == PUBLISHED["llama-3.1-8b"]
+    with pytest.raises(ModelConfigError, match="model_type='nope'.*llama"):
+        model_shape_from_hf({**text, "model_type": "nope"})

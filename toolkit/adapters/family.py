@@ -138,11 +138,12 @@ class Family:
         return self.value(hf, "hidden_act")
 
     def dims(self, hf: Any) -> Dims:
+        """The model's sizes and switches from its config and this family's declarations."""
         v = self.value
         hidden, heads, layers = (v(hf, "hidden_size"), v(hf, "num_attention_heads"),
                                  v(hf, "num_hidden_layers"))
-        ffn = v(hf, "intermediate_size", None) or self.ffn_factor * hidden or v(
-            hf, "intermediate_size")
+        ffn = v(hf, "intermediate_size", None if self.ffn_factor else _REQUIRED) or \
+            self.ffn_factor * hidden
         linear, mlp = self._switch(hf, self.linear_bias), self._switch(hf, self.mlp_bias)
         if linear != mlp:
             raise UnsupportedModel(

@@ -2,9 +2,10 @@
 
 Everything the memory model needs about a model is here. The shape comes from the family's
 ``Dims`` (``toolkit.adapters``), the same description the adapter loads weights with, so a
-family file that declares a new family gets correct estimates. Parameter counts are derived from the
-list of tensors (not from a closed formula) so that per-rank counts under tensor/pipeline/expert
-parallelism and ZeRO-3's persistence threshold are computed from the same source of truth.
+family file that declares a new family gets correct estimates; nothing here branches on the
+architecture. Parameter counts are derived from the list of tensors (not from a closed formula)
+so that per-rank counts under tensor/pipeline/expert parallelism and ZeRO-3's persistence
+threshold are computed from the same source of truth.
 """
 
 from __future__ import annotations
