@@ -50,7 +50,7 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
 def run_demo(out: Path, *, nproc: int = 2, steps: int | None = None,
              extra: list[str] | None = None) -> DemoResult:
     from toolkit.launch import LaunchSpec, torchrun_argv
-    from toolkit.testing.distributed import free_port
+    from toolkit.runtime.ports import free_port
     from toolkit.train.metrics import read_metrics
 
     model_dir = make_tiny_checkpoint(out / "tiny-llama")
