@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRETRAIN = str(ROOT / "examples" / "data" / "pretrain.jsonl")
+PRETRAIN = "bundled:examples/data/pretrain.jsonl"
 WARMUP = 3
 CPU_MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, vocab_size=2048)

@@ -39,7 +39,7 @@ def test_bad_spec(kwargs):
 
 def test_launch_runs_two_real_ranks(tmp_path):
     """`mdtk launch -n 2 -- env --json` starts two processes through torchrun."""
-    from toolkit.testing.distributed import free_port
+    from toolkit.runtime.ports import free_port
 
     out = subprocess.run(
         [sys.executable, "-m", "toolkit.cli", "launch", "-n", "2", "--master-port",

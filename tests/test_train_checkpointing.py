@@ -15,8 +15,8 @@ from toolkit.parallel import ParallelLayout
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
     STATE_FILE,
-    CheckpointError,
     CheckpointManager,
+    ResumeError,
     TrainingState,
     capture_rng_state,
     check_resume,
@@ -67,13 +67,13 @@ def test_keep_last_and_resume_ignores_partial(tmp_path):
     assert mgr.resolve_resume("auto") == tmp_path / "step_0000004"
     assert mgr.resolve_resume("none") is None
     assert mgr.resolve_resume(str(tmp_path / "step_0000003")) == tmp_path / "step_0000003"
-    with pytest.raises(CheckpointError, match="not a complete checkpoint.*step_0000003"):
+    with pytest.raises(ResumeError, match="not a complete checkpoint.*step_0000003"):
         mgr.resolve_resume(str(tmp_path / "step_0000008"))
     mgr.save(_state(5))  # the next save clears the leftover temp folder and prunes
     assert not (tmp_path / ".tmp-step_0000009").exists()
     assert [s for s, _ in mgr.complete()] == [4, 5]
     assert not list(tmp_path.glob(".deleting-*"))
-    with pytest.raises(CheckpointError, match="not a complete mdtk checkpoint"):
+    with pytest.raises(ResumeError, match="not a complete mdtk checkpoint"):
         load_training_state(tmp_path / "step_0000008")
 
 
@@ -105,15 +105,15 @@ def test_check_resume_rules():
     check_resume(state, dp_change_ok=False, **kw)  # same run: fine
     dp4 = ParallelLayout(tp=2).resolve(8)
     check_resume(state, **{**kw, "layout": dp4}, dp_change_ok=True)
-    with pytest.raises(CheckpointError, match=r"dp=2, this run has dp=4.*Launch 4 ranks"):
+    with pytest.raises(ResumeError, match=r"dp=2, this run has dp=4.*Launch 4 ranks"):
         check_resume(state, **{**kw, "layout": dp4}, dp_change_ok=False)
-    with pytest.raises(CheckpointError, match="train.global_batch=8, this run has 16"):
+    with pytest.raises(ResumeError, match="train.global_batch=8, this run has 16"):
         check_resume(state, **{**kw, "global_batch": 16}, dp_change_ok=True)
-    with pytest.raises(CheckpointError, match="train.seed=1, this run 2"):
+    with pytest.raises(ResumeError, match="train.seed=1, this run 2"):
         check_resume(state, **{**kw, "seed": 2}, dp_change_ok=True)
-    with pytest.raises(CheckpointError, match="fingerprint abc vs xyz"):
+    with pytest.raises(ResumeError, match="fingerprint abc vs xyz"):
         check_resume(state, **{**kw, "data_fingerprint": "xyz"}, dp_change_ok=True)
-    with pytest.raises(CheckpointError, match="tp: 2 -> 1"):
+    with pytest.raises(ResumeError, match="tp: 2 -> 1"):
         check_resume(state, **{**kw, "layout": ParallelLayout().resolve(4)}, dp_change_ok=True)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from toolkit import bundled
 from toolkit.train.config import (
     ConfigError,
     TrainConfig,
@@ -16,7 +17,6 @@ from toolkit.train.config import (
     total_steps,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 MINIMAL = {"output_dir": "runs/x", "model": {"path": "some/model"},
            "data": {"sources": ["examples/data/sft.jsonl"]}, "train": {"steps": 10}}
 
@@ -28,16 +28,38 @@ def _cfg(*overrides: str) -> TrainConfig:
 
 
 def test_example_configs_load_and_plan():
-    cfg = load_config(ROOT / "examples" / "pretrain_tiny.yaml")
+    cfg = load_config(bundled.PRETRAIN_EXAMPLE)
     assert cfg.parallel.tp == 2 and cfg.data.mode == "pretrain"
     assert cfg.optim.lr == pytest.approx(3e-3) and cfg.optim.betas == (0.9, 0.95)
     p = plan(cfg, 4)  # tp=2 on 4 ranks -> dp=2; 16 / (4 * 2) = 2 micro-batches per step
     assert (p.dp, p.global_batch, p.grad_accum) == (2, 16, 2)
     assert plan(cfg, 2).grad_accum == 4
-    sft = load_config(ROOT / "examples" / "sft_tiny.yaml")
+    sft = load_config(bundled.SFT_EXAMPLE)
     assert sft.data.mode == "sft" and sft.train.precision == "fp32"
     assert plan(sft, 2).grad_accum == 2
     assert sft.checkpoint_dir == Path("build/demo/sft_tiny/checkpoints")
+
+
+def test_bundled_names_resolve_to_files_shipped_in_the_package():
+    root = Path(bundled.__file__).parent
+    cfg = load_config(bundled.PRETRAIN_EXAMPLE, ["data.validation_sources=[bundled:examples/"
+                                                 "data/sft.jsonl]"])
+    assert cfg.model.config == str(root / "examples" / "tiny_llama_config.json")
+    assert cfg.data.sources == [str(root / "examples" / "data" / "pretrain.jsonl")]
+    assert cfg.data.validation_sources == [str(root / "examples" / "data" / "sft.jsonl")]
+    assert cfg.model.tokenizer == "build/demo/tokenizer"  # other values stay as written
+    assert all(Path(p).is_file() for p in (cfg.model.config, *cfg.data.sources))
+    assert bundled.shipped() == [
+        "bundled:examples/data/pretrain.jsonl", "bundled:examples/data/sft.jsonl",
+        "bundled:examples/pretrain_tiny.yaml", "bundled:examples/sft_tiny.yaml",
+        "bundled:examples/tiny_llama_config.json"]
+    with pytest.raises(ConfigError, match=r"data.sources: bundled:examples/nope.jsonl: mdtk "
+                                          r"ships no such file; bundled files: .*sft.jsonl"):
+        _cfg("data.sources=[bundled:examples/nope.jsonl]")
+    with pytest.raises(ConfigError, match=r"bundled:../pyproject.toml: mdtk ships no such"):
+        _cfg("model.path=bundled:../pyproject.toml")
+    with pytest.raises(ConfigError, match="bundled:examples/sft.yaml: mdtk ships no such file"):
+        load_config("bundled:examples/sft.yaml")
 
 
 def test_overrides_are_typed_by_the_schema():
@@ -111,7 +133,8 @@ def test_unknown_yaml_key_and_bad_file(tmp_path):
                    "train: {steps: 1}\noptim: {learning_rat: 0.1}\n")
     with pytest.raises(ConfigError, match=r"unknown key 'optim.learning_rat' in section 'optim'"):
         load_config(bad)
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match=r"does not exist \(the examples that ship with mdtk: "
+                                          r"bundled:examples/pretrain_tiny.yaml, bundled:"):
         load_config(tmp_path / "missing.yaml")
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from toolkit import bundled
 from toolkit.train.data import (
     DataError,
     DataSettings,
@@ -25,7 +26,9 @@ from toolkit.train.data import (
     split_indices,
     step_batches,
 )
-from toolkit.train.tiny_tokenizer import BUNDLED_DATA, build_tiny_tokenizer
+from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
+
+BUNDLED_DATA = bundled.path(bundled.DATA)
 
 # A word-level tokenizer whose token sequence can be written down by hand.
 WORDS = ["<eos>", "<pad>", "<|user|>", "<|assistant|>", "<|end|>", "two", "plus", "three", "is",
@@ -316,11 +319,10 @@ def test_step_batches_and_settings_from_config():
     from toolkit.train.config import load_config
     from toolkit.train.data import TokenizedSplit
 
-    root = BUNDLED_DATA.parent
-    cfg = load_config(root / "sft_tiny.yaml", ["train.seq_len=3", "train.seed=4"])
+    cfg = load_config(bundled.SFT_EXAMPLE, ["train.seq_len=3", "train.seed=4"])
     s = DataSettings.from_config(cfg)
     assert (s.mode, s.seq_len, s.seed, s.validation_split) == ("sft", 3, 4, 0.1)
-    assert s.sources == ("examples/data/sft.jsonl",)
+    assert s.sources == (str(BUNDLED_DATA / "sft.jsonl"),)  # bundled: resolved on load
     tokens = np.arange(40, dtype=np.int32).reshape(10, 4)  # sample i = 4i .. 4i+3
     split = TokenizedSplit(tokens, np.ones((10, 3), dtype=np.uint8))
     sampler = GlobalBatchSampler(10, 4, 1, 2, 1, seed=4)

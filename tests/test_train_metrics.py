@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
+from toolkit import bundled
 from toolkit.train.metrics import (
     MetricsWriter,
     StepMetrics,
@@ -21,8 +21,7 @@ from toolkit.train.metrics import (
     throughput,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY_LLAMA = json.loads((ROOT / "examples" / "tiny_llama_config.json").read_text())
+TINY_LLAMA = json.loads(bundled.path(bundled.TINY_LLAMA_CONFIG).read_text())
 TINY_MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=32,
                     intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=100, num_local_experts=4,

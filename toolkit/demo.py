@@ -1,10 +1,14 @@
 """The built-in demo: the whole story on CPU in a few minutes.
 
 1. build a tiny HF Llama checkpoint (real transformers class, random weights) and a tokenizer;
-2. fine-tune it on the bundled SFT data on 2 gloo ranks (dp=2, ZeRO-2 chosen and explained by
-   the DeepSpeed config generator) through `torchrun ... mdtk train`;
+2. fine-tune it with ``bundled:examples/sft_tiny.yaml`` (the SFT data shipped inside mdtk) on 2
+   gloo ranks (dp=2, ZeRO-2 chosen and explained by the DeepSpeed config generator) through
+   `torchrun ... mdtk train`;
 3. export the result to an HF folder and check its logits against the trained model;
 4. report the loss curve and the validation loss before/after.
+
+Everything it writes goes under ``out`` (``mdtk demo --out``, default ``build/demo`` in the
+current folder); it reads only files shipped inside the package, so it runs from any folder.
 """
 
 from __future__ import annotations
@@ -14,11 +18,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit import bundled
 from toolkit.atomic import building
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_CONFIG = ROOT / "examples" / "sft_tiny.yaml"
-TINY_LLAMA = ROOT / "examples" / "tiny_llama_config.json"
 
 
 @dataclass
@@ -31,7 +32,8 @@ class DemoResult:
 
 
 def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
-    """A tiny Llama (examples/tiny_llama_config.json) with random weights + the tokenizer."""
+    """A tiny Llama (bundled:examples/tiny_llama_config.json) with random weights + the
+    tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -41,7 +43,8 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
         return out
     with building(out) as tmp:  # replaces an incomplete earlier attempt
         build_tiny_tokenizer(tmp)
-        config = AutoConfig.for_model(**json.loads(TINY_LLAMA.read_text()))
+        raw = json.loads(bundled.path(bundled.TINY_LLAMA_CONFIG).read_text())
+        config = AutoConfig.for_model(**raw)
         torch.manual_seed(seed)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
     return out
@@ -50,12 +53,12 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
 def run_demo(out: Path, *, nproc: int = 2, steps: int | None = None,
              extra: list[str] | None = None) -> DemoResult:
     from toolkit.launch import LaunchSpec, torchrun_argv
-    from toolkit.testing.distributed import free_port
+    from toolkit.runtime.ports import free_port
     from toolkit.train.metrics import read_metrics
 
     model_dir = make_tiny_checkpoint(out / "tiny-llama")
     run_dir = out / "sft"
-    args = ["train", str(EXAMPLE_CONFIG), f"output_dir={run_dir}", f"model.path={model_dir}",
+    args = ["train", bundled.SFT_EXAMPLE, f"output_dir={run_dir}", f"model.path={model_dir}",
             f"export.hf_dir={run_dir / 'hf'}", "checkpoint.resume=none"]
     if steps is not None:
         args.append(f"train.steps={steps}")

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
-PRETRAIN = str(ROOT / "examples" / "data" / "pretrain.jsonl")
-SFT = str(ROOT / "examples" / "data" / "sft.jsonl")
+PRETRAIN = "bundled:examples/data/pretrain.jsonl"
+SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
 VOCAB = {"dense": 512, "odd": 507, "moe": 512}

@@ -8,10 +8,11 @@ import typer
 
 
 def demo(
-    out: Path = typer.Option(Path("build/demo"), "--out", help="Folder for everything it makes."),
+    out: Path = typer.Option(Path("build/demo"), "--out",
+                             help="Folder for everything it makes (relative: to the current one)."),
     nproc: int = typer.Option(2, "--nproc", help="Ranks to launch (gloo on CPU)."),
     steps: int | None = typer.Option(None, "--steps",
-                                     help="Training steps (default: examples/sft_tiny.yaml)."),
+                                     help="Training steps (default: the example config's)."),
 ) -> None:
     """Build a tiny HF Llama, fine-tune it on the bundled SFT data with megatron-core +
     DeepSpeed on 2 ranks (config chosen by the generator), export to HF and check the export's

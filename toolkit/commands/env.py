@@ -14,7 +14,7 @@ def env(
     """Print versions (torch, megatron-core, DeepSpeed, transformers), the device (CUDA or CPU),
     the communication backend, and which optional pieces (Transformer Engine, apex, DeepSpeed
     cpu_adam / async_io / fused_adam ops) are available."""
-    from toolkit.envinfo import collect
+    from toolkit.runtime.envinfo import collect
 
     report = collect()
     if as_json:

@@ -68,7 +68,7 @@ def _single_process_dist() -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    from toolkit.testing.distributed import free_port
+    from toolkit.runtime.ports import free_port
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
                        ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):

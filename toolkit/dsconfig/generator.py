@@ -3,6 +3,7 @@
 Options are tried from the least communication to the most (stage 0, 1, 2, 3, then CPU offload,
 then NVMe); the first one whose per-rank estimate fits the GPU with headroom (and the host RAM /
 NVMe for offload) wins. Every option considered is kept with its breakdown so the CLI can say why.
+The config is linted before it is handed out, for every caller (CLI, presets, trainer).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.dsconfig.lint import lint
 from toolkit.memory import (
     CPU,
     GIB,
@@ -203,6 +205,13 @@ def generate(req: Request) -> Plan:
     assert chosen.estimate is not None
     notes = []
     config = build_config(req, chosen, layout, notes)
+    # mdtk's own checks only: DeepSpeed's parser imports torch (estimate / ds-config stay
+    # torch-free); the trainer's final lint and `ds-config --deepspeed-parse` run it.
+    report = lint(config, world_size=None if req.hf_trainer else req.cluster.world_size,
+                  layout=layout, run_deepspeed=False)
+    if report.errors:  # a generator bug: never hand out a config mdtk's lint refuses
+        raise RuntimeError("generated config failed the lint (a generator bug):\n  "
+                           + "\n  ".join(report.errors))
     return Plan(config, chosen, tuple(considered), tuple(notes))
 
 

@@ -11,21 +11,16 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from toolkit.runtime.ports import free_port
+
 
 class RankFailure(RuntimeError):
     """A function raised on one or more ranks; the message holds their tracebacks."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict[str, str]) -> None:

@@ -37,8 +37,10 @@ FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{7,})$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as asked; the message says why and what to do."""
+class ResumeError(ValueError):
+    """A training checkpoint that cannot be resumed (or kept) as asked; the message says why
+    and what to do. Not ``toolkit.checkpoint``'s CheckpointError, which is about reading and
+    writing model checkpoint formats."""
 
 
 def step_dir_name(step: int) -> str:
@@ -68,10 +70,10 @@ def load_training_state(ckpt_dir: str | Path) -> TrainingState:
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(
+        raise ResumeError(
             f"{ckpt_dir} is not a complete mdtk checkpoint ({path.name}: {e}).") from e
     if raw.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format {raw.get('format')!r}, this mdtk reads "
+        raise ResumeError(f"{path}: format {raw.get('format')!r}, this mdtk reads "
                               f"{FORMAT_VERSION}.")
     known = {f.name for f in dataclasses.fields(TrainingState)}
     return TrainingState(**{k: v for k, v in raw.items() if k in known})
@@ -114,7 +116,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         if len(state["cuda"]) != torch.cuda.device_count():
-            raise CheckpointError(f"checkpoint holds CUDA RNG states of {len(state['cuda'])} "
+            raise ResumeError(f"checkpoint holds CUDA RNG states of {len(state['cuda'])} "
                                   f"devices, this process sees {torch.cuda.device_count()}.")
         torch.cuda.set_rng_state_all(state["cuda"])
     tracker = _mcore_tracker()
@@ -173,17 +175,17 @@ def check_resume(state: TrainingState, *, layout, global_batch: int, seed: int,
     its engine can reshard)."""
     where = f"checkpoint at step {state.step}"
     if state.global_batch != global_batch:
-        raise CheckpointError(
+        raise ResumeError(
             f"{where} was trained with train.global_batch={state.global_batch}, this run has "
             f"{global_batch}: the data order and LR schedule are defined per global batch. Set "
             f"train.global_batch={state.global_batch} or start fresh with checkpoint.resume=none.")
     if state.seed != seed:
-        raise CheckpointError(f"{where} used train.seed={state.seed}, this run {seed}: the data "
+        raise ResumeError(f"{where} used train.seed={state.seed}, this run {seed}: the data "
                               f"order would change. Set train.seed={state.seed} or "
                               "checkpoint.resume=none.")
     if (state.data_fingerprint and data_fingerprint
             and state.data_fingerprint != data_fingerprint):
-        raise CheckpointError(
+        raise ResumeError(
             f"{where} was trained on other data or tokenisation (fingerprint "
             f"{state.data_fingerprint} vs {data_fingerprint}: sources, tokenizer, seq_len or data "
             "settings changed). Restore them or start fresh with checkpoint.resume=none.")
@@ -191,12 +193,12 @@ def check_resume(state: TrainingState, *, layout, global_batch: int, seed: int,
     now = {k: getattr(layout, k) for k in _MODEL_PARALLEL_KEYS}
     if saved != now:
         diff = ", ".join(f"{k}: {saved[k]} -> {now[k]}" for k in saved if saved[k] != now[k])
-        raise CheckpointError(
+        raise ResumeError(
             f"{where} was saved with another model-parallel layout ({diff}); the engine "
             "checkpoint holds per-rank shards of that layout. Resume with the saved layout, or "
             "convert the checkpoint to the new layout first.")
     if state.dp_size != layout.dp and not dp_change_ok:
-        raise CheckpointError(
+        raise ResumeError(
             f"{where} was saved at dp={state.dp_size}, this run has dp={layout.dp}, and this "
             "engine configuration cannot continue at another dp size. Launch "
             f"{state.dp_size * layout.model_parallel} ranks, or start fresh with "
@@ -247,7 +249,7 @@ class CheckpointManager:
 
     def __init__(self, root: str | Path, keep_last: int = 0):
         if keep_last < 0:
-            raise CheckpointError(f"checkpoint.keep_last={keep_last} must be >= 0.")
+            raise ResumeError(f"checkpoint.keep_last={keep_last} must be >= 0.")
         self.root = Path(root)
         self.keep_last = keep_last
 
@@ -278,7 +280,7 @@ class CheckpointManager:
             return self.latest()
         path = Path(resume)
         if not (path / STATE_FILE).is_file():
-            raise CheckpointError(f"checkpoint.resume={resume!r} is not a complete checkpoint "
+            raise ResumeError(f"checkpoint.resume={resume!r} is not a complete checkpoint "
                                   f"(no {STATE_FILE}); complete ones under {self.root}: "
                                   f"{[p.name for _, p in self.complete()] or 'none'}.")
         return path

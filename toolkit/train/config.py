@@ -9,6 +9,8 @@ Key names are fixed by the project's CLI contract (scripts override them):
 ``output_dir``; ``parallel.tp/pp/vpp/cp/ep/etp/sequence_parallel``; ``deepspeed.zero_stage/
 offload/config``; ``train.steps/epochs/micro_batch/global_batch/seq_len/seed/precision/recompute/
 eval_interval``; ``optim.*``; ``checkpoint.*``; ``export.hf_dir``; ``logging.*``.
+A value ``bundled:REL`` names a file that ships inside mdtk (``toolkit/bundled/REL``), e.g. the
+demo data ``bundled:examples/data/sft.jsonl``; it is resolved to that file's path on load.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit import bundled
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -308,9 +311,28 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**values)
 
 
+def _resolve_bundled(section: Any, prefix: str = "") -> None:
+    """Replace each ``bundled:REL`` value (one string, or one item of a list) in place by the
+    path of that file shipped inside mdtk, so the configs in the package work from any folder."""
+    for f in dataclasses.fields(section):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(section, f.name)
+        try:
+            if dataclasses.is_dataclass(value):
+                _resolve_bundled(value, key)
+            elif isinstance(value, str):
+                setattr(section, f.name, bundled.resolve(value))
+            elif isinstance(value, list):
+                setattr(section, f.name, [bundled.resolve(v) if isinstance(v, str) else v
+                                          for v in value])
+        except FileNotFoundError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+
 def config_from_dict(raw: Mapping[str, Any]) -> TrainConfig:
-    """Build and validate a config from a YAML-loaded mapping."""
+    """Build and validate a config from a YAML-loaded mapping (``bundled:`` names resolved)."""
     cfg = _build(TrainConfig, raw, "")
+    _resolve_bundled(cfg)
     validate(cfg)
     return cfg
 
@@ -369,15 +391,20 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML file (or start from defaults when ``path`` is None), apply the overrides,
-    validate. Raises ConfigError naming the offending key."""
+    """Read a YAML file (a path or a ``bundled:`` name; defaults when ``path`` is None), apply
+    the overrides, validate. Raises ConfigError naming the offending key."""
     import yaml
 
     raw: Any = {}
     if path is not None:
-        p = Path(path)
+        try:
+            p = Path(bundled.resolve(str(path)))
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist.")
+            examples = [n for n in bundled.shipped() if n.endswith(".yaml")]
+            raise ConfigError(f"config file {str(p)!r} does not exist (the examples that ship "
+                              f"with mdtk: {', '.join(examples)}).")
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:

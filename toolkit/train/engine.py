@@ -315,7 +315,7 @@ def _vocab_mask_hook(vocab_size: int, padded: int):
     return hook
 
 
-# -- one step ----------------------------------------------------------------------------------
+# -- one step, one evaluation --------------------------------------------------------------
 
 def masked_mean_loss(per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Mean per-token loss of a micro-batch over the tokens ``loss_mask`` keeps (all if none)."""
@@ -378,16 +378,10 @@ def train_step(
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
     stage = engine.zero_optimization_stage()
-    forward_backward = get_forward_backward_func()
-    iterators = [data_iterator] * len(chunks) if len(chunks) > 1 else data_iterator
-    model = chunks if len(chunks) > 1 else chunks[0]
 
     def run_schedule():
-        out = forward_backward(
-            forward_step_func=_forward_step_func(loss_fn), data_iterator=iterators, model=model,
-            num_microbatches=num_microbatches, seq_length=seq_len, micro_batch_size=micro_batch,
-            forward_only=False,
-        )
+        out = _schedule(chunks, data_iterator, loss_fn, num_microbatches=num_microbatches,
+                        micro_batch=micro_batch, seq_len=seq_len, forward_only=False)
         finalize_grads(chunks)
         return out
 
@@ -406,6 +400,35 @@ def train_step(
     loss = _mean_loss(results, num_microbatches)
     return StepResult(loss=loss, grad_norm=grad_norm, lr=used_lr,
                       skipped=not engine.was_step_applied(), num_microbatches=num_microbatches)
+
+
+def evaluate(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], *,
+             num_microbatches: int, micro_batch: int, seq_len: int,
+             loss_fn: LossFn = masked_mean_loss) -> float:
+    """Mean loss over ``num_microbatches`` micro-batches, forward only (no gradients, no update):
+    the same reduction as :func:`train_step`'s loss, identical on every rank. The chunks are in
+    eval mode meanwhile (dropout off) and back in training mode afterwards."""
+    chunks = list(chunks)
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        results = _schedule(chunks, data_iterator, loss_fn, num_microbatches=num_microbatches,
+                            micro_batch=micro_batch, seq_len=seq_len, forward_only=True)
+    for chunk in chunks:
+        chunk.train()
+    return _mean_loss(results, num_microbatches)
+
+
+def _schedule(chunks: list[torch.nn.Module], data_iterator: Iterator[Batch], loss_fn: LossFn, *,
+              num_microbatches: int, micro_batch: int, seq_len: int, forward_only: bool):
+    """megatron-core's schedule (none, 1F1B or interleaved, from the pipeline layout) over this
+    rank's chunks; one iterator serves every chunk. Returns the last stage's loss dicts."""
+    return get_forward_backward_func()(
+        forward_step_func=_forward_step_func(loss_fn),
+        data_iterator=[data_iterator] * len(chunks) if len(chunks) > 1 else data_iterator,
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
+        seq_length=seq_len, micro_batch_size=micro_batch, forward_only=forward_only,
+    )
 
 
 def _check_step_args(engine, chunks, num_microbatches: int, micro_batch: int,

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from toolkit import bundled
 from toolkit.atomic import building
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -26,11 +27,11 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-BUNDLED_DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
 
-
-def bundled_texts(folder: Path = BUNDLED_DATA) -> Iterator[str]:
-    """Every text in the bundled jsonl files (documents, prompts, responses, chat turns)."""
+def bundled_texts(folder: Path | None = None) -> Iterator[str]:
+    """Every text in the jsonl files of ``folder`` (default: the demo data shipped with mdtk):
+    documents, prompts, responses, chat turns."""
+    folder = folder or bundled.path(bundled.DATA)
     files = sorted(folder.glob("*.jsonl"))
     if not files:
         raise FileNotFoundError(f"no *.jsonl files in {folder}: pass texts= explicitly.")

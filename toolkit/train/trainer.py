@@ -2,9 +2,10 @@
 
 Every rank runs ``run(cfg)`` (launched by torchrun, the deepspeed launcher or srun). The pieces
 live in their own modules; this one only wires them in order:
-config.plan (layout, batches) -> parallel.initialize -> adapters.live.load_hf / build_model ->
-data.prepare_data_distributed -> DeepSpeed config (generator or the user's linted JSON) ->
-engine.build_engine -> resume -> train_step loop (metrics, eval, checkpoints) -> HF export.
+config.plan (layout, batches) -> parallel.initialize -> data.prepare_data_distributed ->
+DeepSpeed config (dsconfig.training: generated or the user's JSON, linted) -> adapters.live.load_hf /
+build_model -> engine.build_engine -> resume -> train_step loop (metrics, engine.evaluate,
+checkpoints) -> HF export. The phases hand each other one ``RunState``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,8 @@ from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
-    CheckpointError,
     CheckpointManager,
+    ResumeError,
     TrainingState,
     check_resume,
     load_rng,
@@ -37,16 +38,16 @@ from toolkit.train.config import ConfigError, TrainConfig
 from toolkit.train.data import (
     DataSettings,
     GlobalBatchSampler,
+    PreparedData,
     eval_micro_batches,
     prepare_data_distributed,
     step_batches,
 )
 from toolkit.train.engine import (
     EngineError,
-    _forward_step_func,
-    _mean_loss,
     build_engine,
     check_supported,
+    evaluate,
     mask_vocab_padding,
     train_step,
 )
@@ -60,6 +61,9 @@ from toolkit.train.metrics import (
     throughput,
 )
 from toolkit.train.schedule import LRSchedule
+
+if TYPE_CHECKING:
+    from toolkit.dsconfig.generator import Request
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _RECOMPUTE = {
@@ -139,74 +143,81 @@ def _device_memory() -> tuple[int, int]:
 
 def deepspeed_config(cfg: TrainConfig, run: cfgmod.RunPlan, hf_config: dict[str, Any],
                      total_steps: int) -> tuple[dict[str, Any], list[str]]:
-    """The DeepSpeed JSON for this run and the reasons it was chosen.
+    """The DeepSpeed JSON for this run and the reasons it was chosen, from the dsconfig package.
 
     ``deepspeed.config: auto`` asks the generator (memory model; stage/offload as configured or
-    chosen); a path is the user's JSON, linted first. The trainer owns batch sizes, clipping and
-    the LR schedule, so those keys are set from the run plan and DeepSpeed's scheduler is dropped.
+    chosen); a path is the user's JSON. Either way the trainer's keys (batch split, clipping,
+    optimizer, precision) are set and the result is linted (``toolkit.dsconfig.training``).
     """
-    from toolkit.dsconfig.lint import lint, load_config
+    from toolkit.dsconfig.training import TrainerKeys, trainer_config
 
     ds = cfg.deepspeed
-    world = run.layout.world_size
     if ds.zero_stage != "auto":  # refuse what the engine cannot run before sizing anything
         check_supported({"zero_optimization": {"stage": int(ds.zero_stage)},
                          "fp16": {"enabled": cfg.train.precision == "fp16"},
                          "gradient_clipping": cfg.optim.clip_grad},
                         pp=run.layout.pp, has_experts=_has_experts(hf_config))
-    if ds.config and ds.config != "auto":
-        try:
-            config = load_config(ds.config)
-        except ValueError as e:
-            raise ConfigError(f"deepspeed.config={ds.config}: {e}") from e
-        report = lint(config, world_size=world, layout=run.layout)
-        if not report.ok:
-            raise ConfigError(f"deepspeed.config={ds.config}: " + "; ".join(report.errors))
-        notes = [f"user DeepSpeed config {ds.config}"] + report.warnings
-    else:
-        from toolkit.dsconfig.generator import ConfigError as GenError
-        from toolkit.dsconfig.generator import Request, generate
-        from toolkit.memory import Cluster, TrainShape
-        from toolkit.memory.model import model_shape_from_hf
+    o = cfg.optim
+    keys = TrainerKeys(micro_batch=run.micro_batch, global_batch=run.global_batch,
+                       grad_accum=run.grad_accum, clip_grad=o.clip_grad, lr=o.lr,
+                       weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+                       precision=cfg.train.precision)
+    user = ds.config and ds.config != "auto"
+    source = ds.config if user else _generator_request(cfg, run, hf_config, total_steps)
+    try:
+        return trainer_config(source, keys, run.layout)
+    except ValueError as e:  # dsconfig's ConfigError, or a file that is not a JSON object
+        where = f"deepspeed.config={ds.config}" if user else "deepspeed"
+        raise ConfigError(f"{where}: {e}") from e
 
-        gpu_mem, host = _device_memory()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        cluster = Cluster(nodes=max(world // local, 1), gpus_per_node=min(local, world),
-                          gpu_mem=gpu_mem, cpu_mem=host, nvme_path=ds.nvme_path)
-        warmup = max(cfg.optim.warmup_steps, 1)
-        req = Request(
-            model=model_shape_from_hf(hf_config), cluster=cluster,
-            train=TrainShape(seq_len=cfg.train.seq_len, micro_batch=run.micro_batch,
-                             global_batch=run.global_batch, dtype=cfg.train.precision,
-                             recompute=cfg.train.recompute),
-            layout=run.layout, stage=str(ds.zero_stage), offload=ds.offload, lr=cfg.optim.lr,
-            weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
-            eps=cfg.optim.eps, gradient_clipping=cfg.optim.clip_grad,
-            warmup_steps=warmup, total_steps=max(total_steps, warmup + 1),
-        )
-        try:
-            plan = generate(req)
-        except GenError as e:
-            raise ConfigError(f"deepspeed: {e}") from e
-        config = plan.config
-        notes = [f"chose {plan.chosen.label}: {plan.chosen.reason}", *plan.notes]
-    config = {**config}
-    config.pop("scheduler", None)  # the trainer sets the LR of every step (resume is exact)
-    config.update(
-        train_batch_size=run.global_batch, train_micro_batch_size_per_gpu=run.micro_batch,
-        gradient_accumulation_steps=run.grad_accum, gradient_clipping=cfg.optim.clip_grad,
-        steps_per_print=10**9,
+
+def _generator_request(cfg: TrainConfig, run: cfgmod.RunPlan, hf_config: dict[str, Any],
+                       total_steps: int) -> Request:
+    """What the generator needs to choose: the model, this machine's memory, the run's shape."""
+    from toolkit.dsconfig.generator import Request
+    from toolkit.memory import Cluster, TrainShape
+    from toolkit.memory.model import model_shape_from_hf
+
+    ds, world = cfg.deepspeed, run.layout.world_size
+    gpu_mem, host = _device_memory()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cluster = Cluster(nodes=max(world // local, 1), gpus_per_node=min(local, world),
+                      gpu_mem=gpu_mem, cpu_mem=host, nvme_path=ds.nvme_path)
+    warmup = max(cfg.optim.warmup_steps, 1)
+    return Request(
+        model=model_shape_from_hf(hf_config), cluster=cluster,
+        train=TrainShape(seq_len=cfg.train.seq_len, micro_batch=run.micro_batch,
+                         global_batch=run.global_batch, dtype=cfg.train.precision,
+                         recompute=cfg.train.recompute),
+        layout=run.layout, stage=str(ds.zero_stage), offload=ds.offload, lr=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps, gradient_clipping=cfg.optim.clip_grad,
+        warmup_steps=warmup, total_steps=max(total_steps, warmup + 1),
     )
-    opt = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    opt["params"] = {**opt.get("params", {}), "lr": cfg.optim.lr,
-                     "weight_decay": cfg.optim.weight_decay, "betas": list(cfg.optim.betas),
-                     "eps": cfg.optim.eps}
-    for key in ("bf16", "fp16"):
-        config[key] = {"enabled": cfg.train.precision == key}
-    return config, notes
 
 
 # -- the run ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunState:
+    """What the phases of one run hand each other once ``_prepare`` has built it (each rank
+    holds its own model chunks and data-parallel share); the DeepSpeed engine goes alongside."""
+
+    cfg: TrainConfig
+    plan: cfgmod.RunPlan
+    hf_config: dict[str, Any]
+    data: PreparedData
+    sampler: GlobalBatchSampler  # this rank's share of every global batch
+    chunks: list[torch.nn.Module]
+    adapter: Any
+    ds_config: dict[str, Any]
+    ds_notes: list[str]
+    total_steps: int
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        return CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
+
 
 def run(cfg: TrainConfig) -> TrainResult:
     """Train as ``cfg`` says on the ranks of the current launch (collective: every rank).
@@ -220,11 +231,10 @@ def run(cfg: TrainConfig) -> TrainResult:
     engine = None
     try:
         mpu, run_plan, hf_config = _setup(cfg)
-        chunks, adapter, data, ds_config, notes, total = _prepare(cfg, mpu, run_plan, hf_config)
-        engine = build_engine(chunks, mpu, ds_config)
-        return _train(cfg, mpu, run_plan, hf_config, chunks, adapter, data, engine, ds_config,
-                      notes, total)
-    except (LayoutError, EngineError, CheckpointError) as e:
+        state = _prepare(cfg, mpu, run_plan, hf_config)
+        engine = build_engine(state.chunks, mpu, state.ds_config)
+        return _train(state, engine)
+    except (LayoutError, EngineError, ResumeError) as e:
         raise ConfigError(str(e)) from e
     finally:
         if engine is not None:
@@ -251,7 +261,8 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, dict[str, Any]]:
     return mpu, run_plan, hf_config
 
 
-def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[str, Any]):
+def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan,
+             hf_config: dict[str, Any]) -> RunState:
     """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
     layout = run_plan.layout
     data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
@@ -271,39 +282,38 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[st
             raise ConfigError(f"data: token id {top} in the {split} split is outside the model's "
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
     mask_vocab_padding(chunks, vocab)
-    return chunks, adapter, data, ds_config, notes, total
-
-
-def _train(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[str, Any], chunks,
-           adapter, data, engine, ds_config: dict[str, Any], notes: list[str],
-           total: int) -> TrainResult:
-    """Resume, the step loop (metrics, eval, checkpoints), the HF export."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    layout = run_plan.layout
-    out = Path(str(cfg.output_dir))
-    dp_rank = mpu.get_data_parallel_rank()
     sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
-                                 layout.dp, dp_rank, cfg.train.seed, cfg.data.shuffle)
-    schedule = LRSchedule.from_config(cfg.optim, total)
-    manager = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last)
-    start = _resume(cfg, manager, engine, layout, run_plan, data.key, sampler)
-    result = TrainResult(steps=total, start_step=start, ds_config=ds_config, ds_notes=notes)
+                                 layout.dp, mpu.get_data_parallel_rank(), cfg.train.seed,
+                                 cfg.data.shuffle)
+    return RunState(cfg, run_plan, hf_config, data, sampler, list(chunks), adapter, ds_config,
+                    notes, total)
 
-    flops_per_token = model_flops_per_token(hf_config, cfg.train.seq_len)
+
+def _train(state: RunState, engine) -> TrainResult:
+    """Resume, the step loop (metrics, eval, checkpoints), the HF export."""
+    cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = Path(str(cfg.output_dir))
+    total = state.total_steps
+    schedule = LRSchedule.from_config(cfg.optim, total)
+    start = _resume(state, engine)
+    result = TrainResult(steps=total, start_step=start, ds_config=state.ds_config,
+                         ds_notes=state.ds_notes)
+
+    flops_per_token = model_flops_per_token(state.hf_config, cfg.train.seq_len)
     peak = peak_tflops(device_name(), cfg.logging.peak_tflops)
     tokens_per_step = run_plan.global_batch * cfg.train.seq_len
     writer = MetricsWriter(out, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                            wandb_project=cfg.logging.wandb_project,
                            run_config=cfg.to_dict()) if rank == 0 else None
     if data.validation is not None and cfg.train.eval_interval and start == 0:
-        result.val_losses[0] = evaluate(cfg, engine, chunks, data.validation, run_plan,
-                                        layout.dp, dp_rank)
+        result.val_losses[0] = _validation_loss(state)
         _log(f"validation loss before training: {result.val_losses[0]:.4f}")
     progress = _progress(total, start) if rank == 0 else None
     try:
         for step in range(start, total):
             t0 = time.perf_counter()
-            res = train_step(engine, chunks, step_batches(data.train, sampler, step),
+            res = train_step(engine, state.chunks, step_batches(data.train, sampler, step),
                              num_microbatches=run_plan.grad_accum,
                              micro_batch=run_plan.micro_batch, seq_len=cfg.train.seq_len,
                              lr=schedule(step))
@@ -313,8 +323,7 @@ def _train(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[str,
             val = None
             if data.validation is not None and cfg.train.eval_interval and (
                     done % cfg.train.eval_interval == 0 or done == total):
-                val = evaluate(cfg, engine, chunks, data.validation, run_plan, layout.dp,
-                               dp_rank)
+                val = _validation_loss(state)
                 result.val_losses[done] = val
             if done % cfg.logging.interval == 0 or done == total or val is not None:
                 tp = throughput(tokens_per_step, seconds, flops_per_token, world, peak)
@@ -328,7 +337,7 @@ def _train(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[str,
             if progress is not None:
                 progress.update(done, res.loss, val)
             if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
-                _save(cfg, manager, engine, layout, run_plan, data.key, sampler, done)
+                _save(state, engine, done)
     finally:
         if writer is not None:
             writer.close()
@@ -336,7 +345,7 @@ def _train(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, hf_config: dict[str,
             progress.close()
     if cfg.export.hf_dir:
         result.export_dir, result.export_max_abs_diff = export(
-            engine, chunks, adapter, cfg.export.hf_dir, verify=cfg.export.verify)
+            engine, state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
     if rank == 0:
         summary = dataclasses.asdict(result)
         summary.pop("ds_config")
@@ -348,67 +357,58 @@ def _write_json(path: Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=1))
 
 
-def evaluate(cfg: TrainConfig, engine, chunks, split, run_plan: cfgmod.RunPlan, dp: int,
-             dp_rank: int) -> float:
+def _validation_loss(state: RunState) -> float:
     """Mean validation loss over the same samples at any layout (forward only)."""
-    batches = eval_micro_batches(len(split), run_plan.micro_batch, dp, dp_rank,
-                                 cfg.train.eval_batches)
+    split, s = state.data.validation, state.sampler
+    batches = eval_micro_batches(len(split), s.micro_batch, s.dp_size, s.dp_rank,
+                                 state.cfg.train.eval_batches)
     if not batches:
         raise ConfigError(
             f"validation split has {len(split)} samples, fewer than micro_batch*dp = "
-            f"{run_plan.micro_batch * dp}: lower train.eval_interval to 0 or add data.")
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from toolkit.train.engine import masked_mean_loss
-
-    data = (split.batch(i) for i in batches)
-    for chunk in chunks:
-        chunk.eval()
-    with torch.no_grad():
-        results = get_forward_backward_func()(
-            forward_step_func=_forward_step_func(masked_mean_loss),
-            data_iterator=[data] * len(chunks) if len(chunks) > 1 else data,
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
-            seq_length=cfg.train.seq_len, micro_batch_size=run_plan.micro_batch,
-            forward_only=True)
-    for chunk in chunks:
-        chunk.train()
-    return _mean_loss(results, len(batches))
+            f"{s.micro_batch * s.dp_size}: lower train.eval_interval to 0 or add data.")
+    return evaluate(state.chunks, (split.batch(i) for i in batches),
+                    num_microbatches=len(batches), micro_batch=s.micro_batch,
+                    seq_len=state.cfg.train.seq_len)
 
 
-def _state(cfg, layout, run_plan, data_key, sampler, step) -> TrainingState:
+def _training_state(state: RunState, step: int) -> TrainingState:
+    cfg, plan = state.cfg, state.plan
     return TrainingState(
-        step=step, consumed_samples=sampler.consumed_samples(step), world_size=layout.world_size,
-        dp_size=layout.dp, global_batch=run_plan.global_batch, micro_batch=run_plan.micro_batch,
-        seed=cfg.train.seed, layout=dataclasses.asdict(layout), data_fingerprint=data_key,
+        step=step, consumed_samples=state.sampler.consumed_samples(step),
+        world_size=plan.layout.world_size, dp_size=plan.layout.dp,
+        global_batch=plan.global_batch, micro_batch=plan.micro_batch, seed=cfg.train.seed,
+        layout=dataclasses.asdict(plan.layout), data_fingerprint=state.data.key,
         config=cfg.to_dict(),
     )
 
 
-def _save(cfg, manager, engine, layout, run_plan, data_key, sampler, step) -> None:
-    path = manager.save(_state(cfg, layout, run_plan, data_key, sampler, step),
-                        lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG,
-                                                         save_latest=False))
+def _save(state: RunState, engine, step: int) -> None:
+    path = state.checkpoints.save(
+        _training_state(state, step),
+        lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG, save_latest=False))
     _log(f"saved checkpoint {path}")
 
 
-def _resume(cfg, manager, engine, layout, run_plan, data_key, sampler) -> int:
-    path = manager.resolve_resume(cfg.checkpoint.resume)
+def _resume(state: RunState, engine) -> int:
+    """The step to start from: 0, or the step of the checkpoint ``checkpoint.resume`` names
+    (engine, RNG and data position restored after the run is checked to be the same one)."""
+    cfg = state.cfg
+    path = state.checkpoints.resolve_resume(cfg.checkpoint.resume)
     if path is None:
         return 0
-    state = load_training_state(path)
+    saved = load_training_state(path)
     # ZeRO shards optimizer states over dp: DeepSpeed reloads them only at the same dp size.
-    dp_ok = sampler.supports_dp_change and engine.zero_optimization_stage() == 0
-    check_resume(state, layout=layout, global_batch=run_plan.global_batch, seed=cfg.train.seed,
-                 data_fingerprint=data_key, dp_change_ok=dp_ok)
+    dp_ok = state.sampler.supports_dp_change and engine.zero_optimization_stage() == 0
+    check_resume(saved, layout=state.plan.layout, global_batch=state.plan.global_batch,
+                 seed=cfg.train.seed, data_fingerprint=state.data.key, dp_change_ok=dp_ok)
     loaded, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG)
     if loaded is None:
         raise ConfigError(f"checkpoint {path}: DeepSpeed found no engine state under tag "
                           f"{ENGINE_TAG!r} (incomplete or foreign checkpoint).")
     if not load_rng(path, dist.get_rank()):
-        torch.manual_seed(cfg.train.seed + state.step)
-    _log(f"resumed from {path} at step {state.step}")
-    return state.step
+        torch.manual_seed(cfg.train.seed + saved.step)
+    _log(f"resumed from {path} at step {saved.step}")
+    return saved.step
 
 
 def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True

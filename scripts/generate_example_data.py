@@ -1,6 +1,6 @@
 """Regenerate the bundled tiny data sets (deterministic; text written for this project).
 
-    python examples/data/generate.py
+    python scripts/generate_example_data.py     # writes toolkit/bundled/examples/data/*.jsonl
 
 pretrain.jsonl: {"text": ...} short documents of simple facts (arithmetic, capitals, animals,
 counting). sft.jsonl: half {"prompt", "response"} rows, half {"messages": [...]} chat rows (some
@@ -80,7 +80,7 @@ def qa(rng: random.Random) -> tuple[str, str]:
 
 def main() -> None:
     rng = random.Random(20260)
-    out = Path(__file__).resolve().parent
+    out = Path(__file__).resolve().parents[1] / "toolkit" / "bundled" / "examples" / "data"
     with open(out / "pretrain.jsonl", "w") as f:
         for _ in range(1600):
             text = " ".join(fact(rng) for _ in range(rng.randint(2, 6)))
