@@ -14,6 +14,7 @@ from toolkit.train.data import (
     DataError,
     DataSettings,
     GlobalBatchSampler,
+    SftExample,
     cache_key,
     encode_chat,
     encode_plain,
@@ -23,6 +24,7 @@ from toolkit.train.data import (
     pack_sft,
     prepare_data,
     resolve_sources,
+    sft_example,
     split_indices,
     step_batches,
 )
@@ -32,7 +34,7 @@ BUNDLED_DATA = bundled.path(bundled.DATA)
 
 # A word-level tokenizer whose token sequence can be written down by hand.
 WORDS = ["<eos>", "<pad>", "<|user|>", "<|assistant|>", "<|end|>", "two", "plus", "three", "is",
-         "five", "and", "one", "[UNK]"]
+         "five", "and", "one", "[UNK]", "<|system|>", "<|tool|>", "be", "brief", "sum", "call"]
 HAND_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
 CHAT = [{"role": "user", "content": "two plus three"}, {"role": "assistant", "content": "is five"},
@@ -49,7 +51,8 @@ def word_tokenizer(tmp_path_factory) -> str:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
                                    unk_token="[UNK]",
                                    additional_special_tokens=["<|user|>", "<|assistant|>",
-                                                              "<|end|>"])
+                                                              "<|end|>", "<|system|>",
+                                                              "<|tool|>"])
     fast.chat_template = HAND_TEMPLATE
     path = tmp_path_factory.mktemp("word_tok")
     fast.save_pretrained(str(path))
@@ -114,6 +117,202 @@ def test_prepared_sft_batch_masks_exactly_the_response_labels(word_tokenizer, tm
                                                    "<|assistant|>", "is", "five", "<|end|>")
         assert b["tokens"][1, 9:].tolist() == [WORDS.index("<pad>")] * 11
         assert b["position_ids"][1].tolist() == list(range(20))
+
+
+# Alpaca rows: an empty input, an input, no input key at all.
+ALPACA = [{"instruction": "two plus three", "input": "", "output": "is five"},
+          {"instruction": "sum", "input": "two plus three", "output": "is five"},
+          {"instruction": "and one", "output": "is one"}]
+# ShareGPT rows: a system turn and two exchanges; "user"/"assistant" aliases and a tool turn.
+SHAREGPT = [
+    {"conversations": [{"from": "system", "value": "be brief"},
+                       {"from": "human", "value": "two plus three"},
+                       {"from": "gpt", "value": "is five"},
+                       {"from": "human", "value": "and one"},
+                       {"from": "gpt", "value": "is one"}]},
+    {"conversations": [{"from": "user", "value": "sum two plus three"},
+                       {"from": "assistant", "value": "call sum"},
+                       {"from": "tool", "value": "five"},
+                       {"from": "gpt", "value": "is five"}]},
+]
+# What HAND_TEMPLATE renders for each row, and the positions of its assistant tokens.
+ALPACA_CHAT = [
+    (("<|user|>", "two", "plus", "three", "<|end|>", "<|assistant|>", "is", "five", "<|end|>"),
+     [6, 7, 8]),
+    (("<|user|>", "sum", "two", "plus", "three", "<|end|>", "<|assistant|>", "is", "five",
+      "<|end|>"), [7, 8, 9]),
+    (("<|user|>", "and", "one", "<|end|>", "<|assistant|>", "is", "one", "<|end|>"), [5, 6, 7]),
+]
+SHAREGPT_CHAT = [
+    (("<|system|>", "be", "brief", "<|end|>", "<|user|>", "two", "plus", "three", "<|end|>",
+      "<|assistant|>", "is", "five", "<|end|>", "<|user|>", "and", "one", "<|end|>",
+      "<|assistant|>", "is", "one", "<|end|>"), [10, 11, 12, 18, 19, 20]),
+    (("<|user|>", "sum", "two", "plus", "three", "<|end|>", "<|assistant|>", "call", "sum",
+      "<|end|>", "<|tool|>", "five", "<|end|>", "<|assistant|>", "is", "five", "<|end|>"),
+     [7, 8, 9, 14, 15, 16]),
+]
+# The Stanford Alpaca prompts, written out (the reference the plain rendering must equal).
+STANFORD_NO_INPUT = ("Below is an instruction that describes a task. Write a response that "
+                     "appropriately completes the request.\n\n### Instruction:\n{}\n\n"
+                     "### Response:\n")
+STANFORD_INPUT = ("Below is an instruction that describes a task, paired with an input that "
+                  "provides further context. Write a response that appropriately completes the "
+                  "request.\n\n### Instruction:\n{}\n\n### Input:\n{}\n\n### Response:\n")
+
+
+def test_alpaca_and_sharegpt_chat_masks_equal_hand_computed_positions(word_tokenizer, tmp_path):
+    alpaca = _write_jsonl(tmp_path / "alpaca.jsonl", ALPACA)
+    sharegpt = _write_jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT)
+    # two sources with different columns, each read in its own format (detected per row)
+    settings = DataSettings(mode="sft", sources=(str(alpaca), str(sharegpt)), seq_len=24)
+    data = prepare_data(settings, word_tokenizer, tmp_path / "cache")
+    assert len(data.train) == 5 and data.meta["train"]["truncated"] == 0
+    b = data.train.batch(np.arange(5))
+    for i, (words, answer) in enumerate(ALPACA_CHAT + SHAREGPT_CHAT):
+        assert b["tokens"][i, : len(words)].tolist() == _ids(*words), i
+        assert b["tokens"][i, len(words):].tolist() == [WORDS.index("<pad>")] * (24 - len(words))
+        # label t predicts token t+1: the mask sits one position before each answer token
+        pos = b["loss_mask"][i].nonzero().flatten().tolist()
+        assert pos == [p - 1 for p in answer], i
+        assert b["labels"][i, pos].tolist() == [_ids(words[p])[0] for p in answer], i
+    # the same rows mixed in one file tokenise the same (the format is read per row)
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", [ALPACA[0], SHAREGPT[0], ALPACA[1],
+                                                    SHAREGPT[1], ALPACA[2]])
+    again = prepare_data(DataSettings(mode="sft", sources=(str(mixed),), seq_len=24),
+                         word_tokenizer, tmp_path / "cache")
+    order = [0, 3, 1, 4, 2]
+    assert np.array_equal(again.train.tokens, np.asarray(data.train.tokens)[order])
+    assert np.array_equal(again.train.loss_mask, np.asarray(data.train.loss_mask)[order])
+    # forcing the format reads the same, and is part of the cache key
+    forced = DataSettings(mode="sft", sources=(str(alpaca),), seq_len=24, sft_format="alpaca")
+    assert cache_key(forced, word_tokenizer) != cache_key(
+        DataSettings(mode="sft", sources=(str(alpaca),), seq_len=24), word_tokenizer)
+    got = prepare_data(forced, word_tokenizer, tmp_path / "cache")
+    assert np.array_equal(got.train.tokens, np.asarray(data.train.tokens)[:3])
+
+
+def test_alpaca_chat_turns_and_sharegpt_roles():
+    s = DataSettings(mode="sft", sources=(), seq_len=8)
+    assert sft_example(ALPACA[1], s) == SftExample(
+        "alpaca", [{"role": "user", "content": "sum\n\ntwo plus three"},
+                   {"role": "assistant", "content": "is five"}],
+        (STANFORD_INPUT.format("sum", "two plus three"), "is five"))
+    assert sft_example(ALPACA[0], s).plain == (STANFORD_NO_INPUT.format("two plus three"),
+                                               "is five")
+    assert sft_example({**ALPACA[0], "input": " \n"}, s).messages[0]["content"] == "two plus three"
+    got = sft_example(SHAREGPT[1], s)
+    assert got.plain is None  # a conversation has no template-free rendering
+    assert [m["role"] for m in got.messages] == ["user", "assistant", "tool", "assistant"]
+    roles = {"Human": "user", "GPT": "assistant", "chatgpt": "assistant",
+             "observation": "tool", "system": "system"}
+    for who, role in roles.items():
+        row = {"conversations": [{"from": who, "value": "x"}]}
+        assert sft_example(row, s).messages == [{"role": role, "content": "x"}]
+
+
+def test_alpaca_plain_is_the_stanford_template(tiny_tokenizer, tmp_path):
+    rows = [{"instruction": "Spell the word sheep backwards.", "input": "", "output": "p e e h s."},
+            {"instruction": "Answer the question.", "input": "What is 5 plus 4?",
+             "output": "5 plus 4 is 9."}]
+    prompts = [STANFORD_NO_INPUT.format(rows[0]["instruction"]),
+               STANFORD_INPUT.format(rows[1]["instruction"], rows[1]["input"])]
+    tok = load_tokenizer(tiny_tokenizer)
+    hand = []
+    for row, prompt in zip(rows, prompts, strict=True):
+        p = tok(prompt)["input_ids"]
+        r = tok(row["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        hand.append((p + r, list(range(len(p), len(p) + len(r)))))
+    seq_len = max(len(ids) for ids, _ in hand) + 1
+    src = _write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    data = prepare_data(DataSettings(mode="sft", sources=(str(src),), seq_len=seq_len,
+                                     template="plain"), tiny_tokenizer, tmp_path / "cache")
+    b = data.train.batch([0, 1])
+    for i, (ids, answer) in enumerate(hand):
+        assert b["tokens"][i, : len(ids)].tolist() == ids
+        pos = b["loss_mask"][i].nonzero().flatten().tolist()
+        assert pos == [p - 1 for p in answer]
+        assert tok.decode(b["labels"][i, pos]) == rows[i]["output"] + "<|endoftext|>"
+    # a conversation has no plain rendering: refused, naming the row and the reason
+    conv = _write_jsonl(tmp_path / "conv.jsonl", SHAREGPT)
+    with pytest.raises(DataError, match=r"conv\.jsonl:1: the row is a conversation \(sharegpt\)"
+                       r" but data\.template=plain"):
+        prepare_data(DataSettings(mode="sft", sources=(str(conv),), seq_len=32,
+                                  template="plain"), tiny_tokenizer, tmp_path / "cache")
+
+
+def _sft_error(tokenizer: str, tmp_path: Path, text: str, name: str = "bad.jsonl",
+               **settings) -> str:
+    src = tmp_path / name
+    src.write_text(text)
+    with pytest.raises(DataError) as e:
+        prepare_data(DataSettings(mode="sft", sources=(str(src),), seq_len=24, **settings),
+                     tokenizer, tmp_path / "cache")
+    return str(e.value)
+
+
+def test_sft_row_errors_name_file_line_keys_and_formats(word_tokenizer, tmp_path):
+    good = json.dumps(ALPACA[0]) + "\n"
+    msg = _sft_error(word_tokenizer, tmp_path,
+                     good + "\n" + json.dumps({"question": "two", "answer": "five"}) + "\n")
+    assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:3: the sft row has keys "
+                          "['answer', 'question'], which fit no known format.")
+    for fmt in ("messages ('messages'", "prompt_response ('prompt' + 'response')",
+                "alpaca ('instruction' + 'output', optional 'input')",
+                "sharegpt ('conversations'", "data.prompt_field"):
+        assert fmt in msg
+    both = {**ALPACA[0], "prompt": "two", "response": "five"}
+    msg = _sft_error(word_tokenizer, tmp_path, json.dumps(both) + "\n")
+    assert (":1: the sft row has keys ['input', 'instruction', 'output', 'prompt', 'response'],"
+            " which fit several formats (prompt_response, alpaca): set data.format") in msg
+    msg = _sft_error(word_tokenizer, tmp_path, good + json.dumps(SHAREGPT[0]) + "\n",
+                     sft_format="alpaca")
+    assert ":2: data.format=alpaca but the row has no ['instruction', 'output'] (its keys: " \
+           "['conversations'])" in msg
+    turns = [{"from": "human", "value": "two"}, {"from": "bot", "value": "five"}]
+    msg = _sft_error(word_tokenizer, tmp_path, json.dumps({"conversations": turns}) + "\n")
+    assert "turn 1 of 'conversations' is from 'bot', not a ShareGPT role" in msg
+    msg = _sft_error(word_tokenizer, tmp_path, json.dumps({"conversations": CHAT}) + "\n")
+    assert "set data.format=messages and data.messages_field=conversations" in msg
+    msg = _sft_error(word_tokenizer, tmp_path,
+                     json.dumps({"messages": SHAREGPT[0]["conversations"]}) + "\n")
+    assert "set data.format=sharegpt and data.conversations_field=messages" in msg
+    msg = _sft_error(word_tokenizer, tmp_path, json.dumps({"instruction": ["two"],
+                                                           "output": "five"}) + "\n")
+    assert "bad.jsonl:1: 'instruction' must be a string, got list" in msg
+    msg = _sft_error(word_tokenizer, tmp_path, good + '{"instruction": "two",\n' + good)
+    assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:2: not valid JSON (")
+    msg = _sft_error(word_tokenizer, tmp_path, "two plus three\n", name="plain.txt")
+    assert "row 1: the sft row has keys ['text'] (plain text is data.mode=pretrain)" in msg
+
+
+def test_sft_error_line_survives_split_and_multi_file_sources(word_tokenizer, tmp_path):
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", ALPACA)
+    (folder / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SHAREGPT) + "\n"
+                                    + json.dumps({"instruction": "two"}) + "\n")
+    for split in (0.0, 0.5):  # the bad row lands in either split: its line is the same
+        for seed in (1, 2):
+            with pytest.raises(DataError, match=r"b\.jsonl:4: the sft row has keys "
+                               r"\['instruction'\]"):
+                prepare_data(DataSettings(mode="sft", sources=(str(folder),), seq_len=24,
+                                          validation_split=split, seed=seed),
+                             word_tokenizer, tmp_path / "cache")
+
+
+def test_data_format_in_config():
+    from toolkit.train.config import ConfigError, load_config
+
+    yaml = BUNDLED_DATA.parent / "sft_tiny.yaml"
+    cfg = load_config(yaml, ["data.format=sharegpt", "data.conversations_field=turns"])
+    s = DataSettings.from_config(cfg)
+    assert (s.sft_format, s.conversations_field) == ("sharegpt", "turns")
+    assert DataSettings.from_config(load_config(yaml)).sft_format == "auto"
+    with pytest.raises(ConfigError, match="data.format='vicuna' is not allowed: choose one of "
+                       "auto, messages, prompt_response, alpaca, sharegpt"):
+        load_config(yaml, ["data.format=vicuna"])
+    with pytest.raises(ConfigError, match="data.format=alpaca applies to sft only"):
+        load_config(yaml, ["data.mode=pretrain", "data.format=alpaca"])
 
 
 def test_bundled_sft_masks_decode_to_the_assistant_text(tiny_tokenizer, tmp_path):

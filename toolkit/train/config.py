@@ -27,6 +27,7 @@ from typing import Any
 
 from toolkit import bundled
 from toolkit.parallel.layout import LayoutError, ParallelLayout
+from toolkit.train.data import SFT_FORMATS
 
 
 class ConfigError(ValueError):
@@ -85,11 +86,14 @@ class DeepSpeedSection:
 class DataSection:
     """Sources are local json/jsonl/parquet/text files (globs and folders too) or hub dataset
     names. ``pretrain`` packs documents into seq_len+1 blocks; ``sft`` trains on responses only.
+    ``format`` (sft only): ``auto`` detects each row's format from its keys (messages,
+    prompt_response, alpaca, sharegpt; see docs/training.md), a name forces it for every row.
     ``template``: ``chat`` renders rows through the tokenizer's chat template, ``plain`` joins
     prompt + response + EOS, ``auto`` uses the chat template when the tokenizer has one.
     ``pack`` (sft only): several examples per sequence instead of one padded example."""
 
     mode: str = _opt("sft", choices=("pretrain", "sft"))
+    format: str = _opt("auto", choices=("auto", *SFT_FORMATS))
     sources: list[str] = _opt(factory=list)
     validation_sources: list[str] = _opt(factory=list)
     validation_split: float = _opt(0.05, minimum=0.0)
@@ -97,6 +101,7 @@ class DataSection:
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
+    conversations_field: str = "conversations"
     template: str = _opt("auto", choices=("auto", "chat", "plain"))
     pack: bool = False
     shuffle: bool = True
@@ -460,6 +465,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"data.validation_split={d.validation_split} must be in [0, 1).")
     if d.pack and d.mode == "pretrain":
         raise ConfigError("data.pack applies to sft only (pretraining always packs): remove it.")
+    if d.format != "auto" and d.mode == "pretrain":
+        raise ConfigError(f"data.format={d.format} applies to sft only (pretraining reads "
+                          "data.text_field): remove it or set data.mode=sft.")
 
     t = cfg.train
     if (t.steps is None) == (t.epochs is None):

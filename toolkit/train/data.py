@@ -7,14 +7,20 @@ over the ``seq_len`` labels, stored as two ``.npy`` arrays that every rank memor
 - ``pretrain``: each document is tokenised (the tokenizer's own BOS convention), EOS appended,
   all documents concatenated and cut into blocks of ``seq_len + 1`` that overlap by one token
   (every token is a label once); the tail shorter than a block is dropped. Loss mask all ones.
-- ``sft``: a row is ``{prompt, response}`` or ``{messages: [{role, content}, ...]}``. Chat rows
-  (and prompt/response rows when the chat template is used) are rendered with the tokenizer's
-  chat template; the loss mask is 1 exactly on the tokens of assistant turns (what the template
-  renders after the generation prompt, including its end-of-turn marker). ``plain`` rows are
-  ``tokens(prompt) + tokens(response) + [EOS]`` with the mask on response + EOS. Rows longer than
-  ``seq_len + 1`` are truncated (rows left with no response token are dropped); shorter ones are
-  right-padded (mask 0), or, with ``pack``, several rows share one sequence (attention is causal
-  across the packed rows; no per-row attention reset).
+- ``sft``: each row is read in one of four formats, detected per row from its keys (so each
+  source, and each row of a mixed file, may have its own) or forced by ``data.format``:
+  OpenAI-style ``{messages: [{role, content}, ...]}``, ``{prompt, response}``, Alpaca
+  ``{instruction, input?, output}`` and ShareGPT ``{conversations: [{from, value}, ...]}``
+  (see ``SftExample``). With the tokenizer's chat template (``data.template`` chat, or auto and
+  the tokenizer has one) every row is rendered as a conversation and the loss mask is 1 exactly
+  on the tokens of assistant turns (what the template renders after the generation prompt,
+  including its end-of-turn marker). Without it, prompt/response and Alpaca rows are
+  ``tokens(prompt) + tokens(response) + [EOS]`` with the mask on response + EOS (Alpaca's prompt
+  is the Stanford Alpaca template); conversations then need a template and are refused. Rows
+  longer than ``seq_len + 1`` are truncated (rows left with no response token are dropped);
+  shorter ones are right-padded (mask 0), or, with ``pack``, several rows share one sequence
+  (attention is causal across the packed rows; no per-row attention reset). A row that cannot be
+  read is reported with its file and line.
 
 Data order (``GlobalBatchSampler``): the optimizer step ``s`` consumes samples ``[s*G, (s+1)*G)``
 of an endless stream made of one seeded permutation of the training set per epoch. The global
@@ -30,6 +36,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -42,6 +49,11 @@ from typing import Any
 import numpy as np
 
 FORMAT_VERSION = 1
+SFT_FORMATS = ("messages", "prompt_response", "alpaca", "sharegpt")
+# Settings added after FORMAT_VERSION 1 enter the cache key only when changed from these
+# defaults: the data they did not exist for tokenises the same, so its caches and the data
+# fingerprints recorded in checkpoints stay valid.
+_LATER_SETTINGS = {"sft_format": "auto", "conversations_field": "conversations"}
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
              ".text": "text"}
 
@@ -67,6 +79,8 @@ class DataSettings:
     messages_field: str = "messages"
     template: str = "auto"
     pack: bool = False
+    sft_format: str = "auto"  # data.format: auto (per row) or one of SFT_FORMATS
+    conversations_field: str = "conversations"
 
     @classmethod
     def from_config(cls, cfg) -> DataSettings:
@@ -76,7 +90,8 @@ class DataSettings:
                    seed=cfg.train.seed, validation_sources=tuple(d.validation_sources),
                    validation_split=d.validation_split, text_field=d.text_field,
                    prompt_field=d.prompt_field, response_field=d.response_field,
-                   messages_field=d.messages_field, template=d.template, pack=d.pack)
+                   messages_field=d.messages_field, template=d.template, pack=d.pack,
+                   sft_format=d.format, conversations_field=d.conversations_field)
 
 
 # -- sources -----------------------------------------------------------------------------------
@@ -122,28 +137,130 @@ def resolve_sources(specs: Sequence[str]) -> list[Source]:
     return out
 
 
-def load_rows(specs: Sequence[str]):
-    """All rows of the sources as one ``datasets.Dataset`` (in the order given)."""
+@dataclass(frozen=True)
+class RowsPart:
+    """The rows of one source as a ``datasets.Dataset``. After a split, ``index`` holds each
+    row's number in the source (for errors that name the file and line); None: in order."""
+
+    source: Source
+    rows: Any
+    index: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _load_source(src: Source) -> list[RowsPart]:
+    """The rows of a local source. Its files are loaded together (fast for many shards); files
+    whose columns differ (say one file per SFT format) cannot be, so on failure they are loaded
+    one by one, which also names the file that cannot be read (and, for JSON, its line)."""
+    import datasets
+
+    kwargs = {"sample_by": "paragraph"} if src.builder == "text" else {}
+    try:
+        return [RowsPart(src, datasets.load_dataset(src.builder, data_files=list(src.files),
+                                                    split="train", **kwargs))]
+    except Exception as e:  # datasets wraps the reader's error in DatasetGenerationError
+        if len(src.files) > 1:
+            return [p for f in src.files for p in _load_source(Source(src.builder, (f,)))]
+        path = src.files[0]
+        cause = e.__cause__ or e
+        raise DataError((_bad_json(path) if src.builder == "json" else None)
+                        or f"data file {path} could not be read as {src.builder}: "
+                           f"{type(cause).__name__}: {cause}") from e
+
+
+def _first_char(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return line.lstrip()[0]
+    return ""
+
+
+def _bad_json(path: str) -> str | None:
+    """Where a JSON / JSON Lines file is malformed (``file:line: ...``), or None if it parses."""
+    if _first_char(path) == "[":  # one JSON array
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            at = f"{path}:{e.lineno}" if isinstance(e, json.JSONDecodeError) else path
+            return f"{at}: not valid JSON ({e}): fix the file."
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return (f"{path}:{n}: not valid JSON ({e.msg}, column {e.pos + 1}): each line of a "
+                        "JSON Lines file must be one complete JSON object; fix or remove the line.")
+            if not isinstance(row, dict):
+                return (f"{path}:{n}: a JSON Lines row must be an object {{...}}, got "
+                        f"{type(row).__name__}.")
+    return None
+
+
+def load_parts(specs: Sequence[str]) -> list[RowsPart]:
+    """The rows of each source, in the order given (sources may have different columns)."""
     import datasets
 
     parts = []
     for src in resolve_sources(specs):
-        if src.builder == "hub":
-            try:
-                parts.append(datasets.load_dataset(src.name, split="train"))
-            except Exception as e:  # datasets raises many types for a missing/unreachable name
-                raise DataError(f"data source {src.name!r} is neither a local file nor a "
-                                f"loadable hub dataset: {e}") from e
-        else:
-            kwargs = {"sample_by": "paragraph"} if src.builder == "text" else {}
-            parts.append(datasets.load_dataset(src.builder, data_files=list(src.files),
-                                               split="train", **kwargs))
-    if len(parts) == 1:
-        return parts[0]
-    try:
-        return datasets.concatenate_datasets(parts)
-    except ValueError as e:
-        raise DataError(f"data sources {list(specs)} have different columns: {e}") from e
+        if src.builder != "hub":
+            parts += _load_source(src)
+            continue
+        try:
+            parts.append(RowsPart(src, datasets.load_dataset(src.name, split="train")))
+        except Exception as e:  # datasets raises many types for a missing/unreachable name
+            raise DataError(f"data source {src.name!r} is neither a local file nor a "
+                            f"loadable hub dataset: {e}") from e
+    return parts
+
+
+def split_parts(parts: Sequence[RowsPart], fraction: float, seed: int,
+                ) -> tuple[list[RowsPart], list[RowsPart]]:
+    """``split_indices`` over all rows of all sources (as if concatenated), per source."""
+    train, val = split_indices(sum(len(p) for p in parts), fraction, seed)
+    out: tuple[list[RowsPart], list[RowsPart]] = ([], [])
+    start = 0
+    for part in parts:
+        for dest, idx in zip(out, (train, val), strict=True):
+            mine = idx[(idx >= start) & (idx < start + len(part))] - start
+            if len(mine):
+                dest.append(RowsPart(part.source, part.rows.select(mine), mine))
+        start += len(part)
+    return out
+
+
+def row_location(source: Source, row: int) -> str:
+    """``file:line`` of 0-based row ``row`` of a source (JSON Lines), else ``file row N``.
+    Reads the files again: for error messages only."""
+    if source.builder == "hub":
+        return f"hub dataset {source.name!r} row {row + 1}"
+    path, local = source.files[0], row
+    if len(source.files) > 1:  # the rows are the files' rows in order
+        for path in source.files:
+            n = len(_load_source(Source(source.builder, (path,)))[0])
+            if local < n:
+                break
+            local -= n
+    if source.builder == "json" and _first_char(path) != "[":
+        with open(path, encoding="utf-8", errors="replace") as f:
+            nonblank = (n for n, line in enumerate(f, 1) if line.strip())
+            line = next(itertools.islice(nonblank, local, None), None)
+        if line is not None:
+            return f"{path}:{line}"
+    return f"{path} row {local + 1}"
+
+
+def _source_name(source: Source) -> str:
+    if source.builder == "hub":
+        return f"hub dataset {source.name!r}"
+    more = f" (+{len(source.files) - 1} more files)" if len(source.files) > 1 else ""
+    return f"{source.files[0]}{more}"
 
 
 def _sha256_file(path: str | Path) -> str:
@@ -172,7 +289,8 @@ def tokenizer_fingerprint(path: str) -> str:
 
 
 def cache_key(settings: DataSettings, tokenizer_path: str) -> str:
-    d = dataclasses.asdict(settings)
+    d = {k: v for k, v in dataclasses.asdict(settings).items()
+         if k not in _LATER_SETTINGS or v != _LATER_SETTINGS[k]}
     d["sources"] = sources_fingerprint(settings.sources)
     d["validation_sources"] = sources_fingerprint(settings.validation_sources)
     d["tokenizer"] = tokenizer_fingerprint(tokenizer_path)
@@ -232,29 +350,166 @@ def encode_plain(prompt: str, response: str, tokenizer) -> tuple[list[int], list
     return list(p) + list(r), [0] * len(p) + [1] * len(r)
 
 
+# -- SFT row formats ---------------------------------------------------------------------------
+# Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py), with the response
+# on the line after "### Response:" as alpaca-lora and LLaMA-Factory's alpaca template write it.
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+# ShareGPT ``from`` values (matched case-insensitively) -> chat roles. Only unambiguous names:
+# "observation" is LLaMA-Factory's tool result; "function_call" (an assistant's call rendered by
+# model-specific tool templates) is not guessed.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "system": "system", "tool": "tool",
+                  "observation": "tool"}
+
+
+@dataclass(frozen=True)
+class SftExample:
+    """One SFT row in the forms it can be rendered in: ``messages`` ({role, content} turns) for
+    the chat template, ``plain`` (prompt, response) without one; None for conversations, which
+    need the template (where the turns are and what they are called is the template's job)."""
+
+    format: str
+    messages: list[dict[str, Any]]
+    plain: tuple[str, str] | None
+
+
+def format_keys(settings: DataSettings) -> dict[str, tuple[str, ...]]:
+    """The keys that identify each SFT format (the ones it cannot do without)."""
+    return {"messages": (settings.messages_field,),
+            "prompt_response": (settings.prompt_field, settings.response_field),
+            "alpaca": ("instruction", "output"),
+            "sharegpt": (settings.conversations_field,)}
+
+
+def known_formats(settings: DataSettings) -> str:
+    s = settings
+    return (f"messages ('{s.messages_field}': [{{role, content}}, ...]), prompt_response "
+            f"('{s.prompt_field}' + '{s.response_field}'), alpaca ('instruction' + 'output', "
+            f"optional 'input'), sharegpt ('{s.conversations_field}': [{{from, value}}, ...])")
+
+
+def detect_format(row: dict[str, Any], settings: DataSettings) -> str:
+    """The row's format: ``data.format`` when set (the row must have its keys), else the one
+    format whose keys the row has (missing and null values do not count)."""
+    present = sorted(k for k, v in row.items() if v is not None)
+    keys = format_keys(settings)
+    if settings.sft_format != "auto":
+        missing = [k for k in keys[settings.sft_format] if row.get(k) is None]
+        if missing:
+            raise DataError(f"data.format={settings.sft_format} but the row has no {missing} (its "
+                            f"keys: {present}); set data.format=auto to detect each row's "
+                            f"format, or fix the row. Known formats: {known_formats(settings)}.")
+        return settings.sft_format
+    found = [f for f, need in keys.items() if all(row.get(k) is not None for k in need)]
+    if len(found) > 1:
+        raise DataError(f"the sft row has keys {present}, which fit several formats "
+                        f"({', '.join(found)}): set data.format to the one to read.")
+    if not found:
+        hint = (" (plain text is data.mode=pretrain)" if present == [settings.text_field] else "")
+        raise DataError(f"the sft row has keys {present}{hint}, which fit no known format. Known "
+                        f"formats: {known_formats(settings)}. Rename the columns, or set "
+                        "data.prompt_field/response_field/messages_field/conversations_field "
+                        "to yours.")
+    return found[0]
+
+
+def _text(row: dict[str, Any], key: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str):
+        raise DataError(f"'{key}' must be a string, got {type(value).__name__}: {value!r}.")
+    return value
+
+
+def _turn_list(row: dict[str, Any], field: str) -> list[dict[str, Any]]:
+    turns = row[field]
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise DataError(f"'{field}' must be a list of turn objects, got {turns!r}.")
+    return turns
+
+
+def _chat_turns(row: dict[str, Any], field: str) -> list[dict[str, Any]]:
+    """OpenAI-style turns, as given (templates may read keys beyond role and content)."""
+    turns = _turn_list(row, field)
+    for i, t in enumerate(turns):
+        if t.get("role") is None:
+            keys = sorted(k for k, v in t.items() if v is not None)
+            hint = (f"these are ShareGPT turns: set data.format=sharegpt and "
+                    f"data.conversations_field={field}" if t.get("from") is not None
+                    else "each turn needs a 'role' and a 'content'")
+            raise DataError(f"turn {i} of '{field}' has no 'role' (its keys: {keys}): {hint}.")
+    return list(turns)
+
+
+def _sharegpt_turns(row: dict[str, Any], field: str) -> list[dict[str, Any]]:
+    """ShareGPT turns -> {role, content} turns (roles by ``SHAREGPT_ROLES``)."""
+    out = []
+    for i, t in enumerate(_turn_list(row, field)):
+        who, text = t.get("from"), t.get("value")
+        if who is None or not isinstance(text, str):
+            keys = sorted(k for k, v in t.items() if v is not None)
+            hint = (f"these are OpenAI-style turns: set data.format=messages and "
+                    f"data.messages_field={field}" if t.get("role") is not None
+                    else "each ShareGPT turn needs a 'from' and a string 'value'")
+            raise DataError(f"turn {i} of '{field}' has keys {keys}: {hint}.")
+        role = SHAREGPT_ROLES.get(str(who).lower())
+        if role is None:
+            known = ", ".join(f"{k}->{v}" for k, v in SHAREGPT_ROLES.items())
+            raise DataError(f"turn {i} of '{field}' is from {who!r}, not a ShareGPT role this "
+                            f"reader knows ({known}): rename it in the data.")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def sft_example(row: dict[str, Any], settings: DataSettings) -> SftExample:
+    """Read one SFT row (format by ``detect_format``). Alpaca: through a chat template the user
+    turn is the instruction, then a blank line and the input when there is one (the Alpaca
+    preamble is a prompt format for base models; a chat model has its own); without a template
+    the prompt is the Stanford Alpaca template (its no-input variant for an empty input)."""
+    fmt = detect_format(row, settings)
+    if fmt == "messages":
+        return SftExample(fmt, _chat_turns(row, settings.messages_field), None)
+    if fmt == "sharegpt":
+        return SftExample(fmt, _sharegpt_turns(row, settings.conversations_field), None)
+    if fmt == "prompt_response":
+        prompt, answer = _text(row, settings.prompt_field), _text(row, settings.response_field)
+        user, plain = prompt, prompt
+    else:  # alpaca
+        instruction, answer = _text(row, "instruction"), _text(row, "output")
+        extra = row.get("input") or ""
+        if not isinstance(extra, str):
+            raise DataError(f"'input' must be a string, got {type(extra).__name__}: {extra!r}.")
+        if extra.strip():
+            user = f"{instruction}\n\n{extra}"
+            plain = ALPACA_PROMPT.format(instruction=instruction, input=extra)
+        else:
+            user, plain = instruction, ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+    return SftExample(fmt, [{"role": "user", "content": user},
+                            {"role": "assistant", "content": answer}], (plain, answer))
+
+
 def encode_sft_row(row: dict[str, Any], tokenizer, settings: DataSettings,
                    ) -> tuple[list[int], list[int]]:
-    messages = row.get(settings.messages_field)
-    prompt, response = row.get(settings.prompt_field), row.get(settings.response_field)
+    """Token ids and loss mask of one SFT row: its conversation through the chat template when
+    one is used (``data.template``), else ``encode_plain`` of its (prompt, response)."""
+    example = sft_example(row, settings)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if settings.template == "chat" and not has_template:
         raise DataError("data.template=chat but the tokenizer has no chat template.")
-    if messages:
-        if not has_template or settings.template == "plain":
-            raise DataError(f"row has '{settings.messages_field}' (chat) but "
-                            + ("data.template=plain" if has_template else
-                               "the tokenizer has no chat template")
-                            + ": use prompt/response rows or a tokenizer with a chat template.")
-        return encode_chat(list(messages), tokenizer)
-    if prompt is None or response is None:
-        raise DataError(f"sft row has neither '{settings.messages_field}' nor both "
-                        f"'{settings.prompt_field}' and '{settings.response_field}': "
-                        f"{ {k: v for k, v in row.items() if v is not None} }; set "
-                        "data.prompt_field/response_field/messages_field to your column names.")
-    if settings.template == "plain" or not has_template:
-        return encode_plain(prompt, response, tokenizer)
-    return encode_chat([{"role": "user", "content": prompt},
-                        {"role": "assistant", "content": response}], tokenizer)
+    if has_template and settings.template != "plain":
+        return encode_chat(example.messages, tokenizer)
+    if example.plain is None:
+        raise DataError(f"the row is a conversation ({example.format}) but "
+                        + ("data.template=plain" if has_template else
+                           "the tokenizer has no chat template")
+                        + ": use prompt/response or alpaca rows, or a tokenizer with a chat "
+                          "template.")
+    return encode_plain(*example.plain, tokenizer)
 
 
 def pack_pretrain(docs: Sequence[Sequence[int]], seq_len: int) -> np.ndarray:
@@ -298,34 +553,46 @@ def pack_sft(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: i
     return tokens, tmask[:, 1:].copy(), stats
 
 
-def _tokenize_split(rows, tokenizer, settings: DataSettings, num_proc: int):
-    """-> (tokens [N, L+1] int32, loss_mask [N, L] uint8, stats)."""
+def _tokenize_split(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, num_proc: int,
+                    name: str):
+    """-> (tokens [N, L+1] int32, loss_mask [N, L] uint8, stats); sources in order."""
     L = settings.seq_len
+    procs = num_proc if num_proc > 1 else None
     if settings.mode == "pretrain":
-        if settings.text_field not in rows.column_names:
-            raise DataError(f"pretrain data has no '{settings.text_field}' column (columns: "
-                            f"{rows.column_names}); set data.text_field.")
         eos = tokenizer.eos_token_id
 
         def tok(batch):
             ids = tokenizer(batch[settings.text_field], add_special_tokens=True)["input_ids"]
             return {"ids": [list(x) + [eos] if not x or x[-1] != eos else list(x) for x in ids]}
 
-        docs = rows.map(tok, batched=True, remove_columns=rows.column_names,
-                        num_proc=num_proc if num_proc > 1 else None, desc="tokenising")["ids"]
+        docs: list[list[int]] = []
+        for part in parts:
+            if settings.text_field not in part.rows.column_names:
+                raise DataError(f"pretrain data {_source_name(part.source)} has no "
+                                f"'{settings.text_field}' column (columns: "
+                                f"{part.rows.column_names}); set data.text_field.")
+            docs += part.rows.map(tok, batched=True, remove_columns=part.rows.column_names,
+                                  num_proc=procs, desc=f"tokenising {name}")["ids"]
         tokens = pack_pretrain(docs, L)
         stats = {"documents": len(docs), "tokens": int(sum(len(d) for d in docs))}
         return tokens, np.ones((len(tokens), L), dtype=np.uint8), stats
 
-    def enc(row):
-        ids, mask = encode_sft_row(row, tokenizer, settings)
-        return {"ids": ids, "mask": mask}
+    examples: list[tuple[list[int], list[int]]] = []
+    for part in parts:
+        source, index = part.source, part.index
 
-    out = rows.map(enc, remove_columns=rows.column_names,
-                   num_proc=num_proc if num_proc > 1 else None, desc="tokenising")
-    tokens, loss_mask, stats = pack_sft(list(zip(out["ids"], out["mask"], strict=True)), L,
-                                        tokenizer.pad_token_id, settings.pack)
-    return tokens, loss_mask, stats
+        def enc(row, i, source=source, index=index):
+            try:
+                ids, mask = encode_sft_row(row, tokenizer, settings)
+            except DataError as e:
+                at = row_location(source, int(index[i]) if index is not None else i)
+                raise DataError(f"{at}: {e}") from None
+            return {"ids": ids, "mask": mask}
+
+        out = part.rows.map(enc, with_indices=True, remove_columns=part.rows.column_names,
+                            num_proc=procs, desc=f"tokenising {name}")
+        examples += zip(out["ids"], out["mask"], strict=True)
+    return pack_sft(examples, L, tokenizer.pad_token_id, settings.pack)
 
 
 def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -411,24 +678,22 @@ def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | P
         return _load(final)
 
     tokenizer = load_tokenizer(tokenizer_path)
-    rows = load_rows(settings.sources)
+    parts = load_parts(settings.sources)
+    val_parts: list[RowsPart] | None = None
     if settings.validation_sources:
-        train_rows, val_rows = rows, load_rows(settings.validation_sources)
+        val_parts = load_parts(settings.validation_sources)
     elif settings.validation_split > 0:
-        tr, va = split_indices(len(rows), settings.validation_split, settings.seed)
-        train_rows, val_rows = rows.select(tr), rows.select(va)
-    else:
-        train_rows, val_rows = rows, None
+        parts, val_parts = split_parts(parts, settings.validation_split, settings.seed)
 
     meta: dict[str, Any] = {"key": key, "format": FORMAT_VERSION,
                             "settings": dataclasses.asdict(settings),
                             "tokenizer": tokenizer_path, "vocab_size": len(tokenizer),
                             "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}
     arrays = {}
-    for name, part in (("train", train_rows), ("validation", val_rows)):
-        if part is None:
+    for name, split in (("train", parts), ("validation", val_parts)):
+        if split is None:
             continue
-        tokens, mask, stats = _tokenize_split(part, tokenizer, settings, num_proc)
+        tokens, mask, stats = _tokenize_split(split, tokenizer, settings, num_proc, name)
         if name == "train" and len(tokens) == 0:
             raise DataError(f"no training sample of seq_len+1={settings.seq_len + 1} tokens could "
                             f"be built from {list(settings.sources)} ({stats}): add data or "
