@@ -4,8 +4,8 @@ Every rank runs ``run(cfg)`` (launched by torchrun, the deepspeed launcher or sr
 live in their own modules; this one only wires them in order:
 config.plan (layout, batches) -> parallel.initialize -> data.prepare_data_distributed ->
 DeepSpeed config (dsconfig.training: generated or the user's JSON, linted) ->
-adapters.live.load_hf / build_model -> engine.build_engine -> resume -> train_step loop (metrics, engine.evaluate,
-checkpoints) -> HF export. The phases hand each other one ``RunState``.
+adapters.live.load_hf / build_model -> engine.build_engine -> resume -> train_step loop
+(metrics, engine.evaluate, checkpoints) -> HF export. The phases hand each other one ``RunState``.
 """
 
 from __future__ import annotations
