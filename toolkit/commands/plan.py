@@ -43,6 +43,8 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     allow_cp: bool = typer.Option(False, "--allow-cp", help="Also rank context-parallel plans "
                                   "(modelled; mdtk trains them only with Transformer Engine)."),
+    per_layout: bool = typer.Option(False, "--per-layout", help="One plan per layout (tp, pp, "
+                                    "cp, ep, dp): the best ZeRO/offload/recompute/micro-batch."),
     peak_tflops: float | None = typer.Option(None, "--peak-tflops", min=0.0,
                                              help="Override the device's peak TFLOP/s."),
     intra_gbps: float | None = typer.Option(None, "--intra-gbps", min=0.0,
@@ -73,7 +75,7 @@ def plan_cmd(
     by estimated step time among those the memory model says fit."""
     from toolkit.memory import load_model_shape, parse_bytes
     from toolkit.planner import DEVICES, DeviceError, PlanError, get_device
-    from toolkit.planner.search import Budget, SearchSpace, search
+    from toolkit.planner.search import Budget, SearchSpace, layout_key, search
 
     if gpu == "list":
         for key, d in DEVICES.items():
@@ -108,7 +110,7 @@ def plan_cmd(
                     dtype)
     try:
         result = search(shape, work, cluster, device, top=max(top, emit_rank), space=space,
-                        budget=budget)
+                        budget=budget, group=layout_key if per_layout else None)
     except (PlanError, ValueError) as e:
         fail(str(e))
     if not result.plans:
@@ -220,13 +222,16 @@ def _emit(folder: Path, rank: int, shape, model_arg: str, work, result, cluster,
     try:
         ds_config, notes = deepspeed_json(shape, work, plan, cluster, budget)
         raw = trainer_yaml(plan, work, run, str(ds_path))
-        config_from_dict(raw)  # the trainer's own schema and cross-key checks
-    except (EmitError, ConfigError) as e:
+    except EmitError as e:
         fail(str(e))
     report = lint(ds_config, world_size=cluster.world_size, layout=plan.candidate.layout())
     if report.errors:
         fail("the emitted DeepSpeed config failed the lint:\n  " + "\n  ".join(report.errors))
     write_json(ds_path, ds_config)
+    try:
+        config_from_dict(raw)  # the trainer's own schema and cross-key checks
+    except ConfigError as e:
+        fail(str(e))
     write_text(folder / "train.yaml", yaml.safe_dump(raw, sort_keys=False))
     n = cluster.gpus_per_node
     launch = f"mdtk launch -n {n}" + (f" --nnodes {cluster.nodes} --node-rank $NODE_RANK "

@@ -260,15 +260,20 @@ def _resolve_autos(cfg: dict[str, Any]) -> dict[str, Any]:
 def deepspeed_errors(cfg: dict[str, Any]) -> list[str]:
     """Run ``deepspeed.runtime.config.DeepSpeedConfig`` and translate what it rejects.
 
-    Without a process group DeepSpeed assumes a world of 1 (or reads the live world size), so the
-    batch keys are rescaled to that world here; ``lint`` checks the real identity itself.
+    DeepSpeed checks the batch identity against the world of its own ``deepspeed.comm`` (1 until
+    an engine initialised it, even when torch.distributed is up: a trainer lints before its
+    engine), so the batch keys are rescaled to that world here; ``lint`` checks the real
+    identity itself.
     """
     import pydantic
-    import torch.distributed as dist
+    from deepspeed import comm as ds_comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
     probe = _resolve_autos(cfg)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    try:  # what DeepSpeedConfig itself does
+        world = ds_comm.get_world_size()
+    except (RuntimeError, AssertionError, AttributeError):
+        world = 1
     micro, gas = probe.get("train_micro_batch_size_per_gpu"), probe.get(
         "gradient_accumulation_steps")
     if isinstance(micro, int) and isinstance(gas, int) and "train_batch_size" in probe:

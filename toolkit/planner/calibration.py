@@ -12,20 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.memory import GIB, Cluster
-from toolkit.planner.cost import FRAMEWORKS, Candidate, Efficiency, Workload
+from toolkit.planner.cost import FRAMEWORKS, Efficiency, Workload
 from toolkit.planner.devices import get_device
 from toolkit.planner.published import PublishedRun
-from toolkit.planner.search import Budget, Planned, SearchSpace, search
+from toolkit.planner.search import Budget, Planned, SearchSpace, layout_key, search
 
 #: The runs fit the real GPUs, so they are judged against all of its memory (no headroom).
 PUBLISHED_BUDGET = Budget(headroom=0.0, gpu_reserve=0)
 
 ZERO_BY_FRAMEWORK = {"megatron-lm": (0, 1), "fsdp": (0, 2, 3), "mdtk": (0, 1, 2, 3)}
-
-
-def layout_key(c: Candidate) -> tuple[int, int, int, int, int]:
-    """What "the published layout" means for the ranking: (tp, pp, cp, ep, dp)."""
-    return (c.tp, c.pp, c.cp, c.ep, c.dp)
 
 
 def _setting(run: PublishedRun) -> tuple[Workload, Cluster, SearchSpace]:

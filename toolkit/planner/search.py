@@ -110,6 +110,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def layout_key(c: Candidate) -> tuple[int, int, int, int, int]:
+    """A plan's layout (tp, pp, cp, ep, dp): the grouping for "one plan per layout"."""
+    return (c.tp, c.pp, c.cp, c.ep, c.dp)
+
+
 def zero_allowed(zero: int, pp: int, moe: bool) -> bool:
     """mdtk's engine rules (``toolkit.train.engine.check_supported`` with clipping on)."""
     if zero == 3 and (pp > 1 or moe):

@@ -91,6 +91,7 @@ def figure(rows: Sequence[SweepRow], title: str, priced: bool) -> Any:
     xs = [r.gpus for r in ok]
     ax.plot(xs, [r.hours for r in ok], "o-", color="tab:blue", label="time")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("hours to train", color="tab:blue")
@@ -104,7 +105,7 @@ def figure(rows: Sequence[SweepRow], title: str, priced: bool) -> Any:
             ax.plot([r.gpus], [r.hours], "o", ms=12, mfc="none", color="tab:blue")
         if r.gpus == cheapest:
             ax2.annotate("cheapest", (r.gpus, r.cost), textcoords="offset points",
-                         xytext=(0, -16), ha="center", color="tab:orange", weight="bold")
+                         xytext=(0, 12), ha="center", color="tab:orange", weight="bold")
             ax2.plot([r.gpus], [r.cost], "s", ms=12, mfc="none", color="tab:orange")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
