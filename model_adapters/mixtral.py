@@ -15,50 +15,14 @@ pass ``moe_token_dispatcher_type="alltoall"`` to ``load_hf`` on GPUs for large E
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-from model_adapters import register
-from model_adapters.llama import Llama
-from toolkit.adapters import Dims
-from toolkit.mapping import GateUp, Part, Replicated, Row, Rule
+from toolkit.adapters import Family, Moe, register
 
 
 @register
-class Mixtral(Llama):
+class Mixtral(Family):
     architectures = ("MixtralForCausalLM",)
-
-    def dims(self, hf: Any) -> Dims:
-        return dataclasses.replace(super().dims(hf), experts=hf.num_local_experts)
-
-    def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
-        jitter = float(getattr(hf, "router_jitter_noise", 0.0) or 0.0)
-        return {
-            **super().transformer_kwargs(hf),
-            "num_moe_experts": hf.num_local_experts,
-            "moe_router_topk": hf.num_experts_per_tok,
-            "moe_ffn_hidden_size": hf.intermediate_size,
-            "moe_router_pre_softmax": False,
-            "moe_router_load_balancing_type": "aux_loss",
-            "moe_aux_loss_coeff": float(hf.router_aux_loss_coef),
-            "moe_token_dispatcher_type": "allgather",
-            "moe_input_jitter_eps": jitter or None,
-        }
-
-    def spec_kwargs(self, hf: Any) -> dict[str, Any]:
-        return {**super().spec_kwargs(hf), "num_experts": hf.num_local_experts}
-
-    def mlp_rules(self, hf: Any, d: Dims, p: str) -> dict[str, Rule]:
-        return {"mlp.router.weight": Replicated(p + "block_sparse_moe.gate.weight",
-                                                (d.experts, d.hidden))}
-
-    def expert_rules(self, hf: Any, d: Dims, i: int) -> list[dict[str, Rule]]:
-        rules = []
-        for e in range(d.experts):
-            x = f"model.layers.{i}.block_sparse_moe.experts.{e}."
-            rules.append({
-                "linear_fc1.weight": GateUp(Part(x + "w1.weight"), Part(x + "w3.weight"), d.ffn,
-                                            inn=d.hidden),
-                "linear_fc2.weight": Row(x + "w2.weight", d.hidden, d.ffn),
-            })
-        return rules
+    model_types = ("mixtral",)
+    moe = Moe(experts_key=("num_local_experts", "num_experts"), ffn_key="intermediate_size",
+              block="block_sparse_moe.", expert_names=("w1", "w3", "w2"), renormalise=True,
+              jitter=True)
+    defaults = {**Family.defaults, "rms_norm_eps": 1e-5}

@@ -6,11 +6,12 @@ Sliding-window layers (``use_sliding_window`` + ``max_window_layers``, read thro
 
 from __future__ import annotations
 
-from model_adapters import register
-from model_adapters.llama import Llama
+from toolkit.adapters import Family, register
 
 
 @register
-class Qwen2(Llama):
+class Qwen2(Family):
     architectures = ("Qwen2ForCausalLM",)
-    qkv_bias_always = True
+    model_types = ("qwen2",)
+    qkv_bias = True
+    linear_bias = mlp_bias = False

@@ -6,11 +6,11 @@ megatron-core's ``kv_channels``. The norms are applied before RoPE in both imple
 
 from __future__ import annotations
 
-from model_adapters import register
-from model_adapters.llama import Llama
+from toolkit.adapters import Family, register
 
 
 @register
-class Qwen3(Llama):
+class Qwen3(Family):
     architectures = ("Qwen3ForCausalLM",)
+    model_types = ("qwen3",)
     qk_norm = True

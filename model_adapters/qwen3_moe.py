@@ -11,14 +11,13 @@ but no MLP bias; megatron-core has one switch for both). Dense layers (``mlp_onl
 
 from __future__ import annotations
 
-from model_adapters import register
-from model_adapters.llama import Llama
-from model_adapters.qwen2_moe import Qwen2Moe
+from toolkit.adapters import Family, Moe, register
 
 
 @register
-class Qwen3Moe(Qwen2Moe):
+class Qwen3Moe(Family):
     architectures = ("Qwen3MoeForCausalLM",)
+    model_types = ("qwen3_moe",)
+    defaults = {**Family.defaults, "norm_topk_prob": False}
     qk_norm = True
-    shared_expert = False
-    biases = Llama.biases  # attention_bias / mlp_bias as Llama reads them (default: none)
+    moe = Moe(dense_layers=True)

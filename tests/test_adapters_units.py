@@ -11,7 +11,7 @@ from dist_checks import adapter_checks as ac
 from safetensors.torch import load_file, save_file
 
 from toolkit.adapters import CheckpointMismatch, UnsupportedModel, adapter_for
-from toolkit.bridge import load_hf
+from toolkit.adapters.live import load_hf
 from toolkit.checkpoint.hf import CheckpointError, HFReader, HFWriter
 from toolkit.mapping import QKV, Coord, GateUp, MappingError, Part, coalesce, plan_rank
 from toolkit.parallel import LayoutError, ParallelLayout

@@ -201,8 +201,10 @@ def test_cli_generates_and_estimates(tmp_path):
     runner = CliRunner()
     out = tmp_path / "ds.json"
     res = runner.invoke(app, ["ds-config", "--model", "llama-3.1-8b", "--gpu-mem", "80GB",
-                              "--global-batch", "64", "--recompute", "selective", "-o", str(out)])
+                              "--global-batch", "64", "--recompute", "selective", "-o", str(out),
+                              "--deepspeed-parse"])
     assert res.exit_code == 0, res.output
+    assert "DeepSpeed's parser accept" in res.output
     assert "-> ZeRO-1" in res.output and json.loads(out.read_text())["zero_optimization"][
         "stage"] == 1
     res = runner.invoke(app, ["estimate", "--model", "llama-3.1-8b", "--stage", "3", "--json"])

@@ -15,7 +15,7 @@ import pytest
 from dist_checks import memory_checks
 
 from toolkit.dsconfig import preset_configs
-from toolkit.dsconfig.presets import PRESETS
+from toolkit.dsconfig.presets import DS_PRESETS
 
 WORLD = 2
 
@@ -42,7 +42,7 @@ def async_io_missing() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", list(DS_PRESETS))
 def test_preset_trains_on_real_engine(name, rank_pool_2, tmp_path):
     cfg = for_this_machine(preset_configs()[name])
     kwargs = {}

@@ -7,6 +7,7 @@ import pytest
 import torch
 from dist_checks import memory_checks
 
+from toolkit.adapters.presets import MODEL_PRESETS, get_preset
 from toolkit.memory import (
     Cluster,
     TrainShape,
@@ -20,10 +21,9 @@ from toolkit.memory import (
 from toolkit.memory.activations import in_flight_microbatches, layer_activations
 from toolkit.memory.model import ModelConfigError, ModelShape
 from toolkit.parallel.layout import LayoutError, ParallelLayout
-from toolkit.presets import PRESETS, get_preset
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
 def test_param_count_exact_vs_transformers_meta_model(name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -52,8 +52,8 @@ def test_load_model_shape_from_file_and_errors(tmp_path):
     with pytest.raises(ModelConfigError, match="not a preset"):
         load_model_shape(str(tmp_path / "missing.json"))
     with pytest.raises(ModelConfigError, match="num_attention_heads"):
-        model_shape_from_hf({"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 8,
-                             "vocab_size": 10})
+        model_shape_from_hf({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                             "intermediate_size": 8, "vocab_size": 10})
     assert parse_bytes("80GB") == 80 * 1024**3 and parse_bytes("1TB") == 1024**4
     with pytest.raises(ValueError, match="80 gigs"):
         parse_bytes("80 gigs")

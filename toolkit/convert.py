@@ -331,10 +331,10 @@ def convert(
                     for name, shape in expected.items():
                         writer.add(name, op.read(name, _full(shape)).to(dtype_of(name)))
                         bar.advance(_numel(shape) * dtype_of(name).itemsize)
-                    from toolkit.bridge import _generation_config
+                    from toolkit.adapters.live import generation_config
 
                     writer.finish(adapter.export_config(out_dtype),
-                                  generation_config=_generation_config(adapter),
+                                  generation_config=generation_config(adapter),
                                   copy_from=adapter.source)
                 except BaseException:
                     writer.abort()

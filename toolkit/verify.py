@@ -77,7 +77,7 @@ def _single_process_dist() -> None:
 
 def _run_chunks(chunks: list, vocab: int, tokens: torch.Tensor) -> Run:
     """Logits and per-layer outputs of megatron-core chunks (this process, tp=pp=1)."""
-    from toolkit.bridge import forward_logits
+    from toolkit.adapters.live import forward_logits
 
     layers: list[torch.Tensor] = []
     hooks = [layer.register_forward_hook(lambda _m, _i, out: layers.append(
@@ -94,7 +94,7 @@ def _run_chunks(chunks: list, vocab: int, tokens: torch.Tensor) -> Run:
 def run_hf_mcore(path: Path, tokens: torch.Tensor) -> Run:
     """The HF folder loaded into megatron-core through mdtk's adapter (tp=pp=1, fp32)."""
     from toolkit import parallel, runtime
-    from toolkit.bridge import load_hf
+    from toolkit.adapters.live import load_hf
     from toolkit.parallel import ParallelLayout
 
     _single_process_dist()
@@ -110,7 +110,7 @@ def _megatron_model(path: Path):
     """(chunks at tp=pp=1 fp32, adapter, source) for a Megatron checkpoint folder."""
     from toolkit import parallel, runtime
     from toolkit.adapters import adapter_for
-    from toolkit.bridge import build_model
+    from toolkit.adapters.live import build_model
     from toolkit.convert import open_checkpoint
 
     op = open_checkpoint(path)
@@ -143,7 +143,7 @@ def run_mcore(path: Path, tokens: torch.Tensor) -> Run:
 def run_megatron_legacy(path: Path, tokens: torch.Tensor) -> Run:
     """A legacy ``mp_rank_XX`` checkpoint (any tp/pp) merged by mdtk's reader, run at tp=1."""
     from toolkit import parallel
-    from toolkit.bridge import fill_chunks
+    from toolkit.adapters.live import fill_chunks
 
     chunks, adapter, op = _megatron_model(path)
     try:

@@ -134,7 +134,13 @@ def check_layouts(root: str, families: list[str], layouts: list[dict]) -> list[d
     """For each family x layout: logits vs HF, export round trip, and what was read from disk."""
     from toolkit import parallel
     from toolkit.adapters import adapter_for
-    from toolkit.bridge import build_model, current_coord, export_hf, fill_chunks, forward_logits
+    from toolkit.adapters.live import (
+        build_model,
+        current_coord,
+        export_hf,
+        fill_chunks,
+        forward_logits,
+    )
     from toolkit.checkpoint.hf import HFReader
 
     rootp = Path(root)
@@ -180,13 +186,13 @@ def wrong_mapping_diff(root: str) -> float:
     from model_adapters.llama import Llama
     from toolkit import parallel
     from toolkit.adapters import Adapter, load_hf_config
-    from toolkit.bridge import build_model, fill_chunks, forward_logits
+    from toolkit.adapters.live import build_model, fill_chunks, forward_logits
     from toolkit.checkpoint.hf import HFReader
     from toolkit.mapping import GateUp
 
     class Swapped(Llama):
-        def mlp_rules(self, hf, d, p):
-            rules = super().mlp_rules(hf, d, p)
+        def mlp_rules(self, d, i, p):
+            rules = super().mlp_rules(d, i, p)
             r = rules["mlp.linear_fc1.weight"]
             rules["mlp.linear_fc1.weight"] = GateUp(r.up, r.gate, r.ffn, r.inn)
             return rules
@@ -208,7 +214,7 @@ def wrong_routing_diff(root: str, families: list[str]) -> dict[str, float]:
     (``moe_router_pre_softmax`` flipped; must be large): shows norm_topk_prob is tested."""
     from toolkit import parallel
     from toolkit.adapters import adapter_for
-    from toolkit.bridge import build_model, fill_chunks, forward_logits
+    from toolkit.adapters.live import build_model, fill_chunks, forward_logits
     from toolkit.checkpoint.hf import HFReader
 
     out = {}
@@ -231,7 +237,7 @@ def check_dtypes(root: str, out: str) -> dict:
     """Load an fp32 checkpoint as bf16 at tp=2 through ``load_hf``; export keeps the checkpoint's
     dtype by default (values = bf16-rounded originals) or writes the dtype asked for."""
     from toolkit import parallel
-    from toolkit.bridge import export_hf, load_hf
+    from toolkit.adapters.live import export_hf, load_hf
     from toolkit.checkpoint.hf import CheckpointError, HFReader
 
     src = Path(root) / "qwen2"
@@ -283,7 +289,7 @@ def check_cuda_logits(root: str, families: list[str]) -> dict[str, float]:
     attention) vs transformers' CPU fp32 logits saved by ``build_checkpoints``: max abs diff."""
     from toolkit import parallel
     from toolkit.adapters import adapter_for
-    from toolkit.bridge import build_model, fill_chunks, forward_logits
+    from toolkit.adapters.live import build_model, fill_chunks, forward_logits
     from toolkit.checkpoint.hf import HFReader
     from toolkit.parallel import ParallelLayout
 

@@ -17,7 +17,7 @@ from toolkit.memory import GIB, Cluster, TrainShape, load_model_shape
 REFERENCE_MODEL = "llama-3.2-1b"
 NVME_PLACEHOLDER = "/local_nvme"
 # name -> (stage, offload, when to use it)
-PRESETS: dict[str, tuple[str, str, str]] = {
+DS_PRESETS: dict[str, tuple[str, str, str]] = {
     "zero0": ("0", "none", "Model states fit whole on every GPU (small models); least "
               "communication."),
     "zero1": ("1", "none", "Optimizer states do not fit replicated; same traffic as plain "
@@ -34,7 +34,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
                            "them to local NVMe (the generator adds parameters when needed). "
                            "Slowest; needs libaio."),
 }
-PRESET_NAMES = tuple(PRESETS) + tuple(f"{n}_hf_trainer" for n in PRESETS)
+PRESET_NAMES = tuple(DS_PRESETS) + tuple(f"{n}_hf_trainer" for n in DS_PRESETS)
 
 
 def reference_request(stage: str, offload: str, hf_trainer: bool) -> Request:
@@ -47,7 +47,7 @@ def reference_request(stage: str, offload: str, hf_trainer: bool) -> Request:
 
 def preset_plans() -> dict[str, Plan]:
     plans = {}
-    for name, (stage, offload, _) in PRESETS.items():
+    for name, (stage, offload, _) in DS_PRESETS.items():
         for hf in (False, True):
             plans[f"{name}_hf_trainer" if hf else name] = generate(
                 reference_request(stage, offload, hf))
@@ -78,7 +78,7 @@ def readme(plans: dict[str, Plan]) -> str:
         "| preset | ZeRO | offload | GPU / rank | host / rank | NVMe / rank | when to use |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, (_, _, when) in PRESETS.items():
+    for name, (_, _, when) in DS_PRESETS.items():
         plan = plans[name]
         z, est = plan.chosen.zero, plan.chosen.estimate
         offload = "/".join(sorted({z.offload_optimizer, z.offload_param} - {"none"})) or "-"

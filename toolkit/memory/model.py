@@ -1,17 +1,25 @@
-"""A transformer's shape, read from an HF config, and its exact list of parameter tensors.
+"""A transformer's shape, as its model family describes it, and its exact list of parameter tensors.
 
-Everything the memory model needs about a model is here. Parameter counts are derived from the
-list of tensors (not from a closed formula) so that per-rank counts under tensor/pipeline/expert
-parallelism and ZeRO-3's persistence threshold are computed from the same source of truth.
+Everything the memory model needs about a model is here. The shape comes from the family's
+``Dims`` (``toolkit.adapters``), the same description the adapter loads weights with, so a
+family file that declares a new family gets correct estimates; nothing here branches on the
+architecture. Parameter counts are derived from the list of tensors (not from a closed formula)
+so that per-rank counts under tensor/pipeline/expert parallelism and ZeRO-3's persistence
+threshold are computed from the same source of truth.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from toolkit.adapters.family import Dims
+from toolkit.adapters.hfconfig import HFConfig, HFConfigError, UnsupportedModel, read_hf_config
+from toolkit.adapters.presets import MODEL_PRESETS, get_preset
+from toolkit.adapters.registry import family_of
+from toolkit.mapping import padded_vocab_size
 
 
 class ModelConfigError(ValueError):
@@ -32,7 +40,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Sizes of a decoder-only transformer (Llama, Qwen2/3, Mistral, Mixtral, Qwen2-MoE, GPT-2)."""
+    """Sizes of a decoder-only transformer (built from a family's ``Dims``: ``from_dims``)."""
 
     hidden: int
     layers: int
@@ -56,6 +64,21 @@ class ModelShape:
     shared_gate: bool = False
     moe_layers: tuple[int, ...] = ()
     name: str = "model"
+    #: The adapter's vocab padding: megatron-core's vocab is a multiple of ``vocab_multiple * tp``
+    #: (``toolkit.mapping.padded_vocab_size``; 1 = the adapter's default, the least padding).
+    vocab_multiple: int = 1
+
+    @classmethod
+    def from_dims(cls, d: Dims, name: str = "model") -> ModelShape:
+        return cls(
+            hidden=d.hidden, layers=d.layers, heads=d.heads, kv_heads=d.groups,
+            head_dim=d.head_dim, ffn=d.dense_ffn or d.ffn, vocab=d.vocab, tied=d.tied,
+            qkv_bias=d.qkv_bias, o_bias=d.linear_bias, mlp_bias=d.linear_bias, gated_mlp=d.gated,
+            norm="layer" if d.norm == "LayerNorm" else "rms", qk_norm=d.qk_norm,
+            learned_positions=d.positions, experts=d.experts, top_k=d.top_k,
+            moe_ffn=d.ffn if d.experts else 0, shared_ffn=d.shared_ffn, shared_gate=d.shared_gate,
+            moe_layers=d.moe_layers, name=name,
+        )
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -69,10 +92,9 @@ class ModelShape:
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
-    def padded_vocab(self, tp: int, multiple: int = 128) -> int:
-        """megatron-core pads the vocabulary to a multiple of ``multiple * tp``."""
-        step = multiple * tp
-        return -(-self.vocab // step) * step
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary megatron-core holds: padded as the adapter pads it."""
+        return padded_vocab_size(self.vocab, tp, self.vocab_multiple)
 
     def tensors(self, *, vocab: int | None = None) -> Iterator[TensorSpec]:
         """Every parameter tensor of the HF model, with how megatron-core splits it."""
@@ -141,91 +163,48 @@ class ModelShape:
         return sum(t.numel for t in self._layer_tensors(layer, 2 if self.norm == "layer" else 1))
 
 
-def _get(cfg: dict[str, Any], *keys: str, default: Any = None, required: bool = True) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    if default is None and required:
+def model_shape_from_hf(cfg: Mapping[str, Any] | Any, name: str = "model") -> ModelShape:
+    """The shape of an HF config (a config.json dict, ``HFConfig`` or transformers config), as
+    its model family describes it (``toolkit.adapters``): no per-architecture code here."""
+    hf = HFConfig(cfg) if isinstance(cfg, Mapping) else cfg
+    text = getattr(hf, "text_config", None)
+    if text is not None and getattr(hf, "hidden_size", None) is None:
+        tied = getattr(hf, "tie_word_embeddings", None)
+        hf = HFConfig({**text.to_dict(), **({} if tied is None else {"tie_word_embeddings": tied})})
+    try:
+        d = family_of(hf).dims(hf)
+    except UnsupportedModel as e:
+        raise ModelConfigError(str(e)) from e
+    if min(d.hidden, d.heads, d.layers, d.groups) <= 0 or d.heads % d.groups:
         raise ModelConfigError(
-            f"config has none of {', '.join(repr(k) for k in keys)}: the memory model needs it "
-            "(is this a decoder-only transformer config.json?)"
+            f"inconsistent attention sizes: hidden_size={d.hidden}, num_attention_heads="
+            f"{d.heads}, num_key_value_heads={d.groups} (heads must be a positive multiple of kv "
+            "heads)"
         )
-    return default
-
-
-def model_shape_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelShape:
-    """Read an HF ``config.json`` dict (Llama, Mistral, Qwen2/3, Mixtral, Qwen2-MoE, GPT-2)."""
-    if "text_config" in cfg and "hidden_size" not in cfg:
-        cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings")}
-    model_type = cfg.get("model_type", "")
-    if model_type == "gpt2":
-        h = _get(cfg, "n_embd", "hidden_size")
-        heads = _get(cfg, "n_head", "num_attention_heads")
-        return ModelShape(
-            hidden=h, layers=_get(cfg, "n_layer", "num_hidden_layers"), heads=heads,
-            kv_heads=heads, head_dim=h // heads, ffn=cfg.get("n_inner") or 4 * h,
-            vocab=_get(cfg, "vocab_size"), tied=cfg.get("tie_word_embeddings", True) is not False,
-            qkv_bias=True, o_bias=True, mlp_bias=True, gated_mlp=False, norm="layer",
-            learned_positions=_get(cfg, "n_positions", "max_position_embeddings"), name=name,
-        )
-    h = _get(cfg, "hidden_size")
-    heads = _get(cfg, "num_attention_heads")
-    layers = _get(cfg, "num_hidden_layers")
-    kv = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or h // heads
-    if h <= 0 or heads <= 0 or layers <= 0 or kv <= 0 or heads % kv:
-        raise ModelConfigError(
-            f"inconsistent attention sizes: hidden_size={h}, num_attention_heads={heads}, "
-            f"num_key_value_heads={kv} (heads must be a positive multiple of kv heads)"
-        )
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-    moe_layers: tuple[int, ...] = ()
-    moe_ffn = shared_ffn = top_k = 0
-    if experts:
-        top_k = int(_get(cfg, "num_experts_per_tok"))
-        moe_ffn = int(cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size"))
-        shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0)
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        dense_only = set(cfg.get("mlp_only_layers") or [])
-        moe_layers = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-    attention_bias = bool(cfg.get("attention_bias", False))
-    return ModelShape(
-        hidden=h, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
-        ffn=int(_get(cfg, "intermediate_size")), vocab=_get(cfg, "vocab_size"),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=attention_bias or model_type in ("qwen2", "qwen2_moe"),
-        o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
-        mlp_bias=bool(cfg.get("mlp_bias", False)), gated_mlp=True, norm="rms",
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), experts=experts, top_k=top_k,
-        moe_ffn=moe_ffn, shared_ffn=shared_ffn, shared_gate=bool(shared_ffn),
-        moe_layers=moe_layers, name=name,
-    )
+    return ModelShape.from_dims(d, name)
 
 
 def load_model_shape(spec: str) -> ModelShape:
     """A preset name, a ``config.json`` path, a folder holding one, or a hub id."""
-    from toolkit.presets import PRESETS, get_preset
-
-    if spec.lower() in PRESETS:
+    if spec.lower() in MODEL_PRESETS:
         return model_shape_from_hf(get_preset(spec), name=spec.lower())
     path = Path(spec)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
+    if path.is_dir() or path.is_file():
         try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
-        return model_shape_from_hf(cfg, name=path.parent.name or str(path))
+            hf = read_hf_config(path)
+        except HFConfigError as e:
+            raise ModelConfigError(str(e)) from e
+        file = path / "config.json" if path.is_dir() else path
+        return model_shape_from_hf(hf, name=file.parent.name or str(file))
     if path.exists() or spec.count("/") != 1:
         raise ModelConfigError(
-            f"model {spec!r}: not a preset ({', '.join(sorted(PRESETS))}), not a config.json or "
-            "a folder holding one, and not a hub id of the form owner/name"
+            f"model {spec!r}: not a preset ({', '.join(sorted(MODEL_PRESETS))}), not a "
+            "config.json or a folder holding one, and not a hub id of the form owner/name"
         )
-    from transformers import AutoConfig
+    from huggingface_hub import hf_hub_download
 
     try:
-        cfg = AutoConfig.from_pretrained(spec).to_dict()
-    except OSError as e:
+        file = hf_hub_download(spec, "config.json")
+    except Exception as e:  # network, authentication, missing repo: all say the same to the user
         raise ModelConfigError(f"could not fetch the config of hub model {spec!r}: {e}") from e
-    return model_shape_from_hf(cfg, name=spec)
+    return model_shape_from_hf(read_hf_config(file), name=spec)

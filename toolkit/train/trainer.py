@@ -2,7 +2,7 @@
 
 Every rank runs ``run(cfg)`` (launched by torchrun, the deepspeed launcher or srun). The pieces
 live in their own modules; this one only wires them in order:
-config.plan (layout, batches) -> parallel.initialize -> bridge.load_hf / build_model ->
+config.plan (layout, batches) -> parallel.initialize -> adapters.live.load_hf / build_model ->
 data.prepare_data_distributed -> DeepSpeed config (generator or the user's linted JSON) ->
 engine.build_engine -> resume -> train_step loop (metrics, eval, checkpoints) -> HF export.
 """
@@ -106,20 +106,19 @@ def _model_overrides(cfg: TrainConfig) -> dict[str, Any]:
 
 def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout):
     """Fine-tune: this rank's slices of the HF checkpoint. Pretrain: megatron-core's init."""
-    from toolkit import bridge
-    from toolkit.adapters import adapter_for
+    from toolkit.adapters import adapter_for, live
 
     dtype = _DTYPES[cfg.train.precision]
     overrides = _model_overrides(cfg)
     if cfg.model.path:
-        return bridge.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
+        return live.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
     from transformers import AutoConfig
 
     raw = _hf_config_dict(cfg)
     hf = AutoConfig.for_model(**raw)
     adapter = adapter_for(hf, dtype=dtype)
     adapter.validate(layout)
-    chunks = bridge.build_model(adapter, layout, perform_initialization=True, **overrides)
+    chunks = live.build_model(adapter, layout, perform_initialization=True, **overrides)
     return chunks, adapter
 
 
@@ -421,7 +420,7 @@ def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
     """
     import contextlib
 
-    from toolkit import bridge
+    from toolkit.adapters.live import export_hf
 
     gathered = contextlib.nullcontext()
     if engine.zero_optimization_stage() == 3:
@@ -430,7 +429,7 @@ def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
         gathered = deepspeed.zero.GatheredParameters([p for c in chunks for p in c.parameters()])
     diff = None
     with gathered:
-        path = bridge.export_hf(chunks, adapter, out_dir, overwrite=True)
+        path = export_hf(chunks, adapter, out_dir, overwrite=True)
         if verify:
             diff = _verify_export(chunks, adapter, out_dir)
     if path is not None:
@@ -441,12 +440,12 @@ def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
 
 def _verify_export(chunks, adapter, out_dir: str) -> float:
     """Max abs logit difference, HF export (transformers) vs the live model; on every rank."""
-    from toolkit import bridge
+    from toolkit.adapters.live import forward_logits
     from toolkit.verify import fixed_tokens, run_hf
 
     vocab = adapter.dims.vocab
     tokens = fixed_tokens(vocab, batch=2, seq_len=16)
-    live = bridge.forward_logits(chunks, tokens, vocab).float().cpu()
+    live = forward_logits(chunks, tokens, vocab).float().cpu()
     for chunk in chunks:
         chunk.train()
     diff = torch.zeros(1, dtype=torch.float64)

@@ -1,10 +1,10 @@
-"""Model adapters: what a family declares, and the adapter bound to one HF checkpoint's config.
+"""The adapter: a family bound to one HF checkpoint's config, a dtype and a vocab padding.
 
-A ``Family`` (one small file in ``model_adapters/``) translates an HF config into megatron-core
-arguments and declares its mapping ``Table`` (megatron name -> split rule over HF names). An
-``Adapter`` binds a family to one HF config and a dtype; it builds the TransformerConfig, layer
-spec and GPTModel arguments for a layout, and the per-rank plans. It knows no process groups and
-no files except the source folder it copies tokenizer files from on export.
+A ``Family`` (``toolkit.adapters.family``; one small file per family in ``model_adapters/``)
+declares how an HF config translates. The ``Adapter`` adds what needs torch: the dtypes, the
+activation function, the TransformerConfig, layer spec and GPTModel arguments for a layout, and
+the per-rank plans. It knows no process groups and no files except the source folder it copies
+tokenizer files from on export.
 """
 
 from __future__ import annotations
@@ -14,17 +14,16 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from toolkit.adapters.family import Dims, Family
+from toolkit.adapters.hfconfig import UnsupportedModel
+from toolkit.adapters.registry import family_for
 from toolkit.mapping import Coord, Table, TensorPlan, padded_vocab_size, plan_rank
 from toolkit.parallel.layout import ParallelLayout
-
-
-class UnsupportedModel(ValueError):
-    """An HF architecture or config feature megatron-core (or mdtk) cannot represent."""
 
 
 class CheckpointMismatch(ValueError):
@@ -46,62 +45,11 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_new": gelu_tanh,
 
 
 def activation(name: str) -> Any:
+    """The torch function of an HF activation name (families declare activations by name)."""
     if name not in ACTIVATIONS:
         raise UnsupportedModel(f"activation {name!r} is not supported; supported: "
                                f"{sorted(ACTIVATIONS)}.")
     return ACTIVATIONS[name]
-
-
-@dataclass(frozen=True)
-class Dims:
-    """The sizes layout validation and the rules need (read from the HF config by the family)."""
-
-    hidden: int
-    layers: int
-    heads: int
-    groups: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied: bool = False
-    experts: int = 0
-
-
-class Family:
-    """Base class of a model family; subclasses live in ``model_adapters/`` (one file each).
-
-    Subclasses set ``architectures`` and implement ``dims``, ``transformer_kwargs`` and ``table``;
-    the rest have defaults. ``check`` raises ``UnsupportedModel`` for config features the
-    translation cannot represent (never translate approximately).
-    """
-
-    architectures: ClassVar[tuple[str, ...]] = ()
-    #: Prefix of the base model's names; hub checkpoints saved from the base class lack it
-    #: (GPT-2's ``h.0.ln_1.weight`` instead of ``transformer.h.0.ln_1.weight``).
-    base_prefix: ClassVar[str] = "model."
-    #: Regexes of stored tensors that are not weights (HF ignores them too); say why in the file.
-    ignored: ClassVar[tuple[str, ...]] = ()
-
-    def check(self, hf: Any) -> None:
-        """Raise UnsupportedModel for anything megatron-core cannot represent exactly."""
-
-    def dims(self, hf: Any) -> Dims:
-        raise NotImplementedError
-
-    def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
-        """TransformerConfig arguments (model shape and numerics; no parallel sizes)."""
-        raise NotImplementedError
-
-    def spec_kwargs(self, hf: Any) -> dict[str, Any]:
-        """Arguments of ``toolkit.models.layer_spec``."""
-        return {}
-
-    def model_kwargs(self, hf: Any) -> dict[str, Any]:
-        """GPTModel arguments besides vocab_size and share_embeddings_and_output_weights."""
-        return {}
-
-    def table(self, hf: Any, d: Dims, padded_vocab: int) -> Table:
-        raise NotImplementedError
 
 
 @dataclass
@@ -151,6 +99,7 @@ class Adapter:
         half = {torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
         kwargs = {
             **self.family.transformer_kwargs(self.hf_config),
+            "activation_func": activation(self.family.activation(self.hf_config)),
             "tensor_model_parallel_size": layout.tp,
             "pipeline_model_parallel_size": layout.pp,
             "virtual_pipeline_model_parallel_size": vpp,
@@ -263,8 +212,6 @@ def adapter_for(config_or_path: Any, *, dtype: torch.dtype | str | None = None,
     ``dtype`` is megatron-core's parameter dtype; by default the checkpoint's own dtype.
     Raises UnsupportedModel (listing the supported architectures) for unknown families.
     """
-    from model_adapters import family_for
-
     source = None
     hf = config_or_path
     if isinstance(config_or_path, (str, Path)):
@@ -275,6 +222,7 @@ def adapter_for(config_or_path: Any, *, dtype: torch.dtype | str | None = None,
         raise UnsupportedModel("config.json has no 'architectures' entry: cannot pick an adapter.")
     family = family_for(archs[0])
     family.check(hf)
+    activation(family.activation(hf))
     adapter = Adapter(family, hf, source=source, vocab_multiple=vocab_multiple)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)

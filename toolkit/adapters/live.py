@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit.adapters import Adapter, adapter_for
+from toolkit.adapters.adapter import Adapter, adapter_for
 from toolkit.checkpoint.hf import CheckpointError, HFReader, HFWriter
 from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
 from toolkit.parallel.layout import LayoutError, ParallelLayout
@@ -242,7 +242,7 @@ def export_hf(
         result = None
         if writer is not None:
             result = writer.finish(adapter.export_config(dtype),
-                                   generation_config=_generation_config(adapter),
+                                   generation_config=generation_config(adapter),
                                    copy_from=adapter.source)
     except BaseException:
         if writer is not None:
@@ -252,7 +252,7 @@ def export_hf(
     return result
 
 
-def _generation_config(adapter: Adapter) -> Any:
+def generation_config(adapter: Adapter) -> Any:
     from transformers import GenerationConfig
 
     if adapter.source is not None and (adapter.source / "generation_config.json").is_file():

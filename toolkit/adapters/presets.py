@@ -1,7 +1,8 @@
 """Built-in model presets: the published ``config.json`` values of well-known checkpoints.
 
 They let ``mdtk estimate`` / ``mdtk ds-config`` size real models without a hub download. Only the
-keys the memory model reads are kept; every value is the one in the model's public config.json.
+keys the families read for the model's shape are kept (plus numerics); every value is the one in
+the model's public config.json.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ _LLAMA3 = dict(
     mlp_bias=False, max_position_embeddings=131072,
 )
 
-PRESETS: dict[str, dict[str, Any]] = {
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "gpt2": dict(
         model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=768, n_layer=12, n_head=12,
         n_positions=1024, vocab_size=50257, n_inner=None, activation_function="gelu_new",
@@ -60,7 +61,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def get_preset(name: str) -> dict[str, Any]:
     """A copy of the preset's config dict; KeyError names the known presets."""
     key = name.lower()
-    if key not in PRESETS:
-        known = ", ".join(sorted(PRESETS))
+    if key not in MODEL_PRESETS:
+        known = ", ".join(sorted(MODEL_PRESETS))
         raise KeyError(f"unknown model preset {name!r}; known presets: {known}")
-    return copy.deepcopy(PRESETS[key])
+    return copy.deepcopy(MODEL_PRESETS[key])

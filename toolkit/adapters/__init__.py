@@ -1,0 +1,38 @@
+"""Model adapters: family declarations (torch-free) and the adapter bound to one HF config.
+
+- ``family``: ``Family`` base, ``Dims`` (the one model description), ``Moe`` switches;
+- ``registry``: architecture -> family (``@register``; discovers ``model_adapters``);
+- ``hfconfig``: ``HFConfig`` / ``read_hf_config`` and the config translations families share;
+- ``presets``: published configs of well-known checkpoints;
+- ``adapter`` (torch): ``Adapter``, ``adapter_for``;
+- ``live`` (torch, megatron-core): load an HF checkpoint into live chunks and export them.
+
+Torch-free names are imported eagerly; the torch-needing ones resolve on first access through
+``__getattr__``, so ``mdtk estimate`` and ``ds-config`` import neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from toolkit.adapters.family import ConfigKeyError, Dims, Family, Moe
+from toolkit.adapters.hfconfig import HFConfig, HFConfigError, UnsupportedModel, read_hf_config
+from toolkit.adapters.registry import FAMILIES, family_for, family_of, register, supported
+
+_LAZY = {
+    **dict.fromkeys(("ACTIVATIONS", "Adapter", "CheckpointMismatch", "activation", "adapter_for",
+                     "load_hf_config"), "toolkit.adapters.adapter"),
+    **dict.fromkeys(("build_model", "current_coord", "export_hf", "fill_chunks",
+                     "forward_logits", "load_hf"), "toolkit.adapters.live"),
+}
+
+__all__ = ["FAMILIES", "ConfigKeyError", "Dims", "Family", "HFConfig", "HFConfigError", "Moe",
+           "UnsupportedModel", "family_for", "family_of", "read_hf_config", "register",
+           "supported", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,171 @@
+"""HF ``config.json`` without transformers: an attribute view, and translations families share.
+
+``HFConfig`` reads like a transformers config (``cfg.hidden_size``, ``getattr(cfg, "head_dim",
+None)``) but is a plain view over the JSON dict, so reading a checkpoint's config costs no torch or
+transformers import (``mdtk estimate``, ``ds-config``, ``inspect``). Families read both this view
+and real transformers configs through the same attribute access.
+
+The translations (RoPE, sliding windows, HF's dense-layer rule of MoE models) are written once
+here for every family whose HF config uses the same keys.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+
+class UnsupportedModel(ValueError):
+    """An HF architecture or config feature megatron-core (or mdtk) cannot represent."""
+
+
+class HFConfigError(ValueError):
+    """A config.json that cannot be read (missing, not JSON, not an object); names the path."""
+
+
+class HFConfig:
+    """Read-only attribute view over an HF ``config.json`` dict.
+
+    Missing keys raise AttributeError, so ``getattr(cfg, key, default)`` and ``hasattr`` behave as
+    on transformers configs. Sub-configs (keys ending in ``_config``, e.g. ``text_config``) come
+    back as HFConfig views; other nested objects (``rope_scaling``) stay dicts, as in transformers.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        if not isinstance(data, Mapping):
+            raise HFConfigError(f"an HF config is a JSON object, got {type(data).__name__}.")
+        object.__setattr__(self, "_data", dict(data))
+
+    def __getattr__(self, name: str) -> Any:
+        data = object.__getattribute__(self, "_data")
+        if name not in data:
+            raise AttributeError(f"HF config has no {name!r}")
+        value = data[name]
+        if name.endswith("_config") and isinstance(value, Mapping):
+            return HFConfig(value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("HFConfig is read-only; build a new one from to_dict().")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HFConfig) and self._data == other._data
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self._data, sort_keys=True, default=str))
+
+    def __repr__(self) -> str:
+        return f"HFConfig({self._data!r})"
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The value of ``name`` when present and not null, else ``default``."""
+        value = self._data.get(name)
+        return default if value is None else value
+
+    def to_dict(self) -> dict[str, Any]:
+        """A deep copy of the underlying JSON dict."""
+        return copy.deepcopy(self._data)
+
+
+def read_hf_config(folder_or_file: str | Path) -> HFConfig:
+    """The ``config.json`` of an HF folder (or the file itself), parsed as plain JSON."""
+    path = Path(folder_or_file)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        where = f"{path} holds no config.json" if path.is_dir() else f"{path} does not exist"
+        raise HFConfigError(f"{where}: pass an HF model folder or its config.json.")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFConfigError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise HFConfigError(f"{file} holds a JSON {type(data).__name__}, not an object.")
+    return HFConfig(data)
+
+
+# -- translations shared by families ---------------------------------------------------------
+
+# megatron-core 0.16.1 RotaryEmbedding._apply_scaling hard-codes these llama3 values; only
+# ``factor`` is an argument (``rope_scaling_factor``).
+_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+
+
+def rope_parameters(hf: Any) -> dict[str, Any]:
+    """RoPE settings in transformers 5 form (``rope_parameters``), also from 4.x configs."""
+    params = getattr(hf, "rope_parameters", None)
+    if params:
+        return dict(params)
+    legacy = dict(getattr(hf, "rope_scaling", None) or {})
+    if "type" in legacy and "rope_type" not in legacy:
+        legacy["rope_type"] = legacy.pop("type")
+    return {"rope_theta": getattr(hf, "rope_theta", 10000.0), "rope_type": "default", **legacy}
+
+
+def rope_kwargs(hf: Any) -> dict[str, Any]:
+    """GPTModel RoPE arguments; refuse what megatron-core's RotaryEmbedding cannot compute."""
+    p = rope_parameters(hf)
+    kind = p.get("rope_type", "default")
+    out: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": p["rope_theta"]}
+    partial = p.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        out["rotary_percent"] = float(partial)
+    if kind == "default":
+        return out
+    if kind == "linear":
+        return {**out, "seq_len_interpolation_factor": float(p["factor"])}
+    if kind == "llama3":
+        wrong = {k: p.get(k) for k, v in _MEGATRON_LLAMA3.items() if float(p.get(k, -1)) != v}
+        if wrong:
+            raise UnsupportedModel(
+                f"llama3 rope_parameters {wrong} differ from the values megatron-core's "
+                f"RotaryEmbedding hard-codes ({_MEGATRON_LLAMA3}); only 'factor' can vary."
+            )
+        return {**out, "rope_scaling": True, "rope_scaling_factor": float(p["factor"])}
+    raise UnsupportedModel(
+        f"rope_type={kind!r} is not supported by megatron-core's GPTModel RoPE (supported: "
+        "default, linear, llama3)."
+    )
+
+
+def window_kwargs(hf: Any) -> dict[str, Any]:
+    """Sliding-window attention as megatron-core's ``window_size`` (+ per-layer switch).
+
+    HF lets position q attend to k when ``q - k < sliding_window``; megatron-core's window
+    ``(left, 0)`` allows ``q - k <= left``, hence ``left = sliding_window - 1``. Per-layer
+    windows come from HF's ``layer_types`` (Qwen2's ``use_sliding_window`` +
+    ``max_window_layers`` are resolved into it by transformers).
+    """
+    size = getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None)
+    if not size:
+        return {}
+    if types is None:
+        return {"window_size": (size - 1, 0)}
+    flags = [t == "sliding_attention" for t in types]
+    if not any(flags):
+        return {}
+    out: dict[str, Any] = {"window_size": (size - 1, 0)}
+    if not all(flags):
+        out["window_attn_skip_freq"] = [int(f) for f in flags]
+    return out
+
+
+def dense_layers(hf: Any, layers: int, experts: int) -> tuple[int, ...]:
+    """Layers HF's Qwen-MoE decoders build with a dense MLP: layer i is sparse iff ``i not in
+    mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0``."""
+    only = set(getattr(hf, "mlp_only_layers", None) or [])
+    step = getattr(hf, "decoder_sparse_step", None) or 1
+    return tuple(i for i in range(layers)
+                 if i in only or not (experts > 0 and (i + 1) % step == 0))
