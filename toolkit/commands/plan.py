@@ -253,9 +253,9 @@ def _model_source(model_arg: str, folder: Path) -> tuple[str | None, str | None]
         return None, str((path / "config.json").resolve())
     if path.is_file():
         return None, str(path.resolve())
-    from toolkit.presets import PRESETS, get_preset
+    from toolkit.adapters.presets import MODEL_PRESETS, get_preset
 
-    if model_arg.lower() in PRESETS:
+    if model_arg.lower() in MODEL_PRESETS:
         from toolkit.atomic import write_text
 
         target = folder / "model_config.json"
