@@ -57,8 +57,12 @@ def test_tp_all_reduce_count_per_layer_and_volume():
     assert tp_collectives_per_layer("none") == 4  # 2 forward (attention, MLP), 2 backward
     assert tp_collectives_per_layer("selective") == 4  # core attention has no TP collective
     assert tp_collectives_per_layer("full") == 6  # the recomputed forward repeats its 2
+    # sequence parallelism: all-gather + reduce-scatter pairs, and the backward re-gathers the
+    # inputs of the QKV and fc1 column-parallel linears for their weight gradients
+    assert tp_collectives_per_layer("none", sequence_parallel=True) == 5
+    assert tp_collectives_per_layer("full", sequence_parallel=True) == 7
     work = Workload(4096, 16)
-    for recompute, count in (("none", 4), ("full", 6)):
+    for recompute, count in (("none", 5), ("full", 7)):  # the planner pairs tp with SP
         c = Candidate(tp=4, dp=2, zero=1, micro_batch=2, recompute=recompute)
         cost = step_cost(LLAMA_8B, work, c, Network(H100, 8))
         m = 16 // (2 * 2)
@@ -185,3 +189,17 @@ def test_frameworks_differ_only_where_they_should():
     assert meg.tp_comm == pytest.approx(mdtk.tp_comm * (1 - MEGATRON_LM.tp_overlap))
     # DeepSpeed reduce-scatters per micro-batch, Megatron's distributed optimizer once
     assert mdtk.volumes["dp_reducescatter"] == 8 * meg.volumes["dp_reducescatter"]
+
+
+def test_eager_attention_scores_go_through_memory():
+    """Without flash attention each layer moves the [heads, s, s] scores 6 times a forward
+    (QK^T written, scale+mask, softmax, read by AV), 3 forwards' worth with the backward."""
+    from toolkit.planner.cost import EAGER_SCORE_PASSES
+
+    eff = dataclasses.replace(EFF, optimizer_bytes=0.0)
+    c = Candidate(dp=1, zero=1, micro_batch=2)
+    flash = step_cost(LLAMA_1B, Workload(1024, 2), c, Network(H100, 8), eff=eff)
+    eager = step_cost(LLAMA_1B, Workload(1024, 2, flash=False), c, Network(H100, 8), eff=eff)
+    scores = EAGER_SCORE_PASSES * 2 * 32 * 1024 * (2 * 1024) * 16 * 3  # bytes a step
+    assert EAGER_SCORE_PASSES == 6
+    assert eager.compute - flash.compute == pytest.approx(scores / (H100.hbm * eff.memory))

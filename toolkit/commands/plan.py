@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from toolkit.commands.estimate import CPU_MEM, DTYPE, GPUS, NODES, SEQ, fail
+from toolkit.commands.estimate import CPU_MEM, DTYPE, FLASH, GPUS, NODES, SEQ, fail
 
 _SCALE = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -34,7 +34,7 @@ def plan_cmd(
     cpu_mem: str = CPU_MEM, seq_len: int = SEQ,
     global_batch: int | None = typer.Option(None, "--global-batch", min=1, help="Sequences per "
                                             "step (default: ~1M tokens, a multiple of the GPUs)."),
-    dtype: str = DTYPE,
+    dtype: str = DTYPE, flash: bool = FLASH,
     tokens: str | None = typer.Option(None, "--tokens", help="Tokens to train, e.g. 2T: time "
                                       "and cost columns."),
     price: float | None = typer.Option(None, "--price-per-gpu-hour", min=0.0,
@@ -97,17 +97,18 @@ def plan_cmd(
                           cpu_mem=parse_bytes(cpu_mem))
     except (ValueError, DeviceError) as e:
         fail(str(e))
-    on_cpu = device.key == "cpu"
-    budget = Budget(fused=not on_cpu, flash=not on_cpu)  # mdtk's CPU path: unfused, eager
+    on_cpu = device.key == "cpu"  # mdtk's CPU path: megatron-core's unfused kernels, eager
+    kernels = {"flash": not on_cpu and flash, "fused": not on_cpu}
+    budget = Budget()
     space = SearchSpace(allow_cp=allow_cp)
     if sweep_gpus is not None:
-        _sweep(shape, sweep_gpus, cluster, device, seq_len, global_batch, dtype, count, price,
-               space, budget, plot, as_json)
+        _sweep(shape, sweep_gpus, cluster, device, seq_len, global_batch, dtype, kernels, count,
+               price, space, budget, plot, as_json)
         return
     from toolkit.planner import Workload, default_global_batch
 
     work = Workload(seq_len, global_batch or default_global_batch(seq_len, cluster.world_size),
-                    dtype)
+                    dtype, **kernels)
     try:
         result = search(shape, work, cluster, device, top=max(top, emit_rank), space=space,
                         budget=budget, group=layout_key if per_layout else None)
@@ -264,8 +265,8 @@ def _model_source(model_arg: str, folder: Path) -> tuple[str | None, str | None]
     return model_arg, None  # a hub id: fine-tune it
 
 
-def _sweep(shape, counts_text, cluster, device, seq_len, global_batch, dtype, tokens, price,
-           space, budget, plot, as_json) -> None:
+def _sweep(shape, counts_text, cluster, device, seq_len, global_batch, dtype, kernels, tokens,
+           price, space, budget, plot, as_json) -> None:
     from toolkit.planner import Workload
     from toolkit.planner.sweep import figure, marks, sweep, sweep_global_batch
 
@@ -277,7 +278,8 @@ def _sweep(shape, counts_text, cluster, device, seq_len, global_batch, dtype, to
         fail("--sweep-gpus needs positive GPU counts, e.g. 8,16,32,64.")
     if not tokens:
         fail("--sweep-gpus needs --tokens (the time and cost to train that many tokens).")
-    work = Workload(seq_len, global_batch or sweep_global_batch(seq_len, counts), dtype)
+    work = Workload(seq_len, global_batch or sweep_global_batch(seq_len, counts), dtype,
+                    **kernels)
     try:
         rows = sweep(shape, work, counts, cluster, device, tokens, price, space, budget)
     except ValueError as e:

@@ -33,7 +33,10 @@ from toolkit.planner.flops import (
     model_flops_per_token,
 )
 
-OFFLOADS = ("none", "optimizer", "all")  # all = optimizer states and ZeRO-3 parameters (cpu)
+OFFLOADS = ("none", "optimizer", "all")
+#: Eager attention's passes over the [heads, s, s] scores per forward: the QK^T output written,
+#: the scale and causal mask (read + write), softmax (read + write), read by the AV matmul.
+EAGER_SCORE_PASSES = 6  # all = optimizer states and ZeRO-3 parameters (cpu)
 RECOMPUTES = ("none", "selective", "full")
 
 
@@ -77,7 +80,7 @@ class Efficiency:
     published runs (docs/planner.md: sources, fit, error on the 16 held-out runs); the others
     are counted or assumed there."""
 
-    matmul: float = 0.70  # GEMM FLOP/s / peak (calibrated)
+    matmul: float = 0.725  # GEMM FLOP/s / peak (calibrated)
     attention: float = 0.30  # flash attention, model FLOPs (s x s, not halved) / peak (calibrated)
     network: float = 0.60  # NCCL bus bandwidth / link bandwidth (calibrated)
     memory: float = 0.30  # non-GEMM kernels: achieved / peak HBM bandwidth (calibrated)
@@ -145,6 +148,8 @@ class Workload:
     seq_len: int
     global_batch: int  # sequences per optimizer step
     dtype: str = "bf16"
+    flash: bool = True  # False: eager attention (mdtk's CPU path), scores through memory
+    fused: bool = True  # False: megatron-core's unfused kernels (mdtk on CPU; memory model)
 
 
 @dataclass(frozen=True)
@@ -213,11 +218,15 @@ def pp_bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1) -> float:
     return (pp - 1) / (num_microbatches * vpp)
 
 
-def tp_collectives_per_layer(recompute: str) -> int:
-    """All-reduce-sized TP collectives per layer and micro-batch (Megatron's column/row split):
-    forward 2 (after attention and after the MLP; with sequence parallelism each is an
-    all-gather + reduce-scatter of the same bytes), backward 2, full recompute 2 more."""
-    return 4 + (2 if recompute == "full" else 0)
+def tp_collectives_per_layer(recompute: str, sequence_parallel: bool = False) -> int:
+    """All-reduce-sized TP transfers per layer and micro-batch (Megatron's column/row split).
+    Without sequence parallelism: forward 2 all-reduces (after attention and after the MLP),
+    backward 2 (the input gradients of the two column-parallel linears). With it each becomes an
+    all-gather + reduce-scatter of the same bytes, and the backward also re-gathers the two
+    column-parallel inputs for their weight gradients (megatron-core's
+    ``LinearWithGradAccumulationAndAsyncCommunication``): one all-reduce's worth more. Full
+    recompute repeats the forward's 2."""
+    return 4 + (1 if sequence_parallel else 0) + (2 if recompute == "full" else 0)
 
 
 def cp_exchange_bytes(model: ModelShape, tokens: float, cp: int, tp: int, e: int,
@@ -325,6 +334,10 @@ def step_cost(model: ModelShape, work: Workload, c: Candidate, net: Network,
             att += fwd_att
         elem_bytes = sum(w / sp_div + inner / c.tp for w, inner in (elem[i] for i in layers))
         elem_bytes *= e * tokens * passes
+        if not work.flash:  # eager attention: the s x s scores go through memory
+            score_passes = passes + (1 if c.recompute == "selective" else 0)
+            elem_bytes += (EAGER_SCORE_PASSES * e * model.heads / c.tp * s * tokens
+                           * len(layers) * score_passes)
         if is_last:
             mm += 3 * head_flops * tokens / c.tp
             elem_bytes += eff.logits_bytes * tokens * model.padded_vocab(c.tp) / c.tp
@@ -332,7 +345,7 @@ def step_cost(model: ModelShape, work: Workload, c: Candidate, net: Network,
                    + elem_bytes / (dev.hbm * eff.memory))
         comms: dict[str, float] = {}
         if c.tp > 1:
-            calls = tp_collectives_per_layer(c.recompute) * len(layers)
+            calls = tp_collectives_per_layer(c.recompute, c.sequence_parallel) * len(layers)
             payload = tokens * h * e
             per = ring_time(payload, c.tp, "allreduce", tp_bw, tp_lat)
             if c.sequence_parallel:

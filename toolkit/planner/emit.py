@@ -53,8 +53,7 @@ def deepspeed_json(model: ModelShape, work: Workload, plan: Planned, cluster: Cl
     option = check_fit(model, work, c, cluster, budget)
     if not option.fits:  # cannot happen for a searched plan: the same test chose it
         raise EmitError(f"{c.describe()} does not fit: {option.reason}")
-    req = Request(model=model, cluster=cluster, train=train_shape(work, c, fused=budget.fused,
-                                                                   flash=budget.flash),
+    req = Request(model=model, cluster=cluster, train=train_shape(work, c),
                   layout=c.layout(), stage=str(c.zero), lr=lr,
                   headroom=budget.headroom, gpu_reserve=budget.gpu_reserve)
     notes: list[str] = []

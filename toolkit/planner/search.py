@@ -185,23 +185,19 @@ def zero_for(model: ModelShape, c: Candidate) -> ZeroOptions:
     return zero_options(model, c.zero, opt, param)
 
 
-def train_shape(work: Workload, c: Candidate, *, fused: bool = True,
-                flash: bool = True) -> TrainShape:
+def train_shape(work: Workload, c: Candidate) -> TrainShape:
     return TrainShape(seq_len=work.seq_len, micro_batch=c.micro_batch,
                       global_batch=work.global_batch, dtype=work.dtype, recompute=c.recompute,
-                      flash_attention=flash, fused=fused)
+                      flash_attention=work.flash, fused=work.fused)
 
 
 @dataclass(frozen=True)
 class Budget:
     """GPU memory kept free: ds-config's defaults (10% headroom and 2 GiB for the CUDA context,
-    NCCL buffers and fragmentation); ``fused`` / ``flash`` describe the kernels (mdtk on CPU runs
-    megatron-core's unfused path without flash attention)."""
+    NCCL buffers and fragmentation)."""
 
     headroom: float = 0.10
     gpu_reserve: int = 2 * 2**30
-    fused: bool = True
-    flash: bool = True
 
 
 def check_fit(model: ModelShape, work: Workload, c: Candidate, cluster: Cluster,
@@ -213,7 +209,7 @@ def check_fit(model: ModelShape, work: Workload, c: Candidate, cluster: Cluster,
         first, last = stage_params(model, c.tp, c.pp, c.vpp, c.cp, c.ep, c.dp)
         reserve += framework.grad_buffer_bytes * max(first.total, last.total)
     req = Request(model=model, cluster=cluster,
-                  train=train_shape(work, c, fused=budget.fused, flash=budget.flash),
+                  train=train_shape(work, c),
                   layout=c.layout(), stage=str(c.zero), offload=AUTO,
                   headroom=budget.headroom, gpu_reserve=reserve)
     return evaluate(req, zero_for(model, c))
