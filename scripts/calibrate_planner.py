@@ -4,8 +4,9 @@
     python scripts/calibrate_planner.py --report   # only the table, with the constants in cost.py
 
 The fit minimises the mean squared log error of tokens/s per GPU over the calibration runs
-(CALIBRATE) by grid search over the calibrated constants; the other runs are held out. The fitted
-values are then written into ``toolkit/planner/cost.py`` (``Efficiency``) by hand.
+(``toolkit.planner.calibration.CALIBRATE``) by grid search over the calibrated constants; the
+other runs are held out. The fitted values are then written into ``toolkit/planner/cost.py``
+(``Efficiency``) by hand.
 """
 
 from __future__ import annotations
@@ -20,20 +21,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toolkit.planner.calibration import (  # noqa: E402
+    CALIBRATE,
     PUBLISHED_BUDGET,
-    _setting,
     check,
+    pinned,
 )
 from toolkit.planner.cost import FRAMEWORKS, Efficiency, Network, step_cost  # noqa: E402
 from toolkit.planner.devices import get_device  # noqa: E402
 from toolkit.planner.published import PUBLISHED, PublishedRun  # noqa: E402
-from toolkit.planner.search import SearchSpace, search  # noqa: E402
+from toolkit.planner.search import search  # noqa: E402
 
-#: Fitted on these (small and large, short and long sequences, both frameworks); the rest is
-#: held out.
-CALIBRATE = ("megatron-lm 1.7B", "megatron-lm 16B", "megatron-lm 70B", "megatron-lm 314B",
-             "llm-foundry mpt-760m s2048 8gpu", "llm-foundry mpt-1b s32768 8gpu",
-             "llm-foundry mpt-7b s2048 8gpu", "llm-foundry mpt-30b s2048 32gpu")
 GRID = {
     "matmul": [0.40 + 0.025 * i for i in range(17)],
     "attention": [0.20 + 0.05 * i for i in range(15)],
@@ -44,14 +41,8 @@ GRID = {
 
 def fitting_candidates(run: PublishedRun):
     """Every plan of the published layout that fits (the unstated knobs free)."""
-    work, cluster, space = _setting(run)
-    fixed = {"tp": run.tp, "pp": run.pp, "cp": run.cp, "dp": run.dp, "zero": run.zero}
-    for name in ("micro_batch", "vpp", "recompute"):
-        if getattr(run, name) is not None:
-            fixed[name] = getattr(run, name)
-    pinned = SearchSpace(zero_stages=space.zero_stages, offloads=space.offloads,
-                         allow_cp=space.allow_cp, fixed=tuple(fixed.items()))
-    res = search(run.model, work, cluster, get_device(run.device), top=10_000, space=pinned,
+    work, cluster, space = pinned(run)
+    res = search(run.model, work, cluster, get_device(run.device), top=10_000, space=space,
                  framework=FRAMEWORKS[run.framework], group=lambda c: c,
                  budget=PUBLISHED_BUDGET)
     return work, cluster, [p.candidate for p in res.plans]

@@ -20,6 +20,11 @@ from toolkit.planner.search import Budget, Planned, SearchSpace, layout_key, sea
 #: The runs fit the real GPUs, so they are judged against all of its memory (no headroom).
 PUBLISHED_BUDGET = Budget(headroom=0.0, gpu_reserve=0)
 
+#: The runs the efficiency constants are fitted on (scripts/calibrate_planner.py): small and
+#: large, short and long sequences, both frameworks; the others are held out.
+CALIBRATE = ("megatron-lm 1.7B", "megatron-lm 16B", "megatron-lm 70B", "megatron-lm 314B",
+             "llm-foundry mpt-760m s2048 8gpu", "llm-foundry mpt-1b s32768 8gpu",
+             "llm-foundry mpt-7b s2048 8gpu", "llm-foundry mpt-30b s2048 32gpu")
 ZERO_BY_FRAMEWORK = {"megatron-lm": (0, 1), "fsdp": (0, 2, 3), "mdtk": (0, 1, 2, 3)}
 
 
@@ -33,17 +38,22 @@ def _setting(run: PublishedRun) -> tuple[Workload, Cluster, SearchSpace]:
     return work, cluster, space
 
 
-def published_plan(run: PublishedRun, eff: Efficiency | None = None) -> Planned | None:
-    """The planner's best plan with every knob the source states pinned (None: the memory
-    model says the published layout does not fit)."""
+def pinned(run: PublishedRun) -> tuple[Workload, Cluster, SearchSpace]:
+    """The run's setting with every knob the source states pinned."""
     work, cluster, space = _setting(run)
     fixed = {"tp": run.tp, "pp": run.pp, "cp": run.cp, "dp": run.dp, "zero": run.zero}
     for name in ("micro_batch", "vpp", "recompute"):
         if getattr(run, name) is not None:
             fixed[name] = getattr(run, name)
-    pinned = SearchSpace(zero_stages=space.zero_stages, offloads=space.offloads,
-                         allow_cp=space.allow_cp, fixed=tuple(fixed.items()))
-    result = search(run.model, work, cluster, get_device(run.device), top=1, space=pinned,
+    return work, cluster, SearchSpace(zero_stages=space.zero_stages, offloads=space.offloads,
+                                      allow_cp=space.allow_cp, fixed=tuple(fixed.items()))
+
+
+def published_plan(run: PublishedRun, eff: Efficiency | None = None) -> Planned | None:
+    """The planner's best plan with every knob the source states pinned (None: the memory
+    model says the published layout does not fit)."""
+    work, cluster, space = pinned(run)
+    result = search(run.model, work, cluster, get_device(run.device), top=1, space=space,
                     framework=FRAMEWORKS[run.framework], eff=eff, budget=PUBLISHED_BUDGET)
     return result.plans[0] if result.plans else None
 

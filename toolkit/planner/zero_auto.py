@@ -46,9 +46,11 @@ def recompute_note(recompute: str, hf_trainer: bool) -> str:
         return ("activation recompute is needed: turn on gradient checkpointing "
                 "(TrainingArguments(gradient_checkpointing=True) or "
                 "model.gradient_checkpointing_enable()); DeepSpeed's JSON has no key for it.")
+    megatron = ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+                if recompute == "full" else "--recompute-granularity selective")
     return (f"activation recompute '{recompute}' is needed: it is a trainer setting, not a "
-            f"DeepSpeed key (mdtk: train.recompute: {recompute}; Megatron-LM: "
-            f"--recompute-granularity {recompute}; HF Trainer: gradient_checkpointing=True).")
+            f"DeepSpeed key (mdtk: train.recompute: {recompute}; Megatron-LM: {megatron}; "
+            "HF Trainer: gradient_checkpointing=True).")
 
 
 def zero_auto(req: Request, device: Device = DEVICES["h100"], eff: Efficiency | None = None
