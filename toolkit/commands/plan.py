@@ -25,7 +25,8 @@ def parse_count(text: str | None) -> float | None:
 
 
 def plan_cmd(
-    model: str = typer.Option(..., "--model", help="Preset name, config.json, folder or hub id."),
+    model: str | None = typer.Option(None, "--model", help="Preset name, config.json, folder or "
+                                     "hub id."),
     nodes: int = NODES, gpus_per_node: int = GPUS,
     gpu: str = typer.Option("h100", "--gpu", help="Device: h100, h200, a100-80gb, a100-40gb, "
                             "l40s, b200, mi300x, ... (mdtk plan --gpu list shows them)."),
@@ -83,6 +84,8 @@ def plan_cmd(
                        f"GiB, HBM {d.hbm / 1e9:,.0f} GB/s, link {d.intra / 1e9:g} GB/s, network "
                        f"{d.inter / 1e9:g} GB/s")
         return
+    if model is None:
+        fail("give --model (a preset, config.json, folder or hub id), or --gpu list.")
     try:
         device = get_device(gpu, bf16_tflops=peak_tflops, fp32_tflops=peak_tflops,
                             intra=_gb(intra_gbps), inter=_gb(inter_gbps), pcie=_gb(pcie_gbps),
