@@ -43,6 +43,7 @@ COMMAND_MODULES: list[str] = [
     "toolkit.commands.launch",
     "toolkit.commands.estimate",
     "toolkit.commands.dsconfig",
+    "toolkit.commands.plan",
     "toolkit.commands.verify",
     "toolkit.commands.convert",
     "toolkit.commands.train",

@@ -18,7 +18,6 @@ from toolkit.commands.estimate import (
     MICRO,
     NODES,
     PP,
-    RECOMPUTE,
     SEQ,
     SP,
     TP,
@@ -43,8 +42,13 @@ def ds_config(
     offload: str = typer.Option("auto", "--offload", help="auto, none, cpu or nvme."),
     tp: int = TP, pp: int = PP, cp: int = CP, ep: int = EP, vpp: int | None = VPP,
     sequence_parallel: bool = SP, seq_len: int = SEQ, micro_batch: int = MICRO,
-    global_batch: int | None = GLOBAL, dtype: str = DTYPE, recompute: str = RECOMPUTE,
+    global_batch: int | None = GLOBAL, dtype: str = DTYPE,
+    recompute: str = typer.Option("auto", "--recompute", help="auto, none, selective or full. "
+                                  "auto: tried before offload, the fastest that fits (a trainer "
+                                  "setting: reported, not written in the JSON)."),
     flash: bool = FLASH,
+    gpu: str = typer.Option("h100", "--gpu", help="Device whose speed ranks the options with "
+                            "--recompute auto (mdtk plan --gpu list)."),
     hf_trainer: bool = typer.Option(False, "--hf-trainer", help='Write "auto" where HF Trainer '
                                     "fills the value."),
     scheduler: str = typer.Option("WarmupDecayLR", "--scheduler"),
@@ -69,16 +73,24 @@ def ds_config(
     from toolkit.dsconfig.presets import render, write_json
     from toolkit.memory import TrainShape, load_model_shape
 
+    auto = recompute == "auto"
     try:
         request = Request(
             model=load_model_shape(model),
             cluster=cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem, nvme_path, nvme_size),
             train=TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
-                             dtype=dtype, recompute=recompute, flash_attention=flash),
+                             dtype=dtype, recompute="none" if auto else recompute,
+                             flash_attention=flash),
             layout=layout, stage=stage, offload=offload, hf_trainer=hf_trainer,
             scheduler=scheduler, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
         )
-        plan = generate(request)
+        if auto:
+            from toolkit.planner import get_device
+            from toolkit.planner.zero_auto import zero_auto
+
+            plan = zero_auto(request, get_device(gpu))
+        else:
+            plan = generate(request)
     except (ConfigError, ValueError) as e:
         fail(str(e))
     if not quiet:
@@ -102,7 +114,8 @@ def _explain(plan) -> None:
     from toolkit.memory import GIB
 
     err = typer.echo
-    err("Options considered (least communication first):", err=True)
+    err("Options considered (least communication first; with --recompute auto the fastest "
+        "that fits, offload last):", err=True)
     for option in plan.considered:
         mark = "->" if option is plan.chosen else "  "
         err(f" {mark} {option.label}: {option.reason}", err=True)

@@ -61,12 +61,15 @@ class Request:
 
 @dataclass(frozen=True)
 class Option:
-    """One (stage, offload) candidate and what the memory model says about it."""
+    """One (stage, offload) candidate and what the memory model says about it. ``recompute``
+    is set when the search chose it too (``toolkit.planner.zero_auto``), None when the request
+    fixed it."""
 
     zero: ZeroOptions
     estimate: Estimate | None
     fits: bool
     reason: str
+    recompute: str | None = None
 
     @property
     def label(self) -> str:
@@ -76,6 +79,8 @@ class Option:
             text += f" + optimizer->{z.offload_optimizer}"
         if z.offload_param != "none":
             text += f" + params->{z.offload_param}"
+        if self.recompute is not None:
+            text += f" + recompute {self.recompute}"
         return text
 
 
@@ -162,8 +167,8 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def generate(req: Request) -> Plan:
-    """Pick the option, build the config; ConfigError (with every option's numbers) otherwise."""
+def validate_request(req: Request) -> ParallelLayout:
+    """The request's resolved layout; ConfigError for values no option can satisfy."""
     if req.stage not in STAGES:
         raise ConfigError(f"--stage {req.stage!r}: use one of {', '.join(STAGES)}.")
     if req.offload not in OFFLOADS:
@@ -182,28 +187,39 @@ def generate(req: Request) -> Plan:
         layout = req.layout.resolve(req.cluster.world_size)
     except LayoutError as e:
         raise ConfigError(str(e)) from e
-    candidates = candidate_zero(req.model, req.stage, req.offload)
-    if not candidates:
+    if not candidate_zero(req.model, req.stage, req.offload):
         raise ConfigError(f"--stage {req.stage} with --offload {req.offload} leaves no option: "
                           "offload needs stage >= 2 here (optimizer) or 3 (NVMe, parameters).")
+    return layout
+
+
+def nothing_fits(req: Request, layout: ParallelLayout, considered: list[Option]) -> ConfigError:
+    """The error that lists every option considered with the memory model's reason."""
+    lines = [f"{o.label}: {o.reason}" for o in considered]
+    return ConfigError(
+        f"nothing fits {req.model.name} on {req.cluster.world_size} x "
+        f"{_gib(req.cluster.gpu_mem)} GPUs ({layout.describe()}, seq {req.train.seq_len}, "
+        f"micro-batch {req.train.micro_batch}):\n  " + "\n  ".join(lines) + "\nTry more "
+        "GPUs, tensor/pipeline parallelism (--tp/--pp), a smaller --micro-batch or "
+        "--seq-len, recompute, or allow offload (--offload auto with --nvme-path)."
+    )
+
+
+def generate(req: Request) -> Plan:
+    """Pick the option, build the config; ConfigError (with every option's numbers) otherwise.
+    The request's recompute is fixed here; ``toolkit.planner.zero_auto`` chooses it too."""
+    layout = validate_request(req)
     considered: list[Option] = []
-    for zero in candidates:
+    for zero in candidate_zero(req.model, req.stage, req.offload):
         option = evaluate(req, zero)
         considered.append(option)
         if option.fits:
             break
     chosen = considered[-1]
     if not chosen.fits:
-        lines = [f"{o.label}: {o.reason}" for o in considered]
-        raise ConfigError(
-            f"nothing fits {req.model.name} on {req.cluster.world_size} x "
-            f"{_gib(req.cluster.gpu_mem)} GPUs ({layout.describe()}, seq {req.train.seq_len}, "
-            f"micro-batch {req.train.micro_batch}):\n  " + "\n  ".join(lines) + "\nTry more "
-            "GPUs, tensor/pipeline parallelism (--tp/--pp), a smaller --micro-batch or "
-            "--seq-len, recompute, or allow offload (--offload auto with --nvme-path)."
-        )
+        raise nothing_fits(req, layout, considered)
     assert chosen.estimate is not None
-    notes = []
+    notes: list[str] = []
     config = build_config(req, chosen, layout, notes)
     # mdtk's own checks only: DeepSpeed's parser imports torch (estimate / ds-config stay
     # torch-free); the trainer's final lint and `ds-config --deepspeed-parse` run it.

@@ -13,42 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.memory.model import EXPERT, ModelShape, model_shape_from_hf
+from toolkit.memory.model import model_shape_from_hf
 
-# Dense (no sparsity) BF16 tensor-core peak TFLOP/s from the vendors' datasheets. A key matches
-# when all its words are words of the CUDA/ROCm device name ("NVIDIA A100-SXM4-80GB" has A100,
-# "NVIDIA A10G" has no A10); the first match wins, so two-word keys come first.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GH200", 989.0),       # NVIDIA GH200 Grace Hopper: H100-class GPU
-    ("H200 NVL", 835.0),    # NVIDIA H200 NVL (1,671 with sparsity)
-    ("H200", 989.0),        # NVIDIA H200 SXM (1,979 with sparsity)
-    ("H100 NVL", 835.0),    # NVIDIA H100 NVL (1,671 with sparsity)
-    ("H100 PCIE", 756.0),   # NVIDIA H100 PCIe (1,513 with sparsity)
-    ("H100", 989.0),        # NVIDIA H100 SXM5 (1,979 with sparsity)
-    ("H800", 989.0),        # NVIDIA H800 SXM5
-    ("B200", 2250.0),       # NVIDIA HGX B200, per GPU (4.5 PFLOPS with sparsity)
-    ("A100", 312.0),        # NVIDIA A100 SXM4 / PCIe (624 with sparsity)
-    ("A800", 312.0),
-    ("L40S", 362.0),        # NVIDIA L40S (733 with sparsity)
-    ("L40", 181.0),         # NVIDIA L40 (362 with sparsity)
-    ("L4", 121.0),          # NVIDIA L4 (242 with sparsity)
-    ("A10", 125.0),         # NVIDIA A10 (250 with sparsity)
-    ("MI300X", 1307.0),     # AMD Instinct MI300X
-    ("MI250X", 383.0),      # AMD Instinct MI250X
-)
-
-
-def peak_tflops(device_name: str | None, override: float | None = None) -> float | None:
-    """Peak dense BF16 TFLOP/s of a device; ``override`` wins; None for CPUs and unknown names."""
-    if override is not None:
-        return float(override)
-    if not device_name:
-        return None
-    words = set(device_name.upper().replace("-", " ").split())
-    for key, value in PEAK_BF16_TFLOPS:
-        if set(key.split()) <= words:
-            return value
-    return None
+# The peak table and the FLOP count live with the planner (one source for MFU and estimates).
+from toolkit.planner.devices import peak_tflops  # noqa: F401 - re-exported for the trainer
+from toolkit.planner.flops import matmul_params_per_token  # noqa: F401 - re-exported
+from toolkit.planner.flops import model_flops_per_token as _shape_flops_per_token
 
 
 def device_name() -> str | None:
@@ -58,33 +28,10 @@ def device_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def matmul_params_per_token(shape: ModelShape) -> int:
-    """Weights one token is multiplied with: all parameters except the input embedding (and
-    learned position) lookups, MoE experts counted top_k/experts, plus the output projection
-    (counted even when tied to the embedding, because the head matmul still happens)."""
-    total = 0
-    for t in shape.tensors():
-        if t.name in ("embed", "pos_embed"):
-            continue
-        total += t.numel * shape.top_k // shape.experts if t.split == EXPERT else t.numel
-    if shape.tied:
-        total += shape.vocab * shape.hidden
-    return total
-
-
 def model_flops_per_token(hf_config: dict[str, Any], seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward, no recompute) of a dense or MoE GPT:
-
-        6 * N + 12 * L * H * s
-
-    N = ``matmul_params_per_token`` (active parameters, non-embedding, plus the LM head);
-    the second term is attention's score and value matmuls (QK^T and AV: 2 matmuls x 2 FLOPs per
-    multiply-add x 3 for forward + backward, over L layers of H = heads * head_dim attention width
-    and s keys), not halved for the causal mask. This is the "model FLOPs" of PaLM (Chowdhery et
-    al. 2022, appendix B), the usual basis of MFU: recomputation is not credited.
-    """
-    shape = model_shape_from_hf(hf_config)
-    return 6.0 * matmul_params_per_token(shape) + 12.0 * shape.layers * shape.q_dim * seq_len
+    """Training FLOPs per token of an HF config: ``toolkit.planner.flops.model_flops_per_token``
+    (6 N + 12 L H s, PaLM's model FLOPs; recomputation not credited)."""
+    return _shape_flops_per_token(model_shape_from_hf(hf_config), seq_len)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,37 @@
+"""Parallelism planner (pure functions): which layout, ZeRO stage, offload, recompute and
+micro-batch to train a model with on a cluster, how long a step takes and what it costs.
+
+``cost`` is the analytic step-time model, ``devices`` the accelerator table, ``search`` the
+enumeration ranked by the cost model and filtered by the memory model (``toolkit.memory``),
+``published`` the published runs it is checked against (docs/planner.md).
+"""
+
+from toolkit.planner.cost import (
+    FRAMEWORKS,
+    MDTK,
+    Candidate,
+    Efficiency,
+    Framework,
+    Network,
+    StepCost,
+    Workload,
+    step_cost,
+)
+from toolkit.planner.devices import DEVICES, Device, DeviceError, get_device, peak_tflops
+from toolkit.planner.search import (
+    PlanError,
+    Planned,
+    SearchResult,
+    SearchSpace,
+    check_fit,
+    default_global_batch,
+    explain,
+    search,
+)
+
+__all__ = [
+    "DEVICES", "FRAMEWORKS", "MDTK", "Candidate", "Device", "DeviceError", "Efficiency",
+    "Framework", "Network", "PlanError", "Planned", "SearchResult", "SearchSpace", "StepCost",
+    "Workload", "check_fit", "default_global_batch", "explain", "get_device", "peak_tflops",
+    "search", "step_cost",
+]
