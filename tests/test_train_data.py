@@ -510,8 +510,9 @@ def test_two_rank_prepare_and_shares(rank_pool_2, tiny_tokenizer, tmp_path):
     bad = DataSettings(mode="pretrain", sources=(str(BUNDLED_DATA / "sft.jsonl"),), seq_len=48)
     out = rank_pool_2.run(rank_prepare, bad, tiny_tokenizer, str(tmp_path / "cache"),
                           timeout=120)
-    for r in out:  # the writer's failure reaches every rank (no rank left waiting)
-        assert "failed on rank 0" in r["error"] and "no 'text' column" in r["error"]
+    # the writer's DataError reaches every rank as it is (no rank left waiting; reported once)
+    assert out[0]["error"] == out[1]["error"]
+    assert "no 'text' column" in out[0]["error"] and "set data.text_field" in out[0]["error"]
 
 
 def test_step_batches_and_settings_from_config():

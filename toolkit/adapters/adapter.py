@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from toolkit.adapters.family import Dims, Family
 from toolkit.adapters.hfconfig import UnsupportedModel
 from toolkit.adapters.registry import family_for
+from toolkit.errors import UserError
 from toolkit.mapping import Coord, Table, TensorPlan, padded_vocab_size, plan_rank
 from toolkit.parallel.layout import ParallelLayout
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(UserError):
     """The checkpoint's tensors differ from what the mapping expects (missing, extra, shape)."""
 
 

@@ -17,12 +17,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from toolkit.errors import UserError
 
-class UnsupportedModel(ValueError):
+
+class UnsupportedModel(UserError):
     """An HF architecture or config feature megatron-core (or mdtk) cannot represent."""
 
 
-class HFConfigError(ValueError):
+class HFConfigError(UserError):
     """A config.json that cannot be read (missing, not JSON, not an object); names the path."""
 
 

@@ -4,6 +4,8 @@
 users import the error without importing a reader.
 """
 
+from toolkit.errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError):
     """A checkpoint folder that cannot be used as given; the message names the file or tensor."""

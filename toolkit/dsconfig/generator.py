@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.dsconfig.lint import lint
+from toolkit.errors import UserError
 from toolkit.memory import (
     CPU,
     GIB,
@@ -34,7 +35,7 @@ AIO_BLOCK = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
              "single_submit": False, "overlap_events": True}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """The request cannot produce a working config; the message says what does not fit."""
 
 

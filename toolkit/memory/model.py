@@ -19,10 +19,11 @@ from toolkit.adapters.family import Dims
 from toolkit.adapters.hfconfig import HFConfig, HFConfigError, UnsupportedModel, read_hf_config
 from toolkit.adapters.presets import MODEL_PRESETS, get_preset
 from toolkit.adapters.registry import family_of
+from toolkit.errors import UserError
 from toolkit.mapping import padded_vocab_size
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError):
     """An HF config the memory model cannot read; the message names the key."""
 
 

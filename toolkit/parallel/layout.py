@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from toolkit.errors import UserError
 
-class LayoutError(ValueError):
+
+class LayoutError(UserError):
     """A layout that cannot work: the message names the number and what to change."""
 
 

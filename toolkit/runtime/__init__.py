@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import pickle
 import warnings
+from collections.abc import Iterator
 
 import torch
 
+from toolkit.errors import UserError
 from toolkit.runtime import cpu_compat
 
 # megatron-core warns at import on every machine without TE/apex; mdtk says so once in `mdtk env`.
@@ -65,6 +69,51 @@ def init_distributed(timeout_s: int = 600) -> None:
     torch.distributed.init_process_group(
         backend=backend(), timeout=datetime.timedelta(seconds=timeout_s)
     )
+
+
+@contextlib.contextmanager
+def failing_together() -> Iterator[None]:
+    """Collective: run the block on every rank; if it raised on any rank, raise on every rank.
+
+    A rank that fails alone leaves the others waiting in their next collective (a hang, or a
+    gloo "connection closed" traceback once it exits). Around a block that runs no collective
+    itself, every rank stops at the same point instead: a failing rank raises its own error, the
+    others raise the lowest failing rank's ``UserError`` (same class and message, so rank 0 can
+    report it once) or, for anything else (a bug), a RuntimeError naming that rank.
+    """
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as e:  # shared with the other ranks below, then raised
+        error = e
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    gathered: list[object] = [None] * world
+    torch.distributed.all_gather_object(gathered, _shareable(error))
+    failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
+    if error is not None:
+        raise error
+    if failed:
+        rank, first = failed[0]
+        if isinstance(first, UserError):
+            raise first
+        raise RuntimeError(f"rank {rank} failed: {first}")
+
+
+def _shareable(error: Exception | None) -> object:
+    """What another rank needs of ``error``: the UserError itself if it pickles, else its text."""
+    if error is None:
+        return None
+    if isinstance(error, UserError):
+        try:
+            pickle.dumps(error)
+            return error
+        except Exception:  # an error class with extra constructor arguments
+            return UserError(str(error))
+    return f"{type(error).__name__}: {error}"
 
 
 def _env_from_slurm() -> None:

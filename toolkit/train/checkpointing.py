@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.errors import UserError
+
 ENGINE_TAG = "engine"  # engine.save_checkpoint(step_dir, tag=ENGINE_TAG, save_latest=False)
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{7,})$")
 
 
-class ResumeError(ValueError):
+class ResumeError(UserError):
     """A training checkpoint that cannot be resumed (or kept) as asked; the message says why
     and what to do. Not ``toolkit.checkpoint``'s CheckpointError, which is about reading and
     writing model checkpoint formats."""

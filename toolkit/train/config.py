@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from toolkit import bundled
+from toolkit.errors import UserError
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 from toolkit.train.data import SFT_FORMATS
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config value that cannot work; the message names the key, the value and the fix."""
 
 

@@ -32,6 +32,7 @@ refuses it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -48,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from toolkit.errors import UserError
+
 FORMAT_VERSION = 1
 SFT_FORMATS = ("messages", "prompt_response", "alpaca", "sharegpt")
 # Settings added after FORMAT_VERSION 1 enter the cache key only when changed from these
@@ -58,7 +61,7 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "
              ".text": "text"}
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Data that cannot be used; the message names the source, the row or the setting."""
 
 
@@ -553,46 +556,98 @@ def pack_sft(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: i
     return tokens, tmask[:, 1:].copy(), stats
 
 
+@contextlib.contextmanager
+def _datasets_quiet() -> Iterator[None]:
+    """``datasets``' untitled progress bars off (its warnings stay on)."""
+    import datasets
+
+    was_off = datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            datasets.enable_progress_bars()
+
+
+_CHUNK_ROWS = 1000  # rows per datasets.map call: the bar moves at least every this many rows
+
+
+class _SplitProgress:
+    """One titled bar per split (``tokenising train``) over the rows of all its sources
+    (``datasets``' own bars, one per file load and per map, are off: ``_datasets_quiet``)."""
+
+    def __init__(self, name: str, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.bar = Progress(TextColumn(f"tokenising {name}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("rows"), transient=False)
+        self.task = self.bar.add_task(name, total=total)
+
+    def __enter__(self) -> _SplitProgress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def map(self, rows, fn, **kwargs) -> Iterator[tuple[int, Any]]:
+        """``rows.map(fn, **kwargs)`` in chunks, advancing the bar: yields (first row, result);
+        ``fn`` gets the chunk's first row as ``offset`` when ``with_indices``."""
+        n = len(rows)
+        step = max(_CHUNK_ROWS, -(-n // 20))
+        for a in range(0, n, step):
+            chunk = rows if step >= n else rows.select(range(a, min(a + step, n)))
+            extra = {"fn_kwargs": {"offset": a}} if kwargs.get("with_indices") else {}
+            yield a, chunk.map(fn, remove_columns=chunk.column_names, **extra, **kwargs)
+            self.bar.advance(self.task, len(chunk))
+
+
 def _tokenize_split(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, num_proc: int,
                     name: str):
     """-> (tokens [N, L+1] int32, loss_mask [N, L] uint8, stats); sources in order."""
     L = settings.seq_len
     procs = num_proc if num_proc > 1 else None
-    if settings.mode == "pretrain":
-        eos = tokenizer.eos_token_id
-
-        def tok(batch):
-            ids = tokenizer(batch[settings.text_field], add_special_tokens=True)["input_ids"]
-            return {"ids": [list(x) + [eos] if not x or x[-1] != eos else list(x) for x in ids]}
-
-        docs: list[list[int]] = []
+    with _SplitProgress(name, sum(len(p) for p in parts)) as progress:
+        if settings.mode == "pretrain":
+            return _tokenize_pretrain(parts, tokenizer, settings, procs, progress)
+        examples: list[tuple[list[int], list[int]]] = []
         for part in parts:
-            if settings.text_field not in part.rows.column_names:
-                raise DataError(f"pretrain data {_source_name(part.source)} has no "
-                                f"'{settings.text_field}' column (columns: "
-                                f"{part.rows.column_names}); set data.text_field.")
-            docs += part.rows.map(tok, batched=True, remove_columns=part.rows.column_names,
-                                  num_proc=procs, desc=f"tokenising {name}")["ids"]
-        tokens = pack_pretrain(docs, L)
-        stats = {"documents": len(docs), "tokens": int(sum(len(d) for d in docs))}
-        return tokens, np.ones((len(tokens), L), dtype=np.uint8), stats
+            source, index = part.source, part.index
 
-    examples: list[tuple[list[int], list[int]]] = []
-    for part in parts:
-        source, index = part.source, part.index
+            def enc(row, i, offset, source=source, index=index):
+                try:
+                    ids, mask = encode_sft_row(row, tokenizer, settings)
+                except DataError as e:
+                    at = row_location(source, int(index[offset + i]) if index is not None
+                                      else offset + i)
+                    raise DataError(f"{at}: {e}") from None
+                return {"ids": ids, "mask": mask}
 
-        def enc(row, i, source=source, index=index):
-            try:
-                ids, mask = encode_sft_row(row, tokenizer, settings)
-            except DataError as e:
-                at = row_location(source, int(index[i]) if index is not None else i)
-                raise DataError(f"{at}: {e}") from None
-            return {"ids": ids, "mask": mask}
-
-        out = part.rows.map(enc, with_indices=True, remove_columns=part.rows.column_names,
-                            num_proc=procs, desc=f"tokenising {name}")
-        examples += zip(out["ids"], out["mask"], strict=True)
+            for _, out in progress.map(part.rows, enc, with_indices=True, num_proc=procs):
+                examples += zip(out["ids"], out["mask"], strict=True)
     return pack_sft(examples, L, tokenizer.pad_token_id, settings.pack)
+
+
+def _tokenize_pretrain(parts: Sequence[RowsPart], tokenizer, settings: DataSettings,
+                       procs: int | None, progress: _SplitProgress):
+    L, eos = settings.seq_len, tokenizer.eos_token_id
+
+    def tok(batch):
+        ids = tokenizer(batch[settings.text_field], add_special_tokens=True)["input_ids"]
+        return {"ids": [list(x) + [eos] if not x or x[-1] != eos else list(x) for x in ids]}
+
+    docs: list[list[int]] = []
+    for part in parts:
+        if settings.text_field not in part.rows.column_names:
+            raise DataError(f"pretrain data {_source_name(part.source)} has no "
+                            f"'{settings.text_field}' column (columns: "
+                            f"{part.rows.column_names}); set data.text_field.")
+        for _, out in progress.map(part.rows, tok, batched=True, num_proc=procs):
+            docs += out["ids"]
+    tokens = pack_pretrain(docs, L)
+    stats = {"documents": len(docs), "tokens": int(sum(len(d) for d in docs))}
+    return tokens, np.ones((len(tokens), L), dtype=np.uint8), stats
 
 
 def split_indices(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -663,6 +718,37 @@ def _load(path: Path) -> PreparedData:
     return PreparedData(train, split("validation"), meta["key"], path, meta)
 
 
+def _build(settings: DataSettings, tokenizer_path: str, key: str, num_proc: int,
+           ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Load, split and tokenise: (meta.json contents, arrays per split)."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    parts = load_parts(settings.sources)
+    val_parts: list[RowsPart] | None = None
+    if settings.validation_sources:
+        val_parts = load_parts(settings.validation_sources)
+    elif settings.validation_split > 0:
+        parts, val_parts = split_parts(parts, settings.validation_split, settings.seed)
+
+    meta: dict[str, Any] = {"key": key, "format": FORMAT_VERSION,
+                            "settings": dataclasses.asdict(settings),
+                            "tokenizer": tokenizer_path, "vocab_size": len(tokenizer),
+                            "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, split in (("train", parts), ("validation", val_parts)):
+        if split is None:
+            continue
+        tokens, mask, stats = _tokenize_split(split, tokenizer, settings, num_proc, name)
+        if name == "train" and len(tokens) == 0:
+            raise DataError(f"no training sample of seq_len+1={settings.seq_len + 1} tokens could "
+                            f"be built from {list(settings.sources)} ({stats}): add data or "
+                            "lower train.seq_len.")
+        arrays[name] = (tokens, mask)
+        meta[name] = {"samples": len(tokens), **stats,
+                      "max_token_id": int(tokens.max()) if len(tokens) else -1,
+                      "loss_tokens": int(mask.sum())}
+    return meta, arrays
+
+
 def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | Path,
                  num_proc: int = 1) -> PreparedData:
     """Tokenise (or reuse the cache keyed by source contents + tokenizer + settings).
@@ -677,32 +763,8 @@ def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | P
     if (final / "meta.json").is_file():
         return _load(final)
 
-    tokenizer = load_tokenizer(tokenizer_path)
-    parts = load_parts(settings.sources)
-    val_parts: list[RowsPart] | None = None
-    if settings.validation_sources:
-        val_parts = load_parts(settings.validation_sources)
-    elif settings.validation_split > 0:
-        parts, val_parts = split_parts(parts, settings.validation_split, settings.seed)
-
-    meta: dict[str, Any] = {"key": key, "format": FORMAT_VERSION,
-                            "settings": dataclasses.asdict(settings),
-                            "tokenizer": tokenizer_path, "vocab_size": len(tokenizer),
-                            "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}
-    arrays = {}
-    for name, split in (("train", parts), ("validation", val_parts)):
-        if split is None:
-            continue
-        tokens, mask, stats = _tokenize_split(split, tokenizer, settings, num_proc, name)
-        if name == "train" and len(tokens) == 0:
-            raise DataError(f"no training sample of seq_len+1={settings.seq_len + 1} tokens could "
-                            f"be built from {list(settings.sources)} ({stats}): add data or "
-                            "lower train.seq_len.")
-        arrays[name] = (tokens, mask)
-        meta[name] = {"samples": len(tokens), **stats,
-                      "max_token_id": int(tokens.max()) if len(tokens) else -1,
-                      "loss_tokens": int(mask.sum())}
-
+    with _datasets_quiet():
+        meta, arrays = _build(settings, tokenizer_path, key, num_proc)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -725,24 +787,17 @@ def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | P
 def prepare_data_distributed(settings: DataSettings, tokenizer_path: str, cache_dir: str | Path,
                              num_proc: int = 1) -> PreparedData:
     """Collective: local rank 0 of each node tokenises (or hits the cache), then every rank
-    memory-maps the cache. A failure on a writer is raised on every rank (no hang)."""
+    memory-maps the cache. A failure on a writer is raised on every rank (no hang): its
+    ``DataError`` as it is, so the run reports it once."""
     import torch.distributed as dist
+
+    from toolkit import runtime
 
     if not (dist.is_available() and dist.is_initialized()):
         return prepare_data(settings, tokenizer_path, cache_dir, num_proc)
-    writer = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    error = None
-    if writer:
-        try:
+    with runtime.failing_together():
+        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
             prepare_data(settings, tokenizer_path, cache_dir, num_proc)
-        except Exception as e:  # re-raised below on every rank
-            error = f"{type(e).__name__}: {e}"
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        rank, msg = failed[0]
-        raise DataError(f"data preparation failed on rank {rank}: {msg}")
     return prepare_data(settings, tokenizer_path, cache_dir, num_proc)
 
 

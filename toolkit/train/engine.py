@@ -44,13 +44,14 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from toolkit import runtime
+from toolkit.errors import UserError
 from toolkit.parallel.grads import finalize_grads
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
-class EngineError(ValueError):
+class EngineError(UserError):
     """A layout / DeepSpeed config / step argument combination the engine cannot run."""
 
 
