@@ -17,14 +17,15 @@ import pytest
 from dist_checks import trainer_checks as tc
 from dist_checks.trainer_checks import Case
 
-from toolkit.train.tiny_tokenizer import BUNDLED_DATA
+from toolkit import bundled
 
 STEPS = 8
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
 
 
 def write_format_files(folder: Path) -> dict[str, str]:
-    rows = [json.loads(x) for x in (BUNDLED_DATA / "sft.jsonl").read_text().splitlines()]
+    data = bundled.path(bundled.DATA) / "sft.jsonl"
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
     alpaca, sharegpt = [], []
     for r in rows:
         if r.get("messages"):

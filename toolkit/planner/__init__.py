@@ -6,17 +6,7 @@ enumeration ranked by the cost model and filtered by the memory model (``toolkit
 ``published`` the published runs it is checked against (docs/planner.md).
 """
 
-from toolkit.planner.cost import (
-    FRAMEWORKS,
-    MDTK,
-    Candidate,
-    Efficiency,
-    Framework,
-    Network,
-    StepCost,
-    Workload,
-    step_cost,
-)
+from toolkit.planner.cost import Candidate, Efficiency, Network, StepCost, Workload, step_cost
 from toolkit.planner.devices import DEVICES, Device, DeviceError, get_device, peak_tflops
 from toolkit.planner.search import (
     PlanError,
@@ -30,8 +20,7 @@ from toolkit.planner.search import (
 )
 
 __all__ = [
-    "DEVICES", "FRAMEWORKS", "MDTK", "Candidate", "Device", "DeviceError", "Efficiency",
-    "Framework", "Network", "PlanError", "Planned", "SearchResult", "SearchSpace", "StepCost",
-    "Workload", "check_fit", "default_global_batch", "explain", "get_device", "peak_tflops",
-    "search", "step_cost",
+    "DEVICES", "Candidate", "Device", "DeviceError", "Efficiency", "Network", "PlanError",
+    "Planned", "SearchResult", "SearchSpace", "StepCost", "Workload", "check_fit",
+    "default_global_batch", "explain", "get_device", "peak_tflops", "search", "step_cost",
 ]
