@@ -186,3 +186,17 @@ def test_demo_learns_and_exports_matching_hf_model(tmp_path):
     assert summary["export_max_abs_diff"] is not None
     assert summary["export_max_abs_diff"] <= 1e-4  # transformers' logits vs the trained model
     assert (tmp_path / "sft" / "hf" / "config.json").is_file()
+    # The output is the story on one screen: no library banners or untitled bars around it.
+    text = proc.stdout + proc.stderr
+    lines = text.splitlines()
+    assert len(lines) <= 40, text
+    for noise in ("Setting accelerator to CPU",  # DeepSpeed, without DS_ACCELERATOR
+                  "OMP_NUM_THREADS",  # torchrun's banner when the launcher leaves it unset
+                  "Generating train split", "Map", "Writing model shards", "Loading weights",
+                  "Traceback", "WARNING"):
+        assert noise not in text, (noise, text)
+    story = ["model: tiny Llama", "2 ranks, dp=2", "deepspeed: chose ZeRO-", "validation loss "
+             "before training", "exported HF checkpoint", "training loss", "max abs diff"]
+    for words in story:
+        assert words in text, (words, text)
+    assert [x.split()[1] for x in lines if x.startswith("tokenising")] == ["train", "validation"]

@@ -8,9 +8,13 @@ Each command group lives in its own module listed in COMMAND_MODULES, which expo
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import warnings
 
 import typer
+
+from toolkit import errors
 
 # Library noise, once per rank, that says nothing about the run: megatron-core warns about each
 # optional kernel package it cannot import (`mdtk env` lists them) and about its own default
@@ -34,8 +38,14 @@ app = typer.Typer(
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    debug: bool = typer.Option(
+        False, "--debug", help="Show the traceback of errors otherwise reported as one `error:` "
+        f"line (also {errors.DEBUG_ENV}=1; passed on to the ranks `mdtk launch` starts)."),
+) -> None:
     """Hugging Face <-> Megatron-core <-> DeepSpeed toolkit. Run `mdtk COMMAND --help`."""
+    if debug:
+        os.environ[errors.DEBUG_ENV] = "1"  # inherited by torchrun and its ranks
 
 
 COMMAND_MODULES: list[str] = [
@@ -60,7 +70,40 @@ _register_all()
 
 
 def main() -> None:
-    app()
+    """``mdtk``: a ``UserError`` (config, data, layout, checkpoint, resume) from any command is
+    one ``error:`` line and exit status ``errors.EXIT_STATUS``; anything else is a bug and keeps
+    its traceback."""
+    try:
+        app()
+    except errors.UserError as e:
+        if errors.debug():
+            raise
+        report_user_error(e)
+
+
+def report_user_error(e: errors.UserError) -> None:
+    """Print ``error: ...`` once per launch (rank 0: every rank raises the same error, see
+    ``runtime.failing_together``) and exit with ``errors.EXIT_STATUS`` on every rank, so the
+    launcher reports a failure."""
+    dist = sys.modules.get("torch.distributed")
+    joined = dist is not None and dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if joined else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    if not joined:
+        sys.exit(errors.EXIT_STATUS)
+    # The launcher stops the other ranks once one exits: leave after rank 0 has printed (bounded
+    # wait, in case a rank failed alone), and without interpreter teardown (gloo / DeepSpeed
+    # teardown can abort, see commands/train.py).
+    import datetime
+
+    try:
+        dist.barrier(async_op=True).wait(datetime.timedelta(seconds=30))
+    except Exception:  # a rank that is gone or elsewhere: leave anyway
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(errors.EXIT_STATUS)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ current folder); it reads only files shipped inside the package, so it runs from
 from __future__ import annotations
 
 import json
-import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,13 +34,18 @@ class DemoResult:
 def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
     """A tiny Llama (bundled:examples/tiny_llama_config.json) with random weights + the
     tokenizer."""
+    from toolkit import runtime
+
+    runtime.select_deepspeed_accelerator()  # transformers imports DeepSpeed
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
 
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
+    hf_logging.disable_progress_bar()  # "Writing model shards" for one small file
     with building(out) as tmp:  # replaces an incomplete earlier attempt
         build_tiny_tokenizer(tmp)
         raw = json.loads(bundled.path(bundled.TINY_LLAMA_CONFIG).read_text())
@@ -50,21 +55,31 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
     return out
 
 
+def describe_model(model_dir: Path) -> str:
+    """One line for the story: what the model is and where it lives."""
+    c = json.loads((model_dir / "config.json").read_text())
+    return (f"model: tiny {c['model_type'].capitalize()} ({c['num_hidden_layers']} layers, hidden "
+            f"{c['hidden_size']}, {c['num_attention_heads']} heads / {c['num_key_value_heads']} "
+            f"kv, vocab {c['vocab_size']}; random weights) at {model_dir}")
+
+
 def run_demo(out: Path, *, nproc: int = 2, steps: int | None = None,
-             extra: list[str] | None = None) -> DemoResult:
-    from toolkit.launch import LaunchSpec, torchrun_argv
+             extra: list[str] | None = None, log: Callable[[str], None] = print) -> DemoResult:
+    from toolkit.launch import LaunchSpec, run_local
     from toolkit.runtime.ports import free_port
     from toolkit.train.metrics import read_metrics
 
     model_dir = make_tiny_checkpoint(out / "tiny-llama")
+    log(describe_model(model_dir))
+    log(f"fine-tuning it on {nproc} gloo ranks with {bundled.SFT_EXAMPLE} (bundled SFT data)")
     run_dir = out / "sft"
     args = ["train", bundled.SFT_EXAMPLE, f"output_dir={run_dir}", f"model.path={model_dir}",
             f"export.hf_dir={run_dir / 'hf'}", "checkpoint.resume=none"]
     if steps is not None:
         args.append(f"train.steps={steps}")
     args += extra or []
-    argv = torchrun_argv(LaunchSpec(nproc, master_port=free_port()), args)
-    if subprocess.call(argv) != 0:
+    spec = LaunchSpec(nproc, master_port=free_port())
+    if run_local(spec, args) != 0:
         raise RuntimeError("training failed (see the log above)")
     rows = read_metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+#: The exit status of a reported user error, on every rank (the launcher passes it on).
+EXIT_STATUS = 2
 #: Set (to anything but "" / "0") to show tracebacks of user errors too (``mdtk --debug``).
 DEBUG_ENV = "MDTK_DEBUG"
 

@@ -25,7 +25,9 @@ def demo(
     console = Console()
     console.rule("mdtk demo")
     try:
-        r = run_demo(out, nproc=nproc, steps=steps)
+        r = run_demo(out, nproc=nproc, steps=steps,
+                     log=lambda msg: console.print(msg, markup=False, highlight=False,
+                                                   soft_wrap=True))
     except RuntimeError as e:
         console.print(f"[red]demo failed: {e}[/red]")
         raise typer.Exit(1) from None

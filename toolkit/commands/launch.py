@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import typer
@@ -30,7 +29,7 @@ def launch(
     Locally this execs torchrun (gloo on CPU, nccl on GPUs); with --slurm it writes an sbatch
     script that runs torchrun once per node with a c10d rendezvous.
     """
-    from toolkit.launch import LaunchSpec, slurm_script, torchrun_argv
+    from toolkit.launch import LaunchSpec, run_local, slurm_script
 
     args = list(ctx.args)
     if not args:
@@ -43,7 +42,7 @@ def launch(
         os.replace(tmp, slurm)
         typer.echo(f"wrote {slurm} ({spec.nnodes} nodes x {spec.nproc_per_node} GPUs)")
         return
-    raise typer.Exit(subprocess.call(torchrun_argv(spec, args)))
+    raise typer.Exit(run_local(spec, args))
 
 
 def _default_nproc() -> int:

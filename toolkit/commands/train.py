@@ -16,23 +16,23 @@ def train(
     `torchrun --nproc-per-node N -m toolkit.cli train CFG`, `mdtk launch -n N -- train CFG`,
     the deepspeed launcher, or srun. Writes metrics.jsonl, checkpoints and the HF export under
     output_dir."""
-    from toolkit.train.config import ConfigError, load_config
+    import os
 
-    try:
-        cfg = load_config(config, overrides or [])
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    from toolkit.train.config import load_config
+
+    if not check and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from toolkit import runtime
+
+        # Join the launch first: a config error then stops every rank together, so rank 0
+        # reports it once before the launcher tears the others down (toolkit.cli.main).
+        runtime.init_distributed()
+    cfg = load_config(config, overrides or [])
     if check:
         typer.echo("config OK")
         return
     from toolkit.train.trainer import run
 
-    try:
-        run(cfg)
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    run(cfg)
     _exit_cleanly()
 
 

@@ -1,11 +1,17 @@
 """Command lines for running an mdtk command on many ranks: torchrun locally or per node, and
-Slurm batch scripts. Pure functions returning argv lists / script text; the CLI executes them."""
+Slurm batch scripts (pure functions returning argv lists / script text), and ``run_local``, which
+runs torchrun for this node."""
 
 from __future__ import annotations
 
+import logging
+import os
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from toolkit import errors
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,55 @@ def torchrun_argv(spec: LaunchSpec, mdtk_args: list[str]) -> list[str]:
         argv += [f"--node-rank={spec.node_rank}", f"--master-addr={spec.master_addr}",
                  f"--master-port={spec.master_port}"]
     return argv + ["-m", "toolkit.cli", *mdtk_args]
+
+
+def rank_env(spec: LaunchSpec, environ: Mapping[str, str], cores: int | None = None,
+             ) -> dict[str, str]:
+    """The ranks' environment: ``environ`` with OMP_NUM_THREADS = this node's cores shared by its
+    ranks (at least 1) unless already set. torchrun would otherwise set 1 and print a banner
+    about it; ``cores`` defaults to the cores this process may run on."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    env = dict(environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // spec.nproc_per_node)))
+    return env
+
+
+def run_local(spec: LaunchSpec, mdtk_args: list[str]) -> int:
+    """Run torchrun for this node in this process (``torchrun_argv``'s arguments, ``rank_env``'s
+    environment); returns the exit status.
+
+    When every failed rank exited with ``errors.EXIT_STATUS`` (a user error that rank 0 has
+    printed as one ``error:`` line), that status comes back without torchrun's own failure
+    report (a launcher traceback and a table per rank, which would repeat the error); any other
+    failure keeps the report, the ranks' tracebacks above it.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.update(rank_env(spec, os.environ))
+    args = torchrun.parse_args(torchrun_argv(spec, mdtk_args)[3:])
+    quiet = _DropUserErrorExits()
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    logger.addFilter(quiet)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        if {f.exitcode for f in e.failures.values()} == {errors.EXIT_STATUS}:
+            return errors.EXIT_STATUS
+        print(e.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        logger.removeFilter(quiet)
+    return 0
+
+
+class _DropUserErrorExits(logging.Filter):
+    """torchrun's "failed (exitcode: 2) local_rank: ..." line: the rank said why already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"(exitcode: {errors.EXIT_STATUS})" not in record.getMessage()
 
 
 def slurm_script(

@@ -34,6 +34,13 @@ def backend() -> str:
     return "nccl" if use_cuda() else "gloo"
 
 
+def select_deepspeed_accelerator() -> None:
+    """DS_ACCELERATOR=cpu when CUDA is not used, before anything imports DeepSpeed (transformers
+    does): DeepSpeed otherwise warns, in every process, that it fell back to the CPU."""
+    if not use_cuda():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def enable_cpu_mode() -> bool:
     """Make megatron-core and DeepSpeed run on CPU when CUDA is not used. Idempotent.
 
@@ -41,7 +48,7 @@ def enable_cpu_mode() -> bool:
     """
     if use_cuda():
         return False
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    select_deepspeed_accelerator()
     if torch.cuda.is_available():
         # MDTK_DEVICE=cpu on a CUDA machine: megatron-core still calls CUDA, which works there.
         return False

@@ -245,11 +245,12 @@ def run(cfg: TrainConfig) -> TrainResult:
 def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, dict[str, Any]]:
     """Layout checks that need no model, then megatron-core's process groups."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    run_plan = cfgmod.plan(cfg, world)
-    layout = run_plan.layout
-    parallel.check_supported(layout)  # cp>1 without Transformer Engine, before any group exists
-    layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes are checked on load
-    hf_config = _hf_config_dict(cfg)
+    with runtime.failing_together():  # e.g. a model folder missing on one node only
+        run_plan = cfgmod.plan(cfg, world)
+        layout = run_plan.layout
+        parallel.check_supported(layout)  # cp>1 without Transformer Engine, before any group
+        layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes: checked on load
+        hf_config = _hf_config_dict(cfg)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     out = Path(str(cfg.output_dir))
@@ -268,12 +269,13 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan,
     data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
                                     cfg.data_cache_dir, cfg.data.num_proc)
     total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
-    ds_config, notes = deepspeed_config(cfg, run_plan, hf_config, total)
-    check_supported(ds_config, pp=layout.pp, has_experts=_has_experts(hf_config))
+    with runtime.failing_together():  # sized from this node's memory; written on rank 0
+        ds_config, notes = deepspeed_config(cfg, run_plan, hf_config, total)
+        check_supported(ds_config, pp=layout.pp, has_experts=_has_experts(hf_config))
+        if dist.get_rank() == 0:
+            _write_json(Path(str(cfg.output_dir)) / "ds_config.json", ds_config)
     for note in notes:
         _log(f"deepspeed: {note}")
-    if dist.get_rank() == 0:
-        _write_json(Path(str(cfg.output_dir)) / "ds_config.json", ds_config)
     chunks, adapter = build_model(cfg, layout)
     vocab = adapter.dims.vocab
     for split in ("train", "validation"):
@@ -450,6 +452,9 @@ def _verify_export(chunks, adapter, out_dir: str) -> float:
         chunk.train()
     diff = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank() == 0:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" of the folder just written
         hf = run_hf(Path(out_dir), tokens).logits.float()
         diff[0] = (hf - live).abs().max().item()
     dist.broadcast(diff, 0)
