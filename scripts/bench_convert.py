@@ -34,7 +34,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "build" / "bench_convert"
-MDTK = str(ROOT / ".venv" / "bin" / "mdtk")
+MDTK = str(Path(sys.executable).parent / "mdtk")
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "original_max_position_embeddings": 8192,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0}

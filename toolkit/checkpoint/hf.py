@@ -153,10 +153,11 @@ class SafetensorsFile:
         try:
             self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
             size = os.fstat(self._f.fileno()).st_size
-            n = int.from_bytes(self._read_at(0, 8), "little") if size >= 8 else -1
+            n = (int.from_bytes(self._read_at(0, 8).numpy().tobytes(), "little") if size >= 8
+                 else -1)
             if n < 2 or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
-            header = json.loads(bytes(self._read_at(8, n)))
+            header = json.loads(self._read_at(8, n).numpy().tobytes())
         except (OSError, ValueError) as err:
             self.close()
             raise CheckpointError(f"{self.path}: not a readable safetensors file ({err}); it is "
@@ -186,9 +187,11 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path} is truncated: its tensors need "
                                   f"{self._start + end_max} bytes, the file has {size}.")
 
-    def _read_at(self, offset: int, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, pos = memoryview(buf), 0
+    def _read_at(self, offset: int, n: int) -> torch.Tensor:
+        """``n`` bytes from ``offset`` as a uint8 tensor, read straight into its (uninitialised:
+        no zero-fill pass) storage with one large read."""
+        buf = torch.empty(n, dtype=torch.uint8)
+        view, pos = memoryview(buf.numpy()), 0
         self._f.seek(offset)
         while pos < n:
             got = self._f.readinto(view[pos:])
@@ -212,14 +215,14 @@ class SafetensorsFile:
         row = math.prod(shape[1:]) * dtype.itemsize
         if b <= a or row == 0:
             return torch.empty((max(b - a, 0), *shape[1:]), dtype=dtype)
-        buf = self._read_at(begin + a * row, (b - a) * row)
-        return torch.frombuffer(buf, dtype=dtype).view(b - a, *shape[1:])
+        data = self._read_at(begin + a * row, (b - a) * row)
+        return data.view(dtype).view(b - a, *shape[1:])
 
     def read(self, name: str, region: tuple[tuple[int, int], ...] | None = None
              ) -> torch.Tensor:
         dtype, shape, begin, end = self._info[name]
         if not shape:
-            return torch.frombuffer(self._read_at(begin, end - begin), dtype=dtype).view(())
+            return self._read_at(begin, end - begin).view(dtype).view(())
         region = tuple(region or ())
         region = region + tuple((0, n) for n in shape[len(region):])
         for (lo, hi), n in zip(region, shape, strict=True):

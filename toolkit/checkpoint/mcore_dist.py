@@ -25,6 +25,7 @@ checkpoints convert back without extra arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import pickle
@@ -40,6 +41,7 @@ import torch
 from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, local_tensor
 from toolkit.checkpoint.hf import TOKENIZER_FILES
+from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_torch
 from toolkit.mapping import EXPERTS
 
@@ -539,17 +541,22 @@ def write_data_file(path: Path, items: list[Item], table: Any, read: Callable,
     """Write ``items`` into one DCP data file; returns their storage records."""
     rules = dict(table.items())
     records = []
-    with open(path, "wb") as f:
-        for it in items:
-            rule = rules[it.name]
-            t = local_tensor(rule, 0, 1, read, dtype_of(rule.sources[0]))
-            t = t.reshape((1,) * len(it.prefix) + tuple(t.shape)).contiguous()
+
+    def produce(it: Item) -> torch.Tensor:
+        rule = rules[it.name]
+        t = local_tensor(rule, 0, 1, read, dtype_of(rule.sources[0]))
+        return t.reshape((1,) * len(it.prefix) + tuple(t.shape)).contiguous()
+
+    # the next chunk is read (in a thread) while this one is written: two chunks in memory
+    with open(path, "wb") as f, contextlib.closing(read_ahead(items, produce)) as chunks:
+        for it, t in chunks:
             offset = f.tell()
             torch.save(t, f)
             records.append({"key": it.key, "offsets": (*it.prefix, *(0,) * len(it.shape)),
                             "sizes": tuple(t.shape), "dtype": t.dtype, "file": path.name,
                             "offset": offset, "length": f.tell() - offset})
             tick(it.nbytes)
+            del t
     return records
 
 

@@ -8,12 +8,13 @@ transformers), from the HF config folder of the source.
 
 from __future__ import annotations
 
-import math
+import contextlib
 from pathlib import Path
 
 import torch
 
 from toolkit.checkpoint.hf import HFWriter
+from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Opened, full
 
@@ -30,10 +31,16 @@ def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
     writer = HFWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                       plan={n: (tuple(s), dtype_of(n)) for n, s in expected.items()})
     writer.fsync = fsync
+    def produce(name: str) -> torch.Tensor:
+        return op.read(name, full(expected[name])).to(dtype_of(name))
+
     try:
-        for name, shape in expected.items():
-            writer.add(name, op.read(name, full(shape)).to(dtype_of(name)))
-            bar.advance(math.prod(shape) * dtype_of(name).itemsize)
+        # the next tensor is read (in a thread) while this one is written: two in memory
+        with contextlib.closing(read_ahead(expected, produce)) as tensors:
+            for name, t in tensors:
+                writer.add(name, t)
+                bar.advance(t.numel() * t.element_size())
+                del t
         # transformers' config of the same folder: it writes config.json as transformers does
         live = adapter_for(op.adapter.source)
         writer.finish(live.export_config(out_dtype), generation_config=generation_config(live),
