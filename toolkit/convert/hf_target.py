@@ -31,15 +31,26 @@ def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
     writer = HFWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                       plan={n: (tuple(s), dtype_of(n)) for n, s in expected.items()})
     writer.fsync = fsync
-    def produce(name: str) -> torch.Tensor:
+    segments = getattr(op.source, "segments", None)
+    stored_dtype = op.dtype_of(None)
+
+    def produce(name: str) -> torch.Tensor | list:
+        if segments is not None and dtype_of(name) == stored_dtype(name):
+            found = segments(op.names[name])
+            if found is not None:
+                return found  # byte ranges of the source: copied file to file, not read
         return op.read(name, full(expected[name])).to(dtype_of(name))
 
     try:
         # the next tensor is read (in a thread) while this one is written: two in memory
         with contextlib.closing(read_ahead(expected, produce)) as tensors:
             for name, t in tensors:
-                writer.add(name, t)
-                bar.advance(t.numel() * t.element_size())
+                if isinstance(t, list):
+                    writer.add_segments(name, t)
+                    bar.advance(sum(n for _, _, n in t))
+                else:
+                    writer.add(name, t)
+                    bar.advance(t.numel() * t.element_size())
                 del t
         # transformers' config of the same folder: it writes config.json as transformers does
         live = adapter_for(op.adapter.source)
