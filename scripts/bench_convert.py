@@ -15,7 +15,12 @@ Each step runs as its own process; wall time and the peak RSS of the whole proce
 conversion / ``cp -r`` of its source. Targets: time <= 2x ``cp -r``; peak RSS <= 1.5 GiB +
 2x the largest tensor.
 
-    .venv/bin/python scripts/bench_convert.py --models 1b 8b [--workers 1] [--keep]
+    .venv/bin/python scripts/bench_convert.py --models 1b 8b [--repeats 3] [--cold]
+        [--workers auto] [--keep]
+
+Every timed step starts after ``sync`` (untimed), so no step pays for the writeback of the
+previous one; ``--cold`` also drops the page cache before each (root). The rounds alternate
+baseline and conversion; medians, the spread and per-round ratios are reported.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -34,7 +40,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "build" / "bench_convert"
-MDTK = str(ROOT / ".venv" / "bin" / "mdtk")
+MDTK = str(Path(sys.executable).parent / "mdtk")
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "original_max_position_embeddings": 8192,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0}
@@ -147,7 +153,21 @@ def compare(a: Path, b: Path) -> int:
         return len(ra.names)
 
 
-def bench(name: str, workers: int, check: bool, keep: bool) -> dict:
+def settle(cold: bool) -> None:
+    """Before every timed step (untimed): write back dirty pages, so no step pays for the
+    previous one's writeback; with ``cold`` also drop the page cache (root only)."""
+    subprocess.run(["sync"], check=True)
+    if cold:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
+
+
+def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: bool) -> dict:
+    """``repeats`` rounds of (cp HF, HF -> mcore, cp mcore, mcore -> HF), baseline and subject
+    alternating so both see the same machine state."""
     src = make_checkpoint(name)
     work = CACHE / f"run-{name}"
     if work.exists():
@@ -155,30 +175,57 @@ def bench(name: str, workers: int, check: bool, keep: bool) -> dict:
     work.mkdir(parents=True)
     largest = largest_tensor_bytes(src)
     res: dict = {"model": name, "hf_bytes": folder_bytes(src), "largest_tensor": largest,
-                 "rss_target": int(1.5 * 2**30 + 2 * largest), "workers": workers}
-    res["cp_hf"] = measure(["cp", "-r", str(src), str(work / "cp-hf")])
-    shutil.rmtree(work / "cp-hf")
-    res["hf_to_mcore"] = measure([MDTK, "convert", str(src), str(work / "mcore"), "--to", "mcore",
-                                  "--tp", "2", "--pp", "2", "--workers", str(workers), "-q"])
+                 "rss_target": int(1.5 * 2**30 + 2 * largest), "workers": workers,
+                 "repeats": repeats, "cold": cold}
+    runs: dict[str, list[dict]] = {k: [] for k in ("cp_hf", "hf_to_mcore", "cp_mcore",
+                                                   "mcore_to_hf")}
+    for _ in range(repeats):
+        for d in ("mcore", "hf"):
+            if (work / d).exists():
+                shutil.rmtree(work / d)
+        settle(cold)
+        runs["cp_hf"].append(measure(["cp", "-r", str(src), str(work / "cp-hf")]))
+        shutil.rmtree(work / "cp-hf")
+        settle(cold)
+        runs["hf_to_mcore"].append(measure([MDTK, "convert", str(src), str(work / "mcore"),
+                                            "--to", "mcore", "--tp", "2", "--pp", "2",
+                                            "--workers", workers, "-q"]))
+        settle(cold)
+        runs["cp_mcore"].append(measure(["cp", "-r", str(work / "mcore"),
+                                         str(work / "cp-mcore")]))
+        shutil.rmtree(work / "cp-mcore")
+        settle(cold)
+        runs["mcore_to_hf"].append(measure([MDTK, "convert", str(work / "mcore"),
+                                            str(work / "hf"), "--to", "hf", "--workers",
+                                            workers, "-q"]))
     res["mcore_bytes"] = folder_bytes(work / "mcore")
-    res["cp_mcore"] = measure(["cp", "-r", str(work / "mcore"), str(work / "cp-mcore")])
-    shutil.rmtree(work / "cp-mcore")
-    res["mcore_to_hf"] = measure([MDTK, "convert", str(work / "mcore"), str(work / "hf"), "--to",
-                                  "hf", "-q"])
+    for k, rs in runs.items():
+        res[k] = {"seconds": _stats([r["seconds"] for r in rs]),
+                  "peak_rss": max(r["peak_rss"] for r in rs)}
     if check:
         res["checked_tensors"] = compare(src, work / "hf")
     for step, base in (("hf_to_mcore", "cp_hf"), ("mcore_to_hf", "cp_mcore")):
-        res[step]["time_ratio"] = res[step]["seconds"] / res[base]["seconds"]
+        pairs = [a["seconds"] / b["seconds"] for a, b in zip(runs[step], runs[base],
+                                                              strict=True)]
+        res[step]["time_ratio"] = res[step]["seconds"]["median"] / res[base]["seconds"]["median"]
+        res[step]["pair_ratios"] = _stats(pairs)
         res[step]["rss_ok"] = res[step]["peak_rss"] <= res["rss_target"]
     if not keep:
         shutil.rmtree(work)
     return res
 
 
+def _fmt(st: dict) -> str:
+    return f"{st['median']:6.2f} s (min {st['min']:.2f}, max {st['max']:.2f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["1b"], choices=sorted(CONFIGS))
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--workers", default="auto")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per model")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before every "
+                    "timed step (baseline and subject alike; needs root)")
     ap.add_argument("--no-check", action="store_true", help="skip the bit-exact comparison")
     ap.add_argument("--keep", action="store_true", help="keep the converted folders")
     args = ap.parse_args()
@@ -186,25 +233,28 @@ def main() -> None:
     results = []
     gib = 2**30
     for name in args.models:
-        r = bench(name, args.workers, not args.no_check, args.keep)
+        r = bench(name, args.workers, not args.no_check, args.keep, args.repeats, args.cold)
         results.append(r)
-        print(f"\n{name}: HF {r['hf_bytes'] / gib:.2f} GiB, torch_dist {r['mcore_bytes'] / gib:.2f}"
-              f" GiB, largest tensor {r['largest_tensor'] / gib:.2f} GiB, RSS target "
-              f"{r['rss_target'] / gib:.2f} GiB")
-        print(f"  cp -r HF:            {r['cp_hf']['seconds']:7.1f} s  peak RSS "
-              f"{r['cp_hf']['peak_rss'] / gib:.2f} GiB")
+        print(f"\n{name} ({'cold' if args.cold else 'warm'} cache, {args.repeats} alternating "
+              f"rounds, median (min, max)): HF {r['hf_bytes'] / gib:.2f} GiB, torch_dist "
+              f"{r['mcore_bytes'] / gib:.2f} GiB, largest tensor {r['largest_tensor'] / gib:.2f}"
+              f" GiB, RSS target {r['rss_target'] / gib:.2f} GiB")
+        print(f"  cp -r HF:            {_fmt(r['cp_hf']['seconds'])}")
         for step, base in (("hf_to_mcore", "cp_hf"), ("mcore_to_hf", "cp_mcore")):
             s = r[step]
             if base == "cp_mcore":
-                print(f"  cp -r torch_dist:    {r[base]['seconds']:7.1f} s")
+                print(f"  cp -r torch_dist:    {_fmt(r[base]['seconds'])}")
             label = "HF -> mcore tp2 pp2" if step == "hf_to_mcore" else "mcore -> HF"
-            print(f"  {label + ':':20s} {s['seconds']:7.1f} s  ({s['time_ratio']:.2f}x cp -r)  "
-                  f"peak RSS {s['peak_rss'] / gib:.2f} GiB "
-                  f"({'within' if s['rss_ok'] else 'ABOVE'} target)")
+            pr = s["pair_ratios"]
+            print(f"  {label + ':':20s} {_fmt(s['seconds'])}  {s['time_ratio']:.2f}x cp -r "
+                  f"(per round {pr['min']:.2f}-{pr['max']:.2f}x)  peak RSS "
+                  f"{s['peak_rss'] / gib:.2f} GiB ({'within' if s['rss_ok'] else 'ABOVE'} "
+                  "target)")
         if "checked_tensors" in r:
             print(f"  round trip bit-exact: {r['checked_tensors']} tensors")
-    (CACHE / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"\nresults: {CACHE / 'results.json'}")
+    out = CACHE / f"results{'-cold' if args.cold else ''}.json"
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nresults: {out}")
     sys.stdout.flush()
 
 

@@ -109,8 +109,10 @@ class McoreFullSource:
 
     def __init__(self, adapter: Any, hf_config: Any,
                  names_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 get: Callable[[str], torch.Tensor], *, cache: int = 2):
+                 get: Callable[[str], torch.Tensor], *, cache: int = 2,
+                 locate: Callable[[str], tuple[Any, int] | None] | None = None):
         self.adapter = adapter
+        self._locate = locate
         self.hf_config = hf_config
         self._have = dict(names_shapes)
         self._get = get
@@ -197,6 +199,34 @@ class McoreFullSource:
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return t
+
+    def segments(self, name: str) -> list[tuple[Any, int, int]] | None:
+        """HF tensor ``name`` as ``(file, offset, length)`` byte ranges of the checkpoint files,
+        in order, when it is made of whole rows of megatron tensors stored as plain blocks
+        (``locate``: name -> (file, offset) of a stored tensor): then a writer can copy the
+        bytes file to file without reading them. None when it is not (transposed pieces,
+        pieces cutting inner dimensions, no ``locate``)."""
+        shape = self.shape(name)
+        if self._locate is None or not shape:
+            return None
+        itemsize = self.dtype(name).itemsize
+        out, row = [], 0
+        for key, piece in sorted(self._by_hf[name], key=lambda kp: kp[1].src[0][0]):
+            full = self._have[key][0]
+            if (piece.transpose or piece.src[0][0] != row
+                    or self._have[key][1] != self.dtype(name)
+                    or tuple(piece.src[1:]) != tuple((0, n) for n in shape[1:])
+                    or tuple(piece.dst[1:]) != tuple((0, n) for n in full[1:])):
+                return None
+            where = self._locate(key)
+            if where is None:
+                return None
+            file, start = where
+            inner = _numel(tuple(full[1:])) * itemsize
+            (a, b) = piece.dst[0]
+            out.append((file, start + a * inner, (b - a) * inner))
+            row = piece.src[0][1]
+        return out if row == shape[0] else None
 
     def read(self, name: str, region: Region | None = None) -> torch.Tensor:
         """Region ``[(start, stop), ...]`` (default: all) of HF tensor ``name``."""

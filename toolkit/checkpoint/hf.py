@@ -14,6 +14,7 @@ renames the folder into place only when everything is written.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -153,10 +154,11 @@ class SafetensorsFile:
         try:
             self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
             size = os.fstat(self._f.fileno()).st_size
-            n = int.from_bytes(self._read_at(0, 8), "little") if size >= 8 else -1
+            n = (int.from_bytes(self._read_at(0, 8).numpy().tobytes(), "little") if size >= 8
+                 else -1)
             if n < 2 or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
-            header = json.loads(bytes(self._read_at(8, n)))
+            header = json.loads(self._read_at(8, n).numpy().tobytes())
         except (OSError, ValueError) as err:
             self.close()
             raise CheckpointError(f"{self.path}: not a readable safetensors file ({err}); it is "
@@ -186,9 +188,11 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path} is truncated: its tensors need "
                                   f"{self._start + end_max} bytes, the file has {size}.")
 
-    def _read_at(self, offset: int, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, pos = memoryview(buf), 0
+    def _read_at(self, offset: int, n: int) -> torch.Tensor:
+        """``n`` bytes from ``offset`` as a uint8 tensor, read straight into its (uninitialised:
+        no zero-fill pass) storage with one large read."""
+        buf = torch.empty(n, dtype=torch.uint8)
+        view, pos = memoryview(buf.numpy()), 0
         self._f.seek(offset)
         while pos < n:
             got = self._f.readinto(view[pos:])
@@ -212,14 +216,14 @@ class SafetensorsFile:
         row = math.prod(shape[1:]) * dtype.itemsize
         if b <= a or row == 0:
             return torch.empty((max(b - a, 0), *shape[1:]), dtype=dtype)
-        buf = self._read_at(begin + a * row, (b - a) * row)
-        return torch.frombuffer(buf, dtype=dtype).view(b - a, *shape[1:])
+        data = self._read_at(begin + a * row, (b - a) * row)
+        return data.view(dtype).view(b - a, *shape[1:])
 
     def read(self, name: str, region: tuple[tuple[int, int], ...] | None = None
              ) -> torch.Tensor:
         dtype, shape, begin, end = self._info[name]
         if not shape:
-            return torch.frombuffer(self._read_at(begin, end - begin), dtype=dtype).view(())
+            return self._read_at(begin, end - begin).view(dtype).view(())
         region = tuple(region or ())
         region = region + tuple((0, n) for n in shape[len(region):])
         for (lo, hi), n in zip(region, shape, strict=True):
@@ -332,6 +336,17 @@ class HFWriter:
         self._pending_bytes += nbytes
         self._total += nbytes
 
+    def add_segments(self, name: str, segments: list[tuple[Any, int, int]]) -> None:
+        """Add tensor ``name`` (planned) from ``(file, offset, length)`` byte ranges of other
+        files, copied file to file in the kernel (``copy_file_range``), never through memory."""
+        if name in self._seen:
+            raise CheckpointError(f"tensor {name!r} written twice.")
+        if self._plan is None:
+            raise CheckpointError("add_segments needs a planned writer (plan=...).")
+        self._seen.add(name)
+        self._plan.write_segments(self.tmp, name, segments)
+        self._total += sum(n for _, _, n in segments)
+
     def _flush(self) -> None:
         if not self._pending:
             return
@@ -425,23 +440,49 @@ class _StreamPlan:
         return len(raw).to_bytes(8, "little") + raw
 
     def write(self, folder: Path, name: str, tensor: torch.Tensor) -> None:
-        if self._next >= len(self.order) or self.order[self._next] != name:
-            want = self.order[self._next] if self._next < len(self.order) else "nothing"
-            raise CheckpointError(f"writer expected {want}, got {name!r}.")
+        self._check_next(name)
         shape, dtype = self.plan[name]
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise CheckpointError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the plan "
                                   f"says {shape} {dtype}.")
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._open_for(folder, name).write(memoryview(data.numpy()))
+        self._done(name)
+
+    def write_segments(self, folder: Path, name: str,
+                       segments: list[tuple[Any, int, int]]) -> None:
+        """Tensor ``name``'s bytes copied from ``(file, offset, length)`` ranges, in order."""
+        self._check_next(name)
+        shape, dtype = self.plan[name]
+        need = math.prod(shape) * dtype.itemsize
+        if sum(n for _, _, n in segments) != need:
+            raise CheckpointError(f"{name}: segments hold {sum(n for _, _, n in segments)} "
+                                  f"bytes, the plan says {need}.")
+        out = self._open_for(folder, name)
+        out.flush()
+        for file, offset, n in segments:
+            with open(file, "rb", buffering=0) as src:
+                copy_range(src.fileno(), offset, n, out.fileno())
+        self._done(name)
+
+    def _check_next(self, name: str) -> None:
+        if self._next >= len(self.order) or self.order[self._next] != name:
+            want = self.order[self._next] if self._next < len(self.order) else "nothing"
+            raise CheckpointError(f"writer expected {want}, got {name!r}.")
+
+    def _open_for(self, folder: Path, name: str) -> Any:
+        """The shard file of ``name``, opened (header written) when it is its first tensor."""
         i = self.shard_of[name]
         if i != self._file_index:
             self.close()
             self._file = open(folder / self.file_name(i), "wb")  # noqa: SIM115
             self._file.write(self._header(i))
             self._file_index = i
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        return self._file
+
+    def _done(self, name: str) -> None:
         self._next += 1
-        if name == self.shards[i][-1]:
+        if name == self.shards[self.shard_of[name]][-1]:
             self.close()
 
     def check_complete(self) -> None:
@@ -454,6 +495,34 @@ class _StreamPlan:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def copy_range(src_fd: int, offset: int, n: int, dst_fd: int) -> None:
+    """Append ``n`` bytes of ``src_fd`` from ``offset`` at ``dst_fd``'s position: in the kernel
+    (``copy_file_range``, what ``cp`` does: no copy through user memory) where the system
+    allows, else with 64 MiB positioned reads and writes."""
+    done = 0
+    fast = hasattr(os, "copy_file_range")
+    while done < n:
+        if fast:
+            try:
+                got = os.copy_file_range(src_fd, dst_fd, n - done, offset + done)
+            except OSError as err:
+                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL,
+                                     errno.EBADF):
+                    raise
+                fast = False
+                continue
+        else:
+            chunk = os.pread(src_fd, min(64 * 2**20, n - done), offset + done)
+            got = len(chunk)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst_fd, view):]
+        if not got:
+            raise CheckpointError(f"unexpected end of file copying {n} bytes from byte "
+                                  f"{offset} (truncated source).")
+        done += got
 
 
 # -- registration as a checkpoint format ----------------------------------------------------------

@@ -25,6 +25,7 @@ checkpoints convert back without extra arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import pickle
@@ -40,6 +41,7 @@ import torch
 from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, local_tensor
 from toolkit.checkpoint.hf import TOKENIZER_FILES
+from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_torch
 from toolkit.mapping import EXPERTS
 
@@ -309,6 +311,33 @@ class DistCheckpoint:
             raise CheckpointError(f"{file}: chunk {offsets} of {key} is not a tensor.")
         return t
 
+    def locate(self, key: str, prefix: tuple[int, ...]) -> tuple[Path, int] | None:
+        """(file, byte offset) where the slice ``key[prefix]`` lies as one row-major block, when
+        a single plain chunk holds all of it; else None (then only ``read`` can assemble it)."""
+        md = self.tensors[key]
+        n = len(prefix)
+        size = tuple(md.size)
+        for c in md.chunks:
+            offs, sizes = tuple(c.offsets), tuple(c.sizes)
+            if tuple(offs[n:]) != (0,) * (len(size) - n) or tuple(sizes[n:]) != size[n:]:
+                continue
+            if not all(o <= i < o + s for i, o, s in zip(prefix, offs, sizes, strict=False)):
+                continue
+            info = self.storage[(key, offs)]
+            file = self.path / info.relative_path
+            with open(file, "rb") as f:
+                start = _saved_tensor_start(f, info.offset, info.length, sizes,
+                                            md.properties.dtype)
+            if start is None:
+                return None
+            index, inner = 0, 1
+            for s in size[n:]:
+                inner *= s
+            for i, o, s in zip(prefix, offs, sizes, strict=False):
+                index = index * s + (i - o)
+            return file, start + index * inner * md.properties.dtype.itemsize
+        return None
+
     def read(self, key: str, prefix: tuple[int, ...]) -> torch.Tensor:
         """The slice ``key[prefix]`` (prefix = indices along the stacked axes), assembled."""
         md = self.tensors[key]
@@ -354,50 +383,60 @@ class _ProbeUnpickler(pickle.Unpickler):
         return tuple(pid)
 
 
-def _read_saved_tensor(file: Path, offset: int, length: int, sizes: tuple[int, ...],
-                       dtype: torch.dtype) -> torch.Tensor | None:
-    """A contiguous tensor ``torch.save``d at ``file[offset:offset+length]``, read with one copy
-    straight into its storage; None when the record is anything else (the caller then uses
-    ``torch.load``)."""
+def _saved_tensor_start(f: Any, offset: int, length: int, sizes: tuple[int, ...],
+                        dtype: torch.dtype) -> int | None:
+    """Where the data of a contiguous tensor ``torch.save``d at ``f[offset:offset+length]``
+    starts in the file (its bytes are stored there as they are, row-major); None when the
+    record is anything else."""
     import zipfile
 
     numel = 1
     for s in sizes:
         numel *= s
+    window = _Window(f, offset, length)
+    try:
+        zf = zipfile.ZipFile(window)
+        names = zf.namelist()
+        data = [x for x in names if re.search(r"/data/\d+$", x)]
+        pkl = [x for x in names if x.endswith("/data.pkl")]
+        if len(data) != 1 or len(pkl) != 1:
+            return None
+        zi = zf.getinfo(data[0])
+        if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != numel * dtype.itemsize:
+            return None
+        storage, off, size, stride = _ProbeUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError,
+            EOFError):
+        return None
+    want = []
+    acc = 1
+    for s in reversed(sizes):
+        want.append(acc)
+        acc *= s
+    if off != 0 or size != tuple(sizes) or (numel > 1 and stride != tuple(reversed(want))):
+        return None
+    if not (isinstance(storage, tuple) and len(storage) >= 5 and storage[4] == numel):
+        return None
+    window.seek(zi.header_offset)
+    head = window.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        return None
+    return offset + zi.header_offset + 30 + int.from_bytes(head[26:28], "little") + \
+        int.from_bytes(head[28:30], "little")
+
+
+def _read_saved_tensor(file: Path, offset: int, length: int, sizes: tuple[int, ...],
+                       dtype: torch.dtype) -> torch.Tensor | None:
+    """A contiguous tensor ``torch.save``d at ``file[offset:offset+length]``, read with one copy
+    straight into its storage; None when the record is anything else (the caller then uses
+    ``torch.load``)."""
     with open(file, "rb") as f:
-        window = _Window(f, offset, length)
-        try:
-            zf = zipfile.ZipFile(window)
-            names = zf.namelist()
-            data = [x for x in names if re.search(r"/data/\d+$", x)]
-            pkl = [x for x in names if x.endswith("/data.pkl")]
-            if len(data) != 1 or len(pkl) != 1:
-                return None
-            zi = zf.getinfo(data[0])
-            if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != numel * dtype.itemsize:
-                return None
-            storage, off, size, stride = _ProbeUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-        except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError,
-                EOFError):
+        start = _saved_tensor_start(f, offset, length, sizes, dtype)
+        if start is None:
             return None
-        want = []
-        acc = 1
-        for s in reversed(sizes):
-            want.append(acc)
-            acc *= s
-        if off != 0 or size != tuple(sizes) or (numel > 1 and stride != tuple(reversed(want))):
-            return None
-        if not (isinstance(storage, tuple) and len(storage) >= 5 and storage[4] == numel):
-            return None
-        window.seek(zi.header_offset)
-        head = window.read(30)
-        if len(head) != 30 or head[:4] != b"PK\x03\x04":
-            return None
-        start = zi.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(
-            head[28:30], "little")
         out = torch.empty(sizes, dtype=dtype)
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        f.seek(offset + start)
+        f.seek(start)
         pos = 0
         while pos < len(buf):
             got = f.readinto(buf[pos:])
@@ -492,7 +531,8 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
         md = ckpt.tensors[key]
         shapes[name] = (tuple(md.size)[len(prefix):], md.properties.dtype)
     source = McoreFullSource(adapter, adapter.hf_config, shapes,
-                             lambda name: ckpt.read(*names[name]))
+                             lambda name: ckpt.read(*names[name]),
+                             locate=lambda name: ckpt.locate(*names[name]))
     return source, adapter, {"iteration": ckpt.iteration, "folder": ckpt.path,
                              "layout": layout_of(ckpt.common.get("args")),
                              "files": sorted(p.name for p in ckpt.path.iterdir())}
@@ -539,17 +579,22 @@ def write_data_file(path: Path, items: list[Item], table: Any, read: Callable,
     """Write ``items`` into one DCP data file; returns their storage records."""
     rules = dict(table.items())
     records = []
-    with open(path, "wb") as f:
-        for it in items:
-            rule = rules[it.name]
-            t = local_tensor(rule, 0, 1, read, dtype_of(rule.sources[0]))
-            t = t.reshape((1,) * len(it.prefix) + tuple(t.shape)).contiguous()
+
+    def produce(it: Item) -> torch.Tensor:
+        rule = rules[it.name]
+        t = local_tensor(rule, 0, 1, read, dtype_of(rule.sources[0]))
+        return t.reshape((1,) * len(it.prefix) + tuple(t.shape)).contiguous()
+
+    # the next chunk is read (in a thread) while this one is written: two chunks in memory
+    with open(path, "wb") as f, contextlib.closing(read_ahead(items, produce)) as chunks:
+        for it, t in chunks:
             offset = f.tell()
             torch.save(t, f)
             records.append({"key": it.key, "offsets": (*it.prefix, *(0,) * len(it.shape)),
                             "sizes": tuple(t.shape), "dtype": t.dtype, "file": path.name,
                             "offset": offset, "length": f.tell() - offset})
             tick(it.nbytes)
+            del t
     return records
 
 

@@ -30,8 +30,10 @@ def convert(
                                    "(legacy: must equal --tp)."),
     dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors to bf16, fp16 "
                                      "or fp32 (default: keep each tensor's dtype)."),
-    workers: int = typer.Option(1, "--workers", min=1, help="Worker processes writing output "
-                                "files in parallel (megatron targets; each opens the source)."),
+    workers: str = typer.Option("auto", "--workers", help="Worker processes writing output "
+                                "files in parallel (megatron targets; each opens the source and "
+                                "reads ahead in a thread while it writes); auto: one per two "
+                                "cores."),
     verify: bool = typer.Option(False, "--verify", help="Read every tensor of the result back "
                                 "and compare it bit-exactly with the source (after --dtype)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST (only "

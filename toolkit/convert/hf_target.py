@@ -8,12 +8,13 @@ transformers), from the HF config folder of the source.
 
 from __future__ import annotations
 
-import math
+import contextlib
 from pathlib import Path
 
 import torch
 
 from toolkit.checkpoint.hf import HFWriter
+from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Opened, full
 
@@ -30,10 +31,27 @@ def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
     writer = HFWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                       plan={n: (tuple(s), dtype_of(n)) for n, s in expected.items()})
     writer.fsync = fsync
+    segments = getattr(op.source, "segments", None)
+    stored_dtype = op.dtype_of(None)
+
+    def produce(name: str) -> torch.Tensor | list:
+        if segments is not None and dtype_of(name) == stored_dtype(name):
+            found = segments(op.names[name])
+            if found is not None:
+                return found  # byte ranges of the source: copied file to file, not read
+        return op.read(name, full(expected[name])).to(dtype_of(name))
+
     try:
-        for name, shape in expected.items():
-            writer.add(name, op.read(name, full(shape)).to(dtype_of(name)))
-            bar.advance(math.prod(shape) * dtype_of(name).itemsize)
+        # the next tensor is read (in a thread) while this one is written: two in memory
+        with contextlib.closing(read_ahead(expected, produce)) as tensors:
+            for name, t in tensors:
+                if isinstance(t, list):
+                    writer.add_segments(name, t)
+                    bar.advance(sum(n for _, _, n in t))
+                else:
+                    writer.add(name, t)
+                    bar.advance(t.numel() * t.element_size())
+                del t
         # transformers' config of the same folder: it writes config.json as transformers does
         live = adapter_for(op.adapter.source)
         writer.finish(live.export_config(out_dtype), generation_config=generation_config(live),

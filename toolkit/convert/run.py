@@ -10,6 +10,7 @@ temporary sibling folder and renamed into place at the end.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,13 +45,28 @@ class Report:
     verified: int = 0  # tensors read back from dst and compared bit-exactly (--verify)
 
 
+def resolve_workers(workers: int | str) -> int:
+    """Worker processes for ``--workers``: a number >= 1, or ``auto``: one per two cores (each
+    worker keeps two cores busy, reading the next tensor in a thread while it writes the current
+    one), at least one; on this 2-core machine one process, both cores."""
+    if workers == "auto":
+        return max(1, (os.cpu_count() or 1) // 2)
+    try:
+        n = int(workers)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise ValueError(f"--workers {workers}: give a number >= 1 or 'auto'.")
+    return n
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
     to: str,
     layout: ParallelLayout | None = None,
     dtype: torch.dtype | str | None = None,
-    workers: int = 1,
+    workers: int | str = "auto",
     overwrite: bool = False,
     progress: bool = True,
     *,
@@ -77,8 +93,7 @@ def convert(
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
         dtype = DTYPES[dtype]
-    if workers < 1:
-        raise ValueError(f"--workers {workers}: must be >= 1.")
+    workers = resolve_workers(workers)
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if dst == src or src in dst.parents:
         raise ValueError(f"destination {dst} is inside the source {src}: choose another folder.")
