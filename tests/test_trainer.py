@@ -42,9 +42,10 @@ CASES_4 = [
     Case("dp2_tp2_zero3_cpu_offload", tp=2, zero=3, offload="cpu"),
     # megatron-core's MoE needs sequence parallelism with tp > 1
     Case("moe_ep2_tp2_sp", model="moe", tp=2, ep=2, sp=True),
+    Case("phi3_tp2_pp2", model="phi3", tp=2, pp=2),
 ]
 REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe"),
-        Case("ref_noclip", overrides=("optim.clip_grad=0",))]
+        Case("ref_noclip", overrides=("optim.clip_grad=0",)), Case("ref_phi3", model="phi3")]
 
 
 @pytest.fixture(scope="module")

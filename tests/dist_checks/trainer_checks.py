@@ -21,7 +21,7 @@ PRETRAIN = "bundled:examples/data/pretrain.jsonl"
 SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
-VOCAB = {"dense": 512, "odd": 507, "moe": 512}
+VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512}
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Case:
     """One trainer run: the model, the layout and the DeepSpeed settings."""
 
     name: str
-    model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral)
+    model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral) | phi3
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -62,6 +62,9 @@ def make_assets(root: Path) -> dict[str, str]:
         "moe": tf.MixtralConfig(**{**common, "intermediate_size": 48, "num_hidden_layers": 2},
                                 vocab_size=VOCAB["moe"], num_local_experts=4,
                                 num_experts_per_tok=2, sliding_window=None),
+        # fused qkv_proj / gate_up_proj, partial RoPE, tied (Phi-4-mini's layout)
+        "phi3": tf.Phi3Config(**common, vocab_size=VOCAB["phi3"], tie_word_embeddings=True,
+                              partial_rotary_factor=0.75),
     }
     out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
     for i, (name, config) in enumerate(configs.items()):
