@@ -175,6 +175,13 @@ def test_sft_loss_counts_only_response_tokens(results_1):
     assert r["trainer"] == pytest.approx(r["by_hand"], rel=LOSS_RTOL, abs=0)
 
 
+@pytest.mark.parametrize("model", tc.SFT_MODELS)
+def test_sft_fine_tune_lowers_validation_loss(results_1, model):
+    vals = results_1["sft_validation"][model]
+    assert sorted(vals) == [0, 10, 20]
+    assert vals[20] < vals[10] < vals[0] - 0.5, vals
+
+
 def test_demo_learns_and_exports_matching_hf_model(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "demo", "--out", str(tmp_path)],

@@ -192,7 +192,21 @@ def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[Case],
     resume = Case("resume_dp1", steps=6, zero=2, overrides=(f"checkpoint.resume={checkpoint}",))
     out["resume_dp_change"] = refusal(resume, assets, workdir)
     out["sft"] = sft_loss_by_hand(assets, workdir)
+    out["sft_validation"] = {m: sft_validation(m, assets, workdir) for m in SFT_MODELS}
     return out
+
+
+SFT_MODELS = ("phi3",)  # families whose fine-tune must lower the validation loss
+
+
+def sft_validation(model: str, assets: dict[str, str], workdir: str,
+                   steps: int = 20) -> dict[int, float]:
+    """An SFT fine-tune of ``model`` with a held-out split: validation loss by step."""
+    from toolkit.train import trainer
+
+    case = Case(f"sft_val_{model}", model=model, steps=steps,
+                overrides=("data.validation_split=0.1", f"train.eval_interval={steps // 2}"))
+    return trainer.run(config(case, assets, Path(workdir) / case.name, mode="sft")).val_losses
 
 
 def sft_loss_by_hand(assets: dict[str, str], workdir: str) -> dict[str, float]:
