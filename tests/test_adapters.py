@@ -25,7 +25,7 @@ TOL = 1e-4
 
 # Stored HF tensors that megatron-core splits over tensor parallelism (independent of the rules).
 _SPLIT = re.compile(
-    r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc)\.(weight|bias)$"
+    r"(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|c_attn|c_fc)\.(weight|bias)$"
     r"|(o_proj|down_proj|c_proj)\.weight$|(embed_tokens|lm_head|wte)\.weight$"
 )
 

@@ -176,6 +176,24 @@ def test_refuses_rope_megatron_cannot_compute(tiny, tmp_path):
         adapter_for(path)
 
 
+def test_phi3_refuses_longrope():
+    """LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini), as transformers 5 and 4.x configs write it."""
+    from toolkit.adapters import HFConfig
+
+    config = ac.tiny_configs()["phi3"]
+    config.architectures = ["Phi3ForCausalLM"]
+    half = int(16 * 0.75) // 2  # rotary channels / 2
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "longrope",
+                              "short_factor": [1.0] * half, "long_factor": [2.0] * half}
+    with pytest.raises(UnsupportedModel, match="rope_type='longrope' .*LongRoPE"):
+        adapter_for(config)
+    legacy = {k: v for k, v in config.to_dict().items() if k != "rope_parameters"}
+    legacy["rope_scaling"] = {"type": "su", "short_factor": [1.0] * half,
+                              "long_factor": [2.0] * half}
+    with pytest.raises(UnsupportedModel, match="rope_type='su' .*LongRoPE"):
+        adapter_for(HFConfig(legacy))
+
+
 def test_refuses_bias_combination(tiny, tmp_path):
     path = _copy(tiny["llama"], tmp_path / "bias",
                  config={"attention_bias": True, "mlp_bias": False})

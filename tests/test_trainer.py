@@ -42,9 +42,10 @@ CASES_4 = [
     Case("dp2_tp2_zero3_cpu_offload", tp=2, zero=3, offload="cpu"),
     # megatron-core's MoE needs sequence parallelism with tp > 1
     Case("moe_ep2_tp2_sp", model="moe", tp=2, ep=2, sp=True),
+    Case("phi3_tp2_pp2", model="phi3", tp=2, pp=2),
 ]
 REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe"),
-        Case("ref_noclip", overrides=("optim.clip_grad=0",))]
+        Case("ref_noclip", overrides=("optim.clip_grad=0",)), Case("ref_phi3", model="phi3")]
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +173,13 @@ def test_sft_loss_counts_only_response_tokens(results_1):
     r = results_1["sft"]
     assert 0 < r["kept_tokens"] < r["all_tokens"]  # prompts and padding are masked out
     assert r["trainer"] == pytest.approx(r["by_hand"], rel=LOSS_RTOL, abs=0)
+
+
+@pytest.mark.parametrize("model", tc.SFT_MODELS)
+def test_sft_fine_tune_lowers_validation_loss(results_1, model):
+    vals = results_1["sft_validation"][model]
+    assert sorted(vals) == [0, 10, 20]
+    assert vals[20] < vals[10] < vals[0] - 0.5, vals
 
 
 def test_demo_learns_and_exports_matching_hf_model(tmp_path):

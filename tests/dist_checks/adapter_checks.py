@@ -38,6 +38,10 @@ def tiny_configs() -> dict:
         "mistral": tf.MistralConfig(**common, sliding_window=5, head_dim=16),
         "qwen2": tf.Qwen2Config(**common),
         "qwen3": tf.Qwen3Config(**common, head_dim=24),
+        # Phi-4-mini style: fused qkv_proj / gate_up_proj, tied, partial RoPE (rotary_percent),
+        # plus Phi-3-mini's sliding window.
+        "phi3": tf.Phi3Config(**common, tie_word_embeddings=True, partial_rotary_factor=0.75,
+                              sliding_window=5, pad_token_id=0),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=4, n_head=4, n_inner=96, vocab_size=VOCAB,
                               n_positions=64, bos_token_id=1, eos_token_id=2),
     }

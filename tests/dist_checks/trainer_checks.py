@@ -21,7 +21,7 @@ PRETRAIN = "bundled:examples/data/pretrain.jsonl"
 SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
-VOCAB = {"dense": 512, "odd": 507, "moe": 512}
+VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512}
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Case:
     """One trainer run: the model, the layout and the DeepSpeed settings."""
 
     name: str
-    model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral)
+    model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral) | phi3
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -62,6 +62,9 @@ def make_assets(root: Path) -> dict[str, str]:
         "moe": tf.MixtralConfig(**{**common, "intermediate_size": 48, "num_hidden_layers": 2},
                                 vocab_size=VOCAB["moe"], num_local_experts=4,
                                 num_experts_per_tok=2, sliding_window=None),
+        # fused qkv_proj / gate_up_proj, partial RoPE, tied (Phi-4-mini's layout)
+        "phi3": tf.Phi3Config(**common, vocab_size=VOCAB["phi3"], tie_word_embeddings=True,
+                              partial_rotary_factor=0.75),
     }
     out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
     for i, (name, config) in enumerate(configs.items()):
@@ -189,7 +192,21 @@ def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[Case],
     resume = Case("resume_dp1", steps=6, zero=2, overrides=(f"checkpoint.resume={checkpoint}",))
     out["resume_dp_change"] = refusal(resume, assets, workdir)
     out["sft"] = sft_loss_by_hand(assets, workdir)
+    out["sft_validation"] = {m: sft_validation(m, assets, workdir) for m in SFT_MODELS}
     return out
+
+
+SFT_MODELS = ("phi3",)  # families whose fine-tune must lower the validation loss
+
+
+def sft_validation(model: str, assets: dict[str, str], workdir: str,
+                   steps: int = 20) -> dict[int, float]:
+    """An SFT fine-tune of ``model`` with a held-out split: validation loss by step."""
+    from toolkit.train import trainer
+
+    case = Case(f"sft_val_{model}", model=model, steps=steps,
+                overrides=("data.validation_split=0.1", f"train.eval_interval={steps // 2}"))
+    return trainer.run(config(case, assets, Path(workdir) / case.name, mode="sft")).val_losses
 
 
 def sft_loss_by_hand(assets: dict[str, str], workdir: str) -> dict[str, float]:

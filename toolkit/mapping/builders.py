@@ -95,6 +95,14 @@ def gated_mlp(m: str, hidden: int, ffn: int, *, names: tuple[str, str, str] = SW
     return rules
 
 
+def fused_gated_mlp(gate_up: str, down: str, hidden: int, ffn: int) -> Rules:
+    """Gated MLP whose gate and up projections are one stored ``[2 * ffn, hidden]`` tensor
+    ``gate_up`` (gate rows first; Phi-3's ``gate_up_proj``), read as two parts of it."""
+    return {"mlp.linear_fc1.weight": GateUp(Part(f"{gate_up}.weight"),
+                                            Part(f"{gate_up}.weight", ffn), ffn, inn=hidden),
+            "mlp.linear_fc2.weight": Row(f"{down}.weight", hidden, ffn)}
+
+
 def mlp(fc1: str, fc2: str, hidden: int, ffn: int, *, bias: bool = False,
         transpose: bool = False) -> Rules:
     """Plain (ungated) MLP: up projection ``fc1``, down projection ``fc2`` (HF module names)."""
