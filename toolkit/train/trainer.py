@@ -127,7 +127,10 @@ def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout):
 
 
 def _has_experts(hf_config: dict[str, Any]) -> bool:
-    return bool(hf_config.get("num_local_experts") or hf_config.get("num_experts"))
+    """Whether the model routes over experts, as its family describes it (one description)."""
+    from toolkit.memory.model import model_shape_from_hf
+
+    return model_shape_from_hf(hf_config).experts > 0
 
 
 # -- DeepSpeed config ----------------------------------------------------------------------------
