@@ -32,22 +32,14 @@ def for_this_machine(cfg: dict) -> dict:
     return cfg
 
 
-def async_io_missing() -> str | None:
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    if AsyncIOBuilder().is_compatible(verbose=False):
-        return None
-    return ("DeepSpeed's async_io op cannot build here (libaio-dev missing: "
-            "`apt-get install libaio-dev`, done by `make install`); NVMe offload not tested")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(DS_PRESETS))
-def test_preset_trains_on_real_engine(name, rank_pool_2, tmp_path):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.nvme) if "nvme" in n else n
+                                  for n in DS_PRESETS])
+def test_preset_trains_on_real_engine(name, rank_pool_2, tmp_path, request):
     cfg = for_this_machine(preset_configs()[name])
     kwargs = {}
     if name == "zero_infinity_nvme":
-        reason = async_io_missing()
+        reason = request.getfixturevalue("async_io_ready")
         if reason:
             pytest.skip(reason)
         # DeepSpeed never swaps tensors under 1 MiB: a bigger vocabulary makes swapping real

@@ -1,6 +1,7 @@
 """The built wheel on its own: installed into a fresh virtualenv (dependencies from this project's
 venv), ``mdtk demo`` runs from a temporary folder, reads only files shipped inside the wheel and
-writes only under that folder."""
+writes only under that folder. The same run is the demo's own check (it learns, its export matches
+transformers, its output is the story on one screen): one demo run in the suite, not two."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DEMO_STEPS = 20  # enough for the demo's own check that the losses fall; the full run is in
-# test_trainer.py
 
 
 def _run(argv: list, **kwargs) -> str:
     """Run a command; on failure show its output (stdout, stderr) in the assertion."""
+    return _run_both(argv, **kwargs)[0]
+
+
+def _run_both(argv: list, **kwargs) -> tuple[str, str]:
     proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, **kwargs)
     assert proc.returncode == 0, f"{argv}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return proc.stdout, proc.stderr
 
 
 def _build_wheel(tmp: Path) -> Path:
@@ -72,14 +75,35 @@ def test_wheel_install_runs_the_demo_from_any_folder(tmp_path):
     package = data.parents[2]  # .../site-packages/toolkit
     before = _files(package)
 
-    _run([venv / "bin" / "mdtk", "demo", "--steps", DEMO_STEPS], cwd=work, env=env, timeout=600)
+    stdout, stderr = _run_both([venv / "bin" / "mdtk", "demo"], cwd=work, env=env, timeout=900)
 
     out = work / "build" / "demo"  # the default --out, under the current folder
     assert (out / "tiny-llama" / "config.json").is_file()
     assert (out / "sft" / "hf" / "config.json").is_file()
     summary = json.loads((out / "sft" / "summary.json").read_text())
-    assert summary["steps"] == DEMO_STEPS and summary["export_max_abs_diff"] <= 1e-4
+    vals = {int(k): v for k, v in summary["val_losses"].items()}
+    assert min(vals) == 0 and max(vals) == summary["steps"]
+    assert vals[max(vals)] < vals[0] - 0.3  # fine-tuning lowered the validation loss
+    assert summary["export_max_abs_diff"] is not None
+    assert summary["export_max_abs_diff"] <= 1e-4  # transformers' logits vs the trained model
     resolved = json.loads((out / "sft" / "config.resolved.json").read_text())
     assert resolved["data"]["sources"] == [str(data / "sft.jsonl")]
     assert (work / resolved["output_dir"]).resolve() == (out / "sft").resolve()
     assert _files(package) == before  # nothing written into the installed package
+    _assert_story_on_one_screen(stdout + stderr)
+
+
+def _assert_story_on_one_screen(text: str) -> None:
+    """The demo's output is the story: no library banners or untitled bars around it."""
+    lines = text.splitlines()
+    assert len(lines) <= 40, text
+    for noise in ("Setting accelerator to CPU",  # DeepSpeed, without DS_ACCELERATOR
+                  "OMP_NUM_THREADS",  # torchrun's banner when the launcher leaves it unset
+                  "Generating train split", "Map", "Writing model shards", "Loading weights",
+                  "Traceback", "WARNING"):
+        assert noise not in text, (noise, text)
+    story = ["model: tiny Llama", "2 ranks, dp=2", "deepspeed: chose ZeRO-", "validation loss "
+             "before training", "exported HF checkpoint", "training loss", "max abs diff"]
+    for words in story:
+        assert words in text, (words, text)
+    assert [x.split()[1] for x in lines if x.startswith("tokenising")] == ["train", "validation"]

@@ -3,8 +3,10 @@
 DeepSpeed compiles CPU Adam (optimizer offload) and async_io (NVMe offload) on first use. When
 several ranks hit that at once they queue on a lock file, on a 2-core machine the build takes
 minutes, and a build killed half-way leaves a lock that makes every later build wait forever.
-``make install`` and the test session therefore build them here first; later loads are cached
-in ``TORCH_EXTENSIONS_DIR`` and take about a second.
+``make install`` therefore builds CPU Adam here and starts the async_io build (12 files, about
+3 minutes on 2 cores) in the background at low priority; whoever needs async_io first waits on
+the build's lock (``prebuild(["async_io"])``) instead of building it again. Later loads are
+cached in ``TORCH_EXTENSIONS_DIR`` and take about a second.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-STALE_LOCK_S = 20 * 60  # no build of these ops takes this long, even on 2 cores
+STALE_LOCK_S = 20 * 60  # no build of these ops takes this long on 2 cores, unless starved
+OPS = ("cpu_adam", "async_io")
 
 
 def extensions_dir() -> Path:
@@ -23,19 +26,31 @@ def extensions_dir() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
+def _builder_alive(root: Path, name: str) -> bool:
+    """Whether the process that announced it is building ``name`` is still running."""
+    try:
+        os.kill(int((root / f"{name}.building").read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def clear_stale_locks(root: Path | None = None, max_age_s: float = STALE_LOCK_S) -> list[Path]:
-    """Remove build locks older than ``max_age_s``: left by a killed build, they block forever."""
+    """Remove build locks older than ``max_age_s`` whose builder is gone: left by a killed
+    build, they block forever (a low-priority background build may hold one longer)."""
     root = root or extensions_dir()
     removed = []
     for lock in root.glob("*/lock") if root.is_dir() else ():
-        if time.time() - lock.stat().st_mtime > max_age_s:
+        if (time.time() - lock.stat().st_mtime > max_age_s
+                and not _builder_alive(root, lock.parent.name)):
             lock.unlink(missing_ok=True)
             removed.append(lock)
     return removed
 
 
-def prebuild(nvme: bool = True, log=print) -> dict[str, str]:
-    """Load (building if needed) CPU Adam and, when libaio is present, async_io.
+def prebuild(ops: tuple[str, ...] | list[str] = OPS, log=print) -> dict[str, str]:
+    """Load (building if needed, or waiting for a build under way) the named ops: "cpu_adam"
+    and "async_io" (needs libaio).
 
     Returns op name -> "ok" or the reason it is unavailable; never raises for a missing op,
     since only offload configurations need them.
@@ -43,34 +58,47 @@ def prebuild(nvme: bool = True, log=print) -> dict[str, str]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
-    for lock in clear_stale_locks():
+    root = extensions_dir()
+    for lock in clear_stale_locks(root):
         log(f"removed stale build lock {lock}")
-    builders = [CPUAdamBuilder()] + ([AsyncIOBuilder()] if nvme else [])
+    builders = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}
     status = {}
-    for b in builders:
+    for name in ops:
+        b = builders[name]()
         if not b.is_compatible(verbose=False):
             status[b.NAME] = "not buildable here (see `mdtk env`)"
             continue
-        cached = (extensions_dir() / b.NAME / f"{b.NAME}.so").exists()
+        cached = (root / b.NAME / f"{b.NAME}.so").exists()
         if not cached:
             log(f"building DeepSpeed op {b.NAME} (once; a few minutes on 2 cores)...")
         start = time.perf_counter()
+        marker = root / f"{b.NAME}.building"
         try:
+            root.mkdir(parents=True, exist_ok=True)
+            marker.write_text(str(os.getpid()))
             b.load(verbose=False)
         except Exception as e:  # noqa: BLE001 - report, do not stop the install
             status[b.NAME] = f"build failed: {e}"
             continue
+        finally:
+            marker.unlink(missing_ok=True)
         status[b.NAME] = "ok"
         if not cached:
             log(f"built {b.NAME} in {time.perf_counter() - start:.0f} s")
     return status
 
 
-def main() -> int:
-    status = prebuild()
+def main(argv: list[str] | None = None) -> int:
+    """``python -m toolkit.runtime.ops [OP ...]``: build the named ops (default: all)."""
+    names = (argv if argv is not None else sys.argv[1:]) or list(OPS)
+    unknown = sorted(set(names) - set(OPS))
+    if unknown:
+        print(f"unknown op(s) {unknown}: choose from {list(OPS)}", file=sys.stderr)
+        return 2
+    status = prebuild(names)
     for name, s in status.items():
         print(f"DeepSpeed op {name}: {s}")
-    return 0 if status.get("cpu_adam") == "ok" else 1
+    return 0 if all(s == "ok" for s in status.values()) else 1
 
 
 if __name__ == "__main__":
