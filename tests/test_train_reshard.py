@@ -1,0 +1,132 @@
+"""Layout-invariant initialization and resume at another layout (``toolkit.train.init``,
+``toolkit.train.reshard``), with the real trainer on gloo ranks.
+
+Pretraining from a config must start from bit-identical weights at every layout (gathered to an
+HF folder right after the model is built) and give the single-rank run's first losses. A
+checkpoint written at one layout (dp2 ZeRO-2, tp2 x pp2 ZeRO-1, Mixtral ep2) resumed at another
+(tp2, pp2, dp4 ZeRO-3, one rank, ep1) must continue with the uninterrupted run's losses: weights,
+fp32 master weights, Adam moments, step counts and the data position all carry over.
+(dp2 ZeRO-2 -> one rank is asserted in test_trainer.py on its resume checkpoint.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_checks import reshard_checks as rc
+from dist_checks import trainer_checks as tc
+from dist_checks.trainer_checks import Case
+
+from toolkit.testing.distributed import RankPool
+
+LOSS_RTOL = 1e-5
+
+
+def cases_2(work: str) -> list[Case]:
+    return [
+        rc.producer("p_dp2_zero2", zero=2),
+        rc.producer("p_moe_ep2", model="moe", ep=2),
+        Case("init_tp2", tp=2, steps=1),
+        Case("init_pp2", pp=2, steps=1),
+        Case("init_pp2_vpp2", pp=2, vpp=2, steps=1),
+        rc.resumed("r_dp2_zero2_to_tp2", "p_dp2_zero2", work, tp=2, zero=2),
+        rc.resumed("r_dp2_zero2_to_pp2_zero1", "p_dp2_zero2", work, pp=2, zero=1),
+    ]
+
+
+def cases_4(work: str) -> list[Case]:
+    return [
+        rc.producer("p_tp2_pp2_zero1", tp=2, pp=2, zero=1),
+        rc.resumed("r_tp2_pp2_zero1_to_dp4_zero3", "p_tp2_pp2_zero1", work, zero=3),
+    ]
+
+
+def cases_1(work: str) -> list[Case]:
+    return [
+        Case("ref_dense", steps=rc.FULL),
+        Case("ref_moe", model="moe", steps=rc.FULL),
+        rc.resumed("r_moe_ep2_to_ep1", "p_moe_ep2", work, model="moe"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    out = tc.make_assets(root)
+    out["work"] = str(root / "runs")
+    return out
+
+
+def _by_case(per_rank) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for rank_results in per_rank:
+        for r in rank_results:
+            out.setdefault(r["case"], []).append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(rank_pool_2, rank_pool_4, assets):
+    work = assets["work"]
+    out = _by_case(rank_pool_2.run(rc.runs, cases_2(work), assets, work, timeout=900))
+    out.update(_by_case(rank_pool_4.run(rc.runs, cases_4(work), assets, work, timeout=900)))
+    with RankPool(1) as pool:
+        out.update(_by_case(pool.run(rc.runs, cases_1(work), assets, work, timeout=600)))
+    return out
+
+
+def _tensors(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+INIT = {  # run -> the single-rank reference it must start from
+    "p_dp2_zero2": "ref_dense", "init_tp2": "ref_dense", "init_pp2": "ref_dense",
+    "init_pp2_vpp2": "ref_dense", "p_tp2_pp2_zero1": "ref_dense", "p_moe_ep2": "ref_moe",
+    "r_dp2_zero2_to_tp2": "ref_dense", "r_tp2_pp2_zero1_to_dp4_zero3": "ref_dense",
+}
+
+
+@pytest.mark.parametrize("name", sorted(INIT))
+def test_initial_weights_bit_identical_at_every_layout(results, name):
+    ref = _tensors(results[INIT[name]][0]["init_hf"])
+    got = _tensors(results[name][0]["init_hf"])
+    assert sorted(got) == sorted(ref) and len(ref) > 10
+    for key, tensor in ref.items():
+        assert got[key].dtype == tensor.dtype and got[key].equal(tensor), (name, key)
+    # not a constant: the weights of different tensors and different seeds differ
+    assert not ref["model.layers.0.self_attn.q_proj.weight"].equal(
+        ref["model.layers.1.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("name", ["p_dp2_zero2", "init_tp2", "init_pp2", "init_pp2_vpp2",
+                                  "p_tp2_pp2_zero1", "p_moe_ep2"])
+def test_first_losses_equal_single_rank(results, name):
+    ref = results[INIT[name]][0]["losses"]
+    assert ref[-1] < ref[0] - 0.1  # it trains
+    for r in results[name]:
+        n = len(r["losses"])
+        assert n >= 1 and r["start"] == 0
+        assert r["losses"] == pytest.approx(ref[:n], rel=LOSS_RTOL, abs=0), name
+
+
+RESUMED = {"r_dp2_zero2_to_tp2": ("ref_dense", (1, 2, 1)),
+           "r_dp2_zero2_to_pp2_zero1": ("ref_dense", (1, 1, 2)),
+           "r_tp2_pp2_zero1_to_dp4_zero3": ("ref_dense", (4, 1, 1)),
+           "r_moe_ep2_to_ep1": ("ref_moe", (1, 1, 1))}
+
+
+@pytest.mark.parametrize("name", sorted(RESUMED))
+def test_resume_at_another_layout_continues_the_run(results, name):
+    ref_name, (dp, tp, pp) = RESUMED[name]
+    ref = results[ref_name][0]["losses"]
+    assert len(ref) == rc.FULL
+    for r in results[name]:
+        assert (r["dp"], r["tp"], r["pp"]) == (dp, tp, pp)
+        assert r["start"] == rc.STOP and len(r["losses"]) == rc.FULL - rc.STOP
+        assert r["losses"] == pytest.approx(ref[rc.STOP:], rel=LOSS_RTOL, abs=0), name
