@@ -30,7 +30,9 @@ def cases_2(work: str) -> list[Case]:
         Case("init_tp2", tp=2, steps=1),
         Case("init_pp2", pp=2, steps=1),
         Case("init_pp2_vpp2", pp=2, vpp=2, steps=1),
-        rc.resumed("r_dp2_zero2_to_tp2", "p_dp2_zero2", work, tp=2, zero=2),
+        rc.resumed("r_dp2_zero2_to_tp2_offload", "p_dp2_zero2", work, tp=2, zero=2,
+                   offload="cpu"),  # DeepSpeed's CPU Adam holds the states
+        rc.resumed("r_dp2_zero2_to_dp2_zero0", "p_dp2_zero2", work, zero=0),  # stage only
         rc.resumed("r_dp2_zero2_to_pp2_zero1", "p_dp2_zero2", work, pp=2, zero=1),
     ]
 
@@ -88,7 +90,7 @@ def _tensors(folder: str) -> dict:
 INIT = {  # run -> the single-rank reference it must start from
     "p_dp2_zero2": "ref_dense", "init_tp2": "ref_dense", "init_pp2": "ref_dense",
     "init_pp2_vpp2": "ref_dense", "p_tp2_pp2_zero1": "ref_dense", "p_moe_ep2": "ref_moe",
-    "r_dp2_zero2_to_tp2": "ref_dense", "r_tp2_pp2_zero1_to_dp4_zero3": "ref_dense",
+    "r_dp2_zero2_to_tp2_offload": "ref_dense", "r_tp2_pp2_zero1_to_dp4_zero3": "ref_dense",
 }
 
 
@@ -115,7 +117,8 @@ def test_first_losses_equal_single_rank(results, name):
         assert r["losses"] == pytest.approx(ref[:n], rel=LOSS_RTOL, abs=0), name
 
 
-RESUMED = {"r_dp2_zero2_to_tp2": ("ref_dense", (1, 2, 1)),
+RESUMED = {"r_dp2_zero2_to_tp2_offload": ("ref_dense", (1, 2, 1)),
+           "r_dp2_zero2_to_dp2_zero0": ("ref_dense", (2, 1, 1)),
            "r_dp2_zero2_to_pp2_zero1": ("ref_dense", (1, 1, 2)),
            "r_tp2_pp2_zero1_to_dp4_zero3": ("ref_dense", (4, 1, 1)),
            "r_moe_ep2_to_ep1": ("ref_moe", (1, 1, 1))}
