@@ -6,7 +6,8 @@ HF folder right after the model is built) and give the single-rank run's first l
 checkpoint written at one layout (dp2 ZeRO-2, tp2 x pp2 ZeRO-1, Mixtral ep2) resumed at another
 (tp2, pp2, dp4 ZeRO-3, one rank, ep1) must continue with the uninterrupted run's losses: weights,
 fp32 master weights, Adam moments, step counts and the data position all carry over.
-(dp2 ZeRO-2 -> one rank is asserted in test_trainer.py on its resume checkpoint.)
+(dp2 ZeRO-2 -> one rank is asserted in test_trainer.py on its resume checkpoint.) A checkpoint
+converted offline to another layout (``mdtk convert --to trainer``) resumes natively there.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def cases_2(work: str) -> list[Case]:
                    offload="cpu"),  # DeepSpeed's CPU Adam holds the states
         rc.resumed("r_dp2_zero2_to_dp2_zero0", "p_dp2_zero2", work, zero=0),  # stage only
         rc.resumed("r_dp2_zero2_to_pp2_zero1", "p_dp2_zero2", work, pp=2, zero=1),
+        # converted offline (mdtk convert --to trainer) from tp2 x pp2 ZeRO-1: a native resume
+        Case("r_converted_tp2_zero2", tp=2, zero=2, steps=rc.FULL,
+             overrides=(f"checkpoint.resume={Path(work) / 'converted' / 'step_0000003'}",)),
     ]
 
 
@@ -70,9 +74,13 @@ def _by_case(per_rank) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def results(rank_pool_2, rank_pool_4, assets):
+    from toolkit.train.reshard import convert_checkpoint
+
     work = assets["work"]
-    out = _by_case(rank_pool_2.run(rc.runs, cases_2(work), assets, work, timeout=900))
-    out.update(_by_case(rank_pool_4.run(rc.runs, cases_4(work), assets, work, timeout=900)))
+    out = _by_case(rank_pool_4.run(rc.runs, cases_4(work), assets, work, timeout=900))
+    out["converted"] = convert_checkpoint(rc.ckpt(work, "p_tp2_pp2_zero1"),
+                                          Path(work) / "converted", tp=2, dp=1, zero=2)
+    out.update(_by_case(rank_pool_2.run(rc.runs, cases_2(work), assets, work, timeout=900)))
     with RankPool(1) as pool:
         out.update(_by_case(pool.run(rc.runs, cases_1(work), assets, work, timeout=600)))
     return out
@@ -117,7 +125,22 @@ def test_first_losses_equal_single_rank(results, name):
         assert r["losses"] == pytest.approx(ref[:n], rel=LOSS_RTOL, abs=0), name
 
 
-RESUMED = {"r_dp2_zero2_to_tp2_offload": ("ref_dense", (1, 2, 1)),
+def test_offline_conversion_writes_a_native_checkpoint_of_the_new_layout(results):
+    import json
+
+    step = results["converted"]
+    assert step.name == "step_0000003"
+    assert (step.parent / "latest").read_text().strip() == step.name
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert (state["step"], state["world_size"], state["dp_size"]) == (3, 2, 1)
+    assert (state["layout"]["tp"], state["layout"]["pp"]) == (2, 1)
+    assert sorted(p.name for p in (step / "engine").iterdir()) == [
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
+
+
+RESUMED = {"r_converted_tp2_zero2": ("ref_dense", (1, 2, 1)),
+           "r_dp2_zero2_to_tp2_offload": ("ref_dense", (1, 2, 1)),
            "r_dp2_zero2_to_dp2_zero0": ("ref_dense", (2, 1, 1)),
            "r_dp2_zero2_to_pp2_zero1": ("ref_dense", (1, 1, 2)),
            "r_tp2_pp2_zero1_to_dp4_zero3": ("ref_dense", (4, 1, 1)),
