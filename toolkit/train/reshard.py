@@ -171,9 +171,22 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, tp: int = 1, pp: int
     final = Path(dst) / path.name
     if final.exists() and not overwrite:
         raise ResumeError(f"{final} exists: choose another destination or overwrite.")
+    _check_target(raw, world, saved.global_batch, path)  # here: one clear error, not N
     with RankPool(world) as pool:
         out = pool.run(_convert_rank, raw, str(path), timeout=3600)
     return Path(out[0])
+
+
+def _check_target(raw: dict[str, Any], world: int, global_batch: int, src: Path) -> None:
+    """The new layout fits the model config and keeps the global batch (the data position)."""
+    from toolkit import parallel
+    from toolkit.train import config as cfgmod
+
+    plan = cfgmod.plan(cfgmod.config_from_dict(raw), world)
+    parallel.check_supported(plan.layout)
+    if plan.global_batch != global_batch:
+        raise ResumeError(f"{src}: trained with global batch {global_batch}, the new layout "
+                          f"gives {plan.global_batch}: keep train.global_batch.")
 
 
 def _convert_rank(raw: dict[str, Any], src: str) -> str:
@@ -191,11 +204,7 @@ def _convert_rank(raw: dict[str, Any], src: str) -> str:
     cfg = cfgmod.config_from_dict(raw)
     saved = load_training_state(src)
     plan = cfgmod.plan(cfg, dist.get_world_size())
-    if plan.global_batch != saved.global_batch:
-        raise ResumeError(f"{src}: global batch {saved.global_batch}, the new layout's "
-                          f"{plan.global_batch}: keep train.global_batch.")
     layout = plan.layout
-    parallel.check_supported(layout)
     hf_config = trainer._hf_config_dict(cfg)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     engine = None
