@@ -7,7 +7,8 @@ checkpoint written at one layout (dp2 ZeRO-2, tp2 x pp2 ZeRO-1, Mixtral ep2) res
 (tp2, pp2, dp4 ZeRO-3, one rank, ep1) must continue with the uninterrupted run's losses: weights,
 fp32 master weights, Adam moments, step counts and the data position all carry over.
 (dp2 ZeRO-2 -> one rank is asserted in test_trainer.py on its resume checkpoint.) A checkpoint
-converted offline to another layout (``mdtk convert --to trainer``) resumes natively there.
+converted offline to another layout (``mdtk convert --to trainer``; here from the dp4 ZeRO-3
+checkpoint the resumed run writes) resumes natively there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dist_checks.trainer_checks import Case
 from toolkit.testing.distributed import RankPool
 
 LOSS_RTOL = 1e-5
+LONG = rc.FULL + 2  # the offline conversion of the step-6 checkpoint continues to here
 
 
 def cases_2(work: str) -> list[Case]:
@@ -35,22 +37,24 @@ def cases_2(work: str) -> list[Case]:
                    offload="cpu"),  # DeepSpeed's CPU Adam holds the states
         rc.resumed("r_dp2_zero2_to_dp2_zero0", "p_dp2_zero2", work, zero=0),  # stage only
         rc.resumed("r_dp2_zero2_to_pp2_zero1", "p_dp2_zero2", work, pp=2, zero=1),
-        # converted offline (mdtk convert --to trainer) from tp2 x pp2 ZeRO-1: a native resume
-        Case("r_converted_tp2_zero2", tp=2, zero=2, steps=rc.FULL,
-             overrides=(f"checkpoint.resume={Path(work) / 'converted' / 'step_0000003'}",)),
+        # converted offline (mdtk convert --to trainer) from dp4 ZeRO-3: a native resume
+        Case("r_converted_tp2_zero2", tp=2, zero=2, steps=LONG,
+             overrides=(f"checkpoint.resume={Path(work) / 'converted' / 'step_0000006'}",)),
     ]
 
 
 def cases_4(work: str) -> list[Case]:
     return [
         rc.producer("p_tp2_pp2_zero1", tp=2, pp=2, zero=1),
-        rc.resumed("r_tp2_pp2_zero1_to_dp4_zero3", "p_tp2_pp2_zero1", work, zero=3),
+        Case("r_tp2_pp2_zero1_to_dp4_zero3", zero=3, steps=rc.FULL,  # saves at step 6
+             overrides=(f"checkpoint.resume={rc.ckpt(work, 'p_tp2_pp2_zero1')}",
+                        f"checkpoint.interval={rc.FULL}")),
     ]
 
 
 def cases_1(work: str) -> list[Case]:
     return [
-        Case("ref_dense", steps=rc.FULL),
+        Case("ref_dense", steps=LONG),
         Case("ref_moe", model="moe", steps=rc.FULL),
         rc.resumed("r_moe_ep2_to_ep1", "p_moe_ep2", work, model="moe"),
     ]
@@ -78,7 +82,7 @@ def results(rank_pool_2, rank_pool_4, assets):
 
     work = assets["work"]
     out = _by_case(rank_pool_4.run(rc.runs, cases_4(work), assets, work, timeout=900))
-    out["converted"] = convert_checkpoint(rc.ckpt(work, "p_tp2_pp2_zero1"),
+    out["converted"] = convert_checkpoint(rc.ckpt(work, "r_tp2_pp2_zero1_to_dp4_zero3", rc.FULL),
                                           Path(work) / "converted", tp=2, dp=1, zero=2)
     out.update(_by_case(rank_pool_2.run(rc.runs, cases_2(work), assets, work, timeout=900)))
     with RankPool(1) as pool:
@@ -129,30 +133,30 @@ def test_offline_conversion_writes_a_native_checkpoint_of_the_new_layout(results
     import json
 
     step = results["converted"]
-    assert step.name == "step_0000003"
+    assert step.name == "step_0000006"
     assert (step.parent / "latest").read_text().strip() == step.name
     state = json.loads((step / "trainer_state.json").read_text())
-    assert (state["step"], state["world_size"], state["dp_size"]) == (3, 2, 1)
+    assert (state["step"], state["world_size"], state["dp_size"]) == (6, 2, 1)
     assert (state["layout"]["tp"], state["layout"]["pp"]) == (2, 1)
     assert sorted(p.name for p in (step / "engine").iterdir()) == [
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
 
 
-RESUMED = {"r_converted_tp2_zero2": ("ref_dense", (1, 2, 1)),
-           "r_dp2_zero2_to_tp2_offload": ("ref_dense", (1, 2, 1)),
-           "r_dp2_zero2_to_dp2_zero0": ("ref_dense", (2, 1, 1)),
-           "r_dp2_zero2_to_pp2_zero1": ("ref_dense", (1, 1, 2)),
-           "r_tp2_pp2_zero1_to_dp4_zero3": ("ref_dense", (4, 1, 1)),
-           "r_moe_ep2_to_ep1": ("ref_moe", (1, 1, 1))}
+RESUMED = {"r_converted_tp2_zero2": ("ref_dense", (1, 2, 1), rc.FULL, LONG),
+           "r_dp2_zero2_to_tp2_offload": ("ref_dense", (1, 2, 1), rc.STOP, rc.FULL),
+           "r_dp2_zero2_to_dp2_zero0": ("ref_dense", (2, 1, 1), rc.STOP, rc.FULL),
+           "r_dp2_zero2_to_pp2_zero1": ("ref_dense", (1, 1, 2), rc.STOP, rc.FULL),
+           "r_tp2_pp2_zero1_to_dp4_zero3": ("ref_dense", (4, 1, 1), rc.STOP, rc.FULL),
+           "r_moe_ep2_to_ep1": ("ref_moe", (1, 1, 1), rc.STOP, rc.FULL)}
 
 
 @pytest.mark.parametrize("name", sorted(RESUMED))
 def test_resume_at_another_layout_continues_the_run(results, name):
-    ref_name, (dp, tp, pp) = RESUMED[name]
+    ref_name, (dp, tp, pp), start, end = RESUMED[name]
     ref = results[ref_name][0]["losses"]
-    assert len(ref) == rc.FULL
+    assert len(ref) >= end
     for r in results[name]:
         assert (r["dp"], r["tp"], r["pp"]) == (dp, tp, pp)
-        assert r["start"] == rc.STOP and len(r["losses"]) == rc.FULL - rc.STOP
-        assert r["losses"] == pytest.approx(ref[rc.STOP:], rel=LOSS_RTOL, abs=0), name
+        assert r["start"] == start and len(r["losses"]) == end - start
+        assert r["losses"] == pytest.approx(ref[start:end], rel=LOSS_RTOL, abs=0), name
