@@ -78,7 +78,7 @@ def _by_case(per_rank) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def results(rank_pool_2, rank_pool_4, assets):
-    from toolkit.train.reshard import convert_checkpoint
+    from toolkit.train.relayout import convert_checkpoint
 
     work = assets["work"]
     out = _by_case(rank_pool_4.run(rc.runs, cases_4(work), assets, work, timeout=900))

@@ -103,7 +103,7 @@ def _to_trainer(src: Path, dst: Path, **layout) -> None:
     """A trainer checkpoint resharded to another layout (``toolkit.train.reshard``)."""
     from toolkit.errors import UserError
     from toolkit.testing.distributed import RankFailure
-    from toolkit.train.reshard import convert_checkpoint
+    from toolkit.train.relayout import convert_checkpoint
 
     try:
         out = convert_checkpoint(src, dst, **layout)
