@@ -96,6 +96,24 @@ def looks_like(path: Path) -> bool:
     return _engine_dir(path) is not None
 
 
+def _head(engine: Path) -> tuple[Path, dict, int]:
+    """The first model-states file of an engine folder, its contents and the ZeRO stage."""
+    names = sorted(p.name for p in engine.iterdir())
+    stage3 = [n for n in names if _MODEL_3.match(n)]
+    first = engine / (stage3[0] if stage3 else next(n for n in names if _MODEL_12.match(n)))
+    head = load_torch(first)
+    zero = (head.get("ds_config") or {}).get("zero_optimization") or {}
+    return first, head, 3 if stage3 else int(zero.get("stage", 0) or 0)
+
+
+def zero_stage(path: Path) -> int:
+    """The ZeRO stage of the DeepSpeed checkpoint under ``path`` (reads one file's header)."""
+    engine = _engine_dir(path)
+    if engine is None:
+        raise CheckpointError(f"{path}: no DeepSpeed checkpoint (no *_model_states.pt).")
+    return _head(engine)[2]
+
+
 def _partition_file(engine: Path, dp_rank: int, mp_rank: int) -> Path:
     name = f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
     for prefix in ("", "bf16_"):
@@ -149,14 +167,8 @@ class DeepSpeedCheckpoint:
                 state_json = json.loads(state_file.read_text())
             except json.JSONDecodeError as err:
                 raise CheckpointError(f"{state_file} is not valid JSON ({err}).") from err
-        names = sorted(p.name for p in engine.iterdir())
-        stage3 = [n for n in names if _MODEL_3.match(n)]
-        first = engine / (stage3[0] if stage3 else next(n for n in names if _MODEL_12.match(n)))
-        head = load_torch(first)
+        first, head, stage = _head(engine)
         zero = (head.get("ds_config") or {}).get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0) or 0)
-        if stage3 and stage != 3:
-            stage = 3
         dims = head.get("checkpoint_parallel_dimensions") or {}
         layout = state_json.get("layout") or {}
         tp = int(dims.get("tp_degree") or layout.get("tp") or 1)

@@ -29,9 +29,9 @@ _LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
 
 def saved_stage(path: str | Path) -> int:
     """The ZeRO stage the engine checkpoint under ``path`` was written with."""
-    from toolkit.checkpoint.deepspeed import DeepSpeedCheckpoint
+    from toolkit.checkpoint.deepspeed import zero_stage
 
-    return DeepSpeedCheckpoint.open(Path(path)).stage
+    return zero_stage(Path(path))
 
 
 def same_layout(saved: dict[str, Any], layout: Any) -> bool:

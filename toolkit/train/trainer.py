@@ -408,8 +408,9 @@ def _resume(state: RunState, engine) -> int:
     saved = load_training_state(path)
     # Another layout (or ZeRO stage): resharded through the mapping; the same one: DeepSpeed's
     # native load of its per-rank shards.
+    stage = reshard.saved_stage(path)
     native = (reshard.same_layout(saved.layout, state.plan.layout)
-              and reshard.saved_stage(path) == engine.zero_optimization_stage())
+              and stage == engine.zero_optimization_stage())
     check_resume(saved, layout=state.plan.layout, global_batch=state.plan.global_batch,
                  seed=cfg.train.seed, data_fingerprint=state.data.key,
                  dp_change_ok=state.sampler.supports_dp_change, reshard_ok=True)
@@ -424,8 +425,7 @@ def _resume(state: RunState, engine) -> int:
     # RNG states belong to the ranks of the saved layout: elsewhere reseed per step
     if not native or not load_rng(path, dist.get_rank()):
         torch.manual_seed(cfg.train.seed + saved.step)
-    how = "" if native else (f" (resharded from {_describe(saved.layout)}, ZeRO-"
-                             f"{reshard.saved_stage(path)})")
+    how = "" if native else f" (resharded from {_describe(saved.layout)}, ZeRO-{stage})"
     _log(f"resumed from {path} at step {saved.step}{how}")
     return saved.step
 
