@@ -160,3 +160,39 @@ def test_resume_at_another_layout_continues_the_run(results, name):
         assert (r["dp"], r["tp"], r["pp"]) == (dp, tp, pp)
         assert r["start"] == start and len(r["losses"]) == end - start
         assert r["losses"] == pytest.approx(ref[start:end], rel=LOSS_RTOL, abs=0), name
+
+
+def test_init_kinds_follow_megatron_core():
+    from toolkit.mapping import MappingError
+    from toolkit.train.init import init_kind, tensor_seed
+
+    kinds = {
+        "embedding.word_embeddings.weight": "embedding",
+        "decoder.layers.0.self_attention.linear_qkv.weight": "normal",
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": "ones",
+        "decoder.layers.0.self_attention.linear_qkv.bias": "zeros",
+        "decoder.layers.0.self_attention.linear_proj.weight": "output",
+        "decoder.layers.0.mlp.linear_fc2.weight": "output",
+        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight": "output",
+        "decoder.layers.0.mlp.router.weight": "normal",
+        "decoder.layers.0.input_layernorm.weight": "ones",
+        "decoder.final_layernorm.weight": "ones",
+        "decoder.final_layernorm.bias": "zeros",
+        "output_layer.weight": "normal",
+    }
+    for key, kind in kinds.items():
+        assert init_kind(key, 1 if kind in ("ones", "zeros") else 2) == kind, key
+    with pytest.raises(MappingError, match="no initialization known"):
+        init_kind("decoder.layers.0.mlp.some_scale", 1)
+    assert tensor_seed(1, "a") == tensor_seed(1, "a") != tensor_seed(2, "a") != tensor_seed(1, "b")
+
+
+def test_convert_to_trainer_refuses_a_folder_that_is_no_trainer_checkpoint(tmp_path):
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+
+    res = CliRunner().invoke(app, ["convert", str(tmp_path), str(tmp_path / "out"), "--to",
+                                   "trainer", "--tp", "2"])
+    assert res.exit_code == 2
+    assert "is not a complete mdtk checkpoint" in res.output
