@@ -115,6 +115,13 @@ def test_check_resume_rules():
         check_resume(state, **{**kw, "data_fingerprint": "xyz"}, dp_change_ok=True)
     with pytest.raises(ResumeError, match="tp: 2 -> 1"):
         check_resume(state, **{**kw, "layout": ParallelLayout().resolve(4)}, dp_change_ok=True)
+    # the trainer reshards the engine state (train.reshard): another layout is accepted, a
+    # changed global batch, seed or data still refused
+    tp1 = ParallelLayout().resolve(4)
+    check_resume(state, **{**kw, "layout": tp1}, dp_change_ok=True, reshard_ok=True)
+    with pytest.raises(ResumeError, match="train.global_batch=8, this run has 16"):
+        check_resume(state, **{**kw, "layout": tp1, "global_batch": 16}, dp_change_ok=True,
+                     reshard_ok=True)
 
 
 # -- 2 real ranks: DeepSpeed ZeRO-2 engine checkpoint inside the manager's folders ------------

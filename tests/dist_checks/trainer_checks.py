@@ -187,10 +187,11 @@ def two_rank_checks(cases: list[Case], refuse: list[Case], assets: dict[str, str
 
 def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[Case],
                        checkpoint: str) -> dict[str, Any]:
-    """On one rank: the reference runs, a dp-changing resume, the SFT loss by hand."""
+    """On one rank: the reference runs, a resume of a dp2 ZeRO-2 checkpoint, the SFT loss by
+    hand."""
     out: dict[str, Any] = {"refs": run_cases(refs, assets, workdir)}
     resume = Case("resume_dp1", steps=6, zero=2, overrides=(f"checkpoint.resume={checkpoint}",))
-    out["resume_dp_change"] = refusal(resume, assets, workdir)
+    out["resume_dp_change"] = run_case(resume, assets, workdir)  # resharded (train.reshard)
     out["sft"] = sft_loss_by_hand(assets, workdir)
     out["sft_validation"] = {m: sft_validation(m, assets, workdir) for m in SFT_MODELS}
     return out

@@ -38,6 +38,13 @@ the expert groups of those files, cut at its ``param_shapes`` offset; its local 
 ``local_experts.<e>`` becomes global expert ``ep_rank * experts / ep + e`` through the
 adapter's plan (``plan_rank`` with that coordinate).
 
+Adam moments: ``open(path, state="exp_avg")`` (or ``"exp_avg_sq"``) reads the optimizer's
+moments instead of the fp32 master weights. They are elementwise, so they sit at the same offsets
+as the fp32 partitions: ZeRO 1/2 ``base_optimizer_state`` (``state[g]`` per group), ZeRO 3
+``optimizer_state_dict.state[g]`` (per sub group, beside ``fp32_flat_groups[g]``), ZeRO 0 the
+torch optimizer's ``state[i]`` of the i-th parameter in ``param_shapes`` order. The trainer's
+resume at another layout (``toolkit.train.reshard``) reads all three through the same mapping.
+
 Not supported (refused with a message): optimizer state offloaded to NVMe (the fp32 weights
 live in swap files); experts with ep > 1 under ZeRO 0 (DeepSpeed saves the weights of ep rank
 0's experts only) or ZeRO 3; cp > 1.
@@ -89,6 +96,24 @@ def looks_like(path: Path) -> bool:
     return _engine_dir(path) is not None
 
 
+def _head(engine: Path) -> tuple[Path, dict, int]:
+    """The first model-states file of an engine folder, its contents and the ZeRO stage."""
+    names = sorted(p.name for p in engine.iterdir())
+    stage3 = [n for n in names if _MODEL_3.match(n)]
+    first = engine / (stage3[0] if stage3 else next(n for n in names if _MODEL_12.match(n)))
+    head = load_torch(first)
+    zero = (head.get("ds_config") or {}).get("zero_optimization") or {}
+    return first, head, 3 if stage3 else int(zero.get("stage", 0) or 0)
+
+
+def zero_stage(path: Path) -> int:
+    """The ZeRO stage of the DeepSpeed checkpoint under ``path`` (reads one file's header)."""
+    engine = _engine_dir(path)
+    if engine is None:
+        raise CheckpointError(f"{path}: no DeepSpeed checkpoint (no *_model_states.pt).")
+    return _head(engine)[2]
+
+
 def _partition_file(engine: Path, dp_rank: int, mp_rank: int) -> Path:
     name = f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
     for prefix in ("", "bf16_"):
@@ -121,34 +146,31 @@ class DeepSpeedCheckpoint:
     ep: int = 1
     etp: int = 1
     ranks: dict[int, _Rank] = field(default_factory=dict)
+    what: str = "fp32"  # which per-parameter state the readers return (see STATES)
 
     @property
     def files(self) -> list[Path]:
         return [f for r in self.ranks.values() for f in r.files]
 
     @classmethod
-    def open(cls, path: Path) -> DeepSpeedCheckpoint:
+    def open(cls, path: Path, state: str = "fp32") -> DeepSpeedCheckpoint:
+        if state not in STATES:
+            raise CheckpointError(f"state {state!r}: one of {STATES}.")
         engine = _engine_dir(path)
         if engine is None:
             raise CheckpointError(f"{path}: no DeepSpeed checkpoint (no *_model_states.pt under "
                                   "it, its engine/ folder or the step named by 'latest').")
-        state: dict[str, Any] = {}
+        state_json: dict[str, Any] = {}
         state_file = engine.parent / STATE_FILE
         if state_file.is_file():
             try:
-                state = json.loads(state_file.read_text())
+                state_json = json.loads(state_file.read_text())
             except json.JSONDecodeError as err:
                 raise CheckpointError(f"{state_file} is not valid JSON ({err}).") from err
-        names = sorted(p.name for p in engine.iterdir())
-        stage3 = [n for n in names if _MODEL_3.match(n)]
-        first = engine / (stage3[0] if stage3 else next(n for n in names if _MODEL_12.match(n)))
-        head = load_torch(first)
+        first, head, stage = _head(engine)
         zero = (head.get("ds_config") or {}).get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0) or 0)
-        if stage3 and stage != 3:
-            stage = 3
         dims = head.get("checkpoint_parallel_dimensions") or {}
-        layout = state.get("layout") or {}
+        layout = state_json.get("layout") or {}
         tp = int(dims.get("tp_degree") or layout.get("tp") or 1)
         pp = int(dims.get("pp_degree") or layout.get("pp") or 1)
         vpp = int(layout.get("vpp") or 1)
@@ -175,8 +197,8 @@ class DeepSpeedCheckpoint:
             if ((zero.get(key) or {}).get("device")) == "nvme":
                 raise CheckpointError(f"{first}: ZeRO {key} to NVMe keeps the fp32 weights in "
                                       "swap files, which this reader does not read.")
-        step = state.get("step")
-        ckpt = cls(engine, step, stage, tp, pp, vpp, dp, state, ep=ep, etp=etp)
+        step = state_json.get("step")
+        ckpt = cls(engine, step, stage, tp, pp, vpp, dp, state_json, ep=ep, etp=etp, what=state)
         for m in range(mp):
             ckpt.ranks[m] = ckpt._open_rank(m, head if first == ckpt._model_files(m)[0] else None)
         if ep > 1 and not any(r.zero12 and any(r.zero12.moe) for r in ckpt.ranks.values()):
@@ -228,8 +250,8 @@ class DeepSpeedCheckpoint:
         shapes = {n: torch.Size(s) for g in groups for n, s in g.items()}
         files = [*model_files, *optim_files]
         if self.stage == 0:
-            module = model.get("module") or {}
-            return _Rank(m, files, shapes, lambda n: module[n])
+            return _Rank(m, files, shapes, _zero0_reader(model, groups, self.what,
+                                                         model_files[0]))
         parts = [load_torch(f) for f in optim_files]
         osds = []
         for f, p in zip(optim_files, parts, strict=True):
@@ -238,8 +260,8 @@ class DeepSpeedCheckpoint:
                 raise CheckpointError(f"{f} has no 'optimizer_state_dict'.")
             osds.append(osd)
         if self.stage == 3:
-            return _Rank(m, files, shapes, _zero3_reader(groups, osds, optim_files))
-        zero = _Zero12(groups, osds, optim_files, self.dp)
+            return _Rank(m, files, shapes, _zero3_reader(groups, osds, optim_files, self.what))
+        zero = _Zero12(groups, osds, optim_files, self.dp, self.what)
         if any(zero.moe) and self.stage not in (1, 2):
             raise CheckpointError(f"{model_files[0]}: expert groups under ZeRO-{self.stage}.")
         return _Rank(m, files, shapes, zero.dense_reader(), zero)
@@ -273,11 +295,47 @@ class DeepSpeedCheckpoint:
                      etp_rank=t if etp_rank is None else etp_rank, etp=self.etp)
 
 
-def _flat(osd: dict, key: str, file: Path) -> list[torch.Tensor]:
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # master weights, Adam's first and second moments
+
+
+def _flat(osd: dict, key: str, file: Path, what: str = "fp32") -> list[torch.Tensor]:
+    """Each group's flat partition of ``what``: the fp32 partitions under ``key``, or the
+    moment of the same length from the base optimizer's per-group state."""
     groups = osd.get(key)
     if not isinstance(groups, list) or not all(isinstance(t, torch.Tensor) for t in groups):
         raise CheckpointError(f"{file}: no {key} (fp32 partitions) in the optimizer state.")
-    return groups
+    if what == "fp32":
+        return groups
+    base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
+    states = base.get("state") if isinstance(base, dict) else base  # torch's, or a lean list
+    out = []
+    for g, fp32 in enumerate(groups):
+        moment = states[g].get(what) if states is not None and len(states) > g else None
+        if not isinstance(moment, torch.Tensor):
+            raise CheckpointError(f"{file}: group {g} has no optimizer state {what!r} (saved "
+                                  "before the first step, or not an Adam optimizer).")
+        if moment.numel() < fp32.numel():  # lean states drop the alignment padding
+            moment = torch.cat([moment.flatten(), moment.new_zeros(fp32.numel() - moment.numel())])
+        out.append(moment.flatten())
+    return out
+
+
+def _zero0_reader(model: dict, groups: list[dict], what: str, file: Path
+                  ) -> Callable[[str], torch.Tensor]:
+    """ZeRO 0: the module holds the (fp32) weights; the torch optimizer's state the moments, by
+    the parameter's index in ``param_shapes`` order."""
+    module = model.get("module") or {}
+    if what == "fp32":
+        return lambda n: module[n]
+    index = {n: i for i, n in enumerate(n for g in groups for n in g)}
+    states = ((model.get("optimizer") or {}).get("state")) or {}
+
+    def read(name: str) -> torch.Tensor:
+        moment = (states.get(index[name]) or {}).get(what)
+        if not isinstance(moment, torch.Tensor):
+            raise CheckpointError(f"{file}: {name} has no optimizer state {what!r}.")
+        return moment
+    return read
 
 
 @dataclass
@@ -289,6 +347,7 @@ class _Zero12:
     osds: list[dict]
     files: list[Path]
     dp: int
+    what: str = "fp32"
     flats: list[list[torch.Tensor]] = field(init=False)
     moe: list[bool] = field(init=False)
     where: dict[str, tuple[int, int, int]] = field(init=False)  # name -> (group, offset, numel)
@@ -297,7 +356,7 @@ class _Zero12:
 
     def __post_init__(self) -> None:
         groups, files = self.groups, self.files
-        self.flats = [_flat(o, "single_partition_of_fp32_groups", f)
+        self.flats = [_flat(o, "single_partition_of_fp32_groups", f, self.what)
                       for o, f in zip(self.osds, files, strict=True)]
         if any(len(f) != len(groups) for f in self.flats):
             raise CheckpointError(f"{files[0].parent}: partitions hold "
@@ -374,11 +433,11 @@ class _Zero12:
         return self._reader(parts, True)
 
 
-def _zero3_reader(groups: list[dict], osds: list[dict], files: list[Path]
+def _zero3_reader(groups: list[dict], osds: list[dict], files: list[Path], what: str = "fp32"
                   ) -> Callable[[str], torch.Tensor]:
     """ZeRO 3: parameter k sits at the same offset in every rank's flat vector; rank d holds
     elements [d * part, (d + 1) * part) of it (the last rank padded)."""
-    flats = [_flat(o, "fp32_flat_groups", f) for o, f in zip(osds, files, strict=True)]
+    flats = [_flat(o, "fp32_flat_groups", f, what) for o, f in zip(osds, files, strict=True)]
     dp = len(flats)
     shapes = {n: s for g in groups for n, s in g.items()}
     where: dict[str, tuple[int, int]] = {}
@@ -430,11 +489,12 @@ def _hf_config_dir(ckpt: DeepSpeedCheckpoint) -> Path | None:
     return None
 
 
-def open_source(path: Path, make_adapter: formats.AdapterFactory
+def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "fp32"
                 ) -> tuple[McoreFullSource, Any, dict]:
     """A DeepSpeed checkpoint of mdtk's trainer as an HF-named source, its adapter
-    (``make_adapter(hf_dir, common)``) and info (the ``formats`` opener)."""
-    ckpt = DeepSpeedCheckpoint.open(path)
+    (``make_adapter(hf_dir, common)``) and info (the ``formats`` opener); ``state`` picks the
+    fp32 master weights or an Adam moment (``STATES``)."""
+    ckpt = DeepSpeedCheckpoint.open(path, state)
     adapter = make_adapter(_hf_config_dir(ckpt), {"iteration": ckpt.step})
     if ckpt.ep > 1 and not adapter.dims.experts:
         raise CheckpointError(f"{ckpt.path}: saved with ep={ckpt.ep}, but "

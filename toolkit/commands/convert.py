@@ -17,8 +17,10 @@ def convert(
     dst: Path = typer.Argument(..., help="Output folder (must not exist unless --overwrite). "
                                "Written into a temporary sibling and renamed at the end."),
     to: str = typer.Option(..., "--to", help="Target format: hf, mcore (megatron-core "
-                           "torch_dist, layout independent) or megatron-legacy "
-                           "(iter_XXXXXXX/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt)."),
+                           "torch_dist, layout independent), megatron-legacy "
+                           "(iter_XXXXXXX/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt) or trainer "
+                           "(a `mdtk train` checkpoint at another layout, with its optimizer "
+                           "state; DST is the new checkpoint root, see docs/training.md)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size of the target (legacy: "
                            "one file per rank; mcore: sets the vocab padding and the stored "
                            "args)."),
@@ -28,6 +30,10 @@ def convert(
     ep: int = typer.Option(1, "--ep", min=1, help="Expert-parallel size of the target."),
     etp: int | None = typer.Option(None, "--etp", min=1, help="Expert tensor-parallel size "
                                    "(legacy: must equal --tp)."),
+    dp: int | None = typer.Option(None, "--dp", min=1, help="--to trainer: data-parallel size "
+                                  "of the target (default: the saved number of ranks)."),
+    zero: int | None = typer.Option(None, "--zero", min=0, max=3, help="--to trainer: ZeRO "
+                                    "stage of the target (default: the saved one)."),
     dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors to bf16, fp16 "
                                      "or fp32 (default: keep each tensor's dtype)."),
     workers: str = typer.Option("auto", "--workers", help="Worker processes writing output "
@@ -65,6 +71,10 @@ def convert(
 
       mdtk convert ./run/checkpoints/step_0000100 ./hf --to hf --dtype bf16
     """
+    if to == "trainer":
+        _to_trainer(src, dst, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp, zero=zero,
+                    overwrite=overwrite)
+        return
     from toolkit.checkpoint import CheckpointError
     from toolkit.convert import convert as run_convert
     from toolkit.parallel.layout import LayoutError, ParallelLayout
@@ -87,6 +97,21 @@ def convert(
                f"{report.seconds:.1f} s -> {report.dst}")
     if verify:
         typer.echo(f"verified: {report.verified} tensors read back bit-exactly equal")
+
+
+def _to_trainer(src: Path, dst: Path, **layout) -> None:
+    """A trainer checkpoint resharded to another layout (``toolkit.train.reshard``)."""
+    from toolkit.errors import UserError
+    from toolkit.testing.distributed import RankFailure
+    from toolkit.train.relayout import convert_checkpoint
+
+    try:
+        out = convert_checkpoint(src, dst, **layout)
+    except (UserError, RankFailure) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(f"trainer checkpoint -> {out} (resume with checkpoint.dir={dst} "
+               "checkpoint.resume=auto at the new layout)")
 
 
 def inspect(

@@ -169,12 +169,14 @@ _MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp")
 
 
 def check_resume(state: TrainingState, *, layout, global_batch: int, seed: int,
-                 data_fingerprint: str | None, dp_change_ok: bool) -> None:
+                 data_fingerprint: str | None, dp_change_ok: bool,
+                 reshard_ok: bool = False) -> None:
     """Refuse a resume that cannot continue the same run; each message names the fix.
 
     ``dp_change_ok``: whether both the data sampler and the engine checkpoint can continue at
     another dp size (``GlobalBatchSampler.supports_dp_change`` is True; the trainer adds what
-    its engine can reshard)."""
+    its engine can reshard). ``reshard_ok``: the engine state is resharded to this layout
+    (``toolkit.train.reshard``), so another model-parallel layout is accepted too."""
     where = f"checkpoint at step {state.step}"
     if state.global_batch != global_batch:
         raise ResumeError(
@@ -193,7 +195,7 @@ def check_resume(state: TrainingState, *, layout, global_batch: int, seed: int,
             "settings changed). Restore them or start fresh with checkpoint.resume=none.")
     saved = {k: state.layout.get(k) for k in _MODEL_PARALLEL_KEYS}
     now = {k: getattr(layout, k) for k in _MODEL_PARALLEL_KEYS}
-    if saved != now:
+    if saved != now and not reshard_ok:
         diff = ", ".join(f"{k}: {saved[k]} -> {now[k]}" for k in saved if saved[k] != now[k])
         raise ResumeError(
             f"{where} was saved with another model-parallel layout ({diff}); the engine "

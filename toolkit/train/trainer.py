@@ -25,6 +25,7 @@ from toolkit import parallel, runtime
 from toolkit.atomic import write_text
 from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
+from toolkit.train import reshard
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
     CheckpointManager,
@@ -109,8 +110,10 @@ def _model_overrides(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout):
-    """Fine-tune: this rank's slices of the HF checkpoint. Pretrain: megatron-core's init."""
+    """Fine-tune: this rank's slices of the HF checkpoint. Pretrain: this rank's slices of
+    weights drawn per tensor from (seed, name), identical at every layout (``train.init``)."""
     from toolkit.adapters import adapter_for, live
+    from toolkit.train.init import initialize
 
     dtype = _DTYPES[cfg.train.precision]
     overrides = _model_overrides(cfg)
@@ -122,7 +125,8 @@ def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout):
     hf = AutoConfig.for_model(**raw)
     adapter = adapter_for(hf, dtype=dtype)
     adapter.validate(layout)
-    chunks = live.build_model(adapter, layout, perform_initialization=True, **overrides)
+    chunks = live.build_model(adapter, layout, **overrides)
+    initialize(chunks, adapter, cfg.train.seed)  # the same weights at every layout
     return chunks, adapter
 
 
@@ -402,18 +406,33 @@ def _resume(state: RunState, engine) -> int:
     if path is None:
         return 0
     saved = load_training_state(path)
-    # ZeRO shards optimizer states over dp: DeepSpeed reloads them only at the same dp size.
-    dp_ok = state.sampler.supports_dp_change and engine.zero_optimization_stage() == 0
+    # Another layout (or ZeRO stage): resharded through the mapping; the same one: DeepSpeed's
+    # native load of its per-rank shards.
+    stage = reshard.saved_stage(path)
+    native = (reshard.same_layout(saved.layout, state.plan.layout)
+              and stage == engine.zero_optimization_stage())
     check_resume(saved, layout=state.plan.layout, global_batch=state.plan.global_batch,
-                 seed=cfg.train.seed, data_fingerprint=state.data.key, dp_change_ok=dp_ok)
-    loaded, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG)
-    if loaded is None:
-        raise ConfigError(f"checkpoint {path}: DeepSpeed found no engine state under tag "
-                          f"{ENGINE_TAG!r} (incomplete or foreign checkpoint).")
-    if not load_rng(path, dist.get_rank()):
+                 seed=cfg.train.seed, data_fingerprint=state.data.key,
+                 dp_change_ok=state.sampler.supports_dp_change, reshard_ok=True)
+    if native:
+        loaded, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG)
+        if loaded is None:
+            raise ConfigError(f"checkpoint {path}: DeepSpeed found no engine state under tag "
+                              f"{ENGINE_TAG!r} (incomplete or foreign checkpoint).")
+    else:
+        reshard.load_resharded(path, engine, state.chunks, state.adapter, saved.step,
+                               saved.consumed_samples)
+    # RNG states belong to the ranks of the saved layout: elsewhere reseed per step
+    if not native or not load_rng(path, dist.get_rank()):
         torch.manual_seed(cfg.train.seed + saved.step)
-    _log(f"resumed from {path} at step {saved.step}")
+    how = "" if native else f" (resharded from {_describe(saved.layout)}, ZeRO-{stage})"
+    _log(f"resumed from {path} at step {saved.step}{how}")
     return saved.step
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items()
+                    if k in ("dp", "tp", "pp", "vpp", "ep") and v not in (None, 1)) or "1 rank"
 
 
 def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
