@@ -31,7 +31,7 @@ def train(
         typer.echo("config OK")
         return
     from toolkit import errors
-    from toolkit.train.faults import TrainingStopped
+    from toolkit.train.faults import TrainingStopped, stop_file
     from toolkit.train.trainer import run
 
     try:
@@ -39,9 +39,11 @@ def train(
     except TrainingStopped as e:  # every rank: a requested stop, saved
         if int(os.environ.get("RANK", "0")) == 0:
             where = f"checkpoint {e.path}" if e.path else "the checkpoint already there"
+            stop = stop_file(str(cfg.output_dir))
+            again = (f"remove {stop} and launch it again" if stop.exists() else
+                     "launch it again")
             typer.echo(f"[mdtk train] stopped at step {e.step} ({e.reason}); {where} holds the "
-                       f"run: launch it again to resume (exit status {errors.EXIT_STOPPED}).",
-                       err=True)
+                       f"run: {again} to resume (exit status {errors.EXIT_STOPPED}).", err=True)
         _exit_cleanly(errors.EXIT_STOPPED)
     _exit_cleanly()
 

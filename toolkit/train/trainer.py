@@ -25,7 +25,6 @@ from toolkit import parallel, runtime
 from toolkit.atomic import write_text
 from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
-from toolkit.train import faults
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
     CheckpointManager,
@@ -65,6 +64,7 @@ from toolkit.train.schedule import LRSchedule
 
 if TYPE_CHECKING:
     from toolkit.dsconfig.generator import Request
+    from toolkit.train.faults import Heartbeat, StopGuard
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _RECOMPUTE = {
@@ -311,6 +311,8 @@ def _train(state: RunState, engine) -> TrainResult:
         result.val_losses[0] = _validation_loss(state)
         _log(f"validation loss before training: {result.val_losses[0]:.4f}")
     progress = _progress(total, start) if rank == 0 else None
+    from toolkit.train import faults  # imported here: the import block is shared with reshard
+
     stop = faults.StopGuard(faults.stop_file(out))
     heartbeat = faults.Heartbeat(cfg.runtime.heartbeat_timeout_s, rank)
     try:
@@ -331,10 +333,12 @@ def _train(state: RunState, engine) -> TrainResult:
     return result
 
 
-def _loop(state: RunState, engine, result: TrainResult, start: int, stop: faults.StopGuard,
-          heartbeat: faults.Heartbeat, writer: MetricsWriter | None, progress) -> None:
+def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGuard,
+          heartbeat: Heartbeat, writer: MetricsWriter | None, progress) -> None:
     """The steps from ``start``; at each boundary a requested stop (``faults``) saves and
     raises ``faults.TrainingStopped`` on every rank."""
+    from toolkit.train import faults
+
     cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
     world, total = dist.get_world_size(), state.total_steps
     schedule = LRSchedule.from_config(cfg.optim, total)
@@ -409,6 +413,8 @@ def _training_state(state: RunState, step: int) -> TrainingState:
 
 
 def _save(state: RunState, engine, step: int) -> Path:
+    from toolkit.train import faults
+
     def write_engine(folder: Path) -> None:
         engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=False)
         faults.test_hook("save", step)  # tests kill a rank here, mid-save
