@@ -13,6 +13,12 @@ import os
 
 #: The exit status of a reported user error, on every rank (the launcher passes it on).
 EXIT_STATUS = 2
+#: A run that saved a checkpoint and stopped on request (SIGTERM/SIGUSR1 or the stop file):
+#: every rank exits with it; running the same command again resumes (sysexits' EX_TEMPFAIL).
+EXIT_STOPPED = 75
+#: A rank made no progress within ``runtime.heartbeat_timeout_s`` (a hung collective): the
+#: watchdog ends it so the launcher restarts or fails the group instead of waiting.
+EXIT_HUNG = 76
 #: Set (to anything but "" / "0") to show tracebacks of user errors too (``mdtk --debug``).
 DEBUG_ENV = "MDTK_DEBUG"
 

@@ -1,48 +1,208 @@
-"""``mdtk launch``: run an mdtk command on N local ranks (torchrun), or write a Slurm script."""
+"""``mdtk launch``: start a training config (or any mdtk command) on N nodes x G GPUs with
+torchrun, the DeepSpeed launcher, or a Slurm batch script."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import typer
+
+SCHEDULERS = ("torchrun", "slurm", "deepspeed")
 
 
 def launch(
     ctx: typer.Context,
     nproc_per_node: int = typer.Option(
-        0, "--nproc-per-node", "-n",
-        help="Ranks on this node (default: number of GPUs, or 2 on CPU)."),
-    nnodes: int = typer.Option(1, "--nnodes", help="Number of nodes."),
-    node_rank: int = typer.Option(0, "--node-rank", help="This node's index (multi-node)."),
-    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Rank-0 host."),
-    master_port: int = typer.Option(29500, "--master-port", help="Rank-0 port."),
+        0, "--gpus-per-node", "--nproc-per-node", "-n",
+        help="Ranks per node: GPUs (on CPU, processes). Default: this node's GPUs, or 2 on "
+             "CPU."),
+    nnodes: int = typer.Option(1, "--nodes", "--nnodes", help="Number of nodes."),
+    scheduler: str = typer.Option(
+        "torchrun", "--scheduler", help="torchrun (this node), slurm (writes an sbatch "
+        "script) or deepspeed (the DeepSpeed launcher with a hostfile)."),
+    node_rank: int = typer.Option(0, "--node-rank", help="This node's index (torchrun, "
+                                  "one command per node)."),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr",
+                                    help="Rendezvous host (node 0)."),
+    master_port: int = typer.Option(29500, "--master-port", help="Rendezvous port."),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="Restart the group this often after a failed rank; the "
+        "trainer resumes from its latest complete checkpoint."),
+    hostfile: Path | None = typer.Option(
+        None, "--hostfile", help="DeepSpeed hostfile ('HOST slots=N' lines); default: "
+        "localhost for one node, written under output_dir."),
+    network: str = typer.Option("auto", "--network",
+                                help="NCCL defaults for ib or ethernet (auto: detect)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would run; start "
+                                 "nothing, write nothing."),
     slurm: Path | None = typer.Option(
-        None, "--slurm", help="Write an sbatch script to this path instead of running."),
+        None, "--slurm", "--script", help="Where the sbatch script goes (--scheduler slurm; "
+        "default output_dir/sbatch.sh). Giving it implies --scheduler slurm."),
     partition: str | None = typer.Option(None, "--partition", help="Slurm partition."),
     time_limit: str = typer.Option("04:00:00", "--time", help="Slurm time limit."),
+    stop_minutes: int = typer.Option(
+        10, "--stop-minutes", help="Slurm: ask the ranks to save and stop this many minutes "
+        "before the time limit (the job is requeued and resumes)."),
+    job_name: str = typer.Option("mdtk", "--job-name", help="Slurm job name."),
 ) -> None:
-    """Run an mdtk command on N ranks (torchrun) or write a Slurm script.
+    """Run a training config, or any mdtk command, on N nodes x G GPUs.
 
-    Example: `mdtk launch -n 2 -- train cfg.yaml train.steps=10`.
+    Examples:
+    `mdtk launch cfg.yaml train.steps=100 --nodes 2 --gpus-per-node 8 --scheduler slurm`;
+    `mdtk launch cfg.yaml --nodes 2 --gpus-per-node 8 --node-rank 0 --master-addr n0`
+    (and --node-rank 1 on the other node); `mdtk launch -n 2 -- env --json`.
 
-    Locally this execs torchrun (gloo on CPU, nccl on GPUs); with --slurm it writes an sbatch
-    script that runs torchrun once per node with a c10d rendezvous.
+    With a config (a .yaml or bundled: name first), its layout and batch are checked against
+    the nodes x GPUs before anything starts. torchrun and deepspeed start the job on this
+    node; slurm writes an sbatch script (requeued with a save before its time limit).
+    --dry-run prints the commands, environment and script instead.
     """
-    from toolkit.launch import LaunchSpec, run_local, slurm_script
+    from toolkit import errors
+    from toolkit.launch import LaunchSpec, elastic_env
+    from toolkit.launch import network as net
+    from toolkit.launch.shape import check_fit, is_config_arg
 
     args = list(ctx.args)
     if not args:
-        raise typer.BadParameter("give the mdtk command to run after --, e.g. -- train cfg.yaml")
-    n = nproc_per_node or _default_nproc()
-    spec = LaunchSpec(n, nnodes, node_rank, master_addr, master_port)
+        raise typer.BadParameter("give a training config (mdtk launch cfg.yaml ...) or the mdtk "
+                                 "command to run after --, e.g. -- train cfg.yaml")
     if slurm is not None:
-        tmp = slurm.with_name(slurm.name + ".tmp")
-        tmp.write_text(slurm_script(spec, args, partition=partition, time_limit=time_limit))
-        os.replace(tmp, slurm)
-        typer.echo(f"wrote {slurm} ({spec.nnodes} nodes x {spec.nproc_per_node} GPUs)")
+        scheduler = "slurm"
+    if scheduler not in SCHEDULERS:
+        raise typer.BadParameter(f"--scheduler {scheduler}: choose one of "
+                                 f"{', '.join(SCHEDULERS)}")
+    if network not in net.NETWORKS:
+        raise typer.BadParameter(f"--network {network}: choose one of {', '.join(net.NETWORKS)}")
+    if scheduler == "deepspeed" and max_restarts:
+        raise typer.BadParameter("--max-restarts: the DeepSpeed launcher does not restart failed "
+                                 "ranks; use --scheduler torchrun or slurm.")
+    n = nproc_per_node or _default_nproc()
+    try:
+        spec = LaunchSpec(n, nnodes, node_rank, master_addr, master_port, max_restarts)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    output_dir = None
+    if is_config_arg(args[0]):
+        fit = check_fit(args[0], args[1:], nnodes, n)  # ConfigError: one `error:` line
+        output_dir = Path(str(fit.cfg.output_dir))
+        plan = fit.plan
+        _say(f"[mdtk launch] {nnodes} x {n} = {spec.world_size} ranks: "
+                   f"{plan.layout.describe()}, global batch {plan.global_batch} = micro "
+                   f"{plan.micro_batch} x {plan.grad_accum} accumulation x dp {plan.layout.dp}")
+        for note in fit.notes:
+            _say(f"[mdtk launch] note: {note}")
+        args = ["train", *args]
+    defaults = net.nccl_defaults(network, nnodes) | elastic_env(spec)
+    _say("[mdtk launch] environment: " + " ".join(net.describe(defaults, os.environ)))
+
+    if scheduler == "slurm":
+        _slurm(spec, args, output_dir, slurm, dry_run, defaults, partition=partition,
+               time_limit=time_limit, stop_minutes=stop_minutes, job_name=job_name)
         return
-    raise typer.Exit(run_local(spec, args))
+    os.environ.update(net.apply(defaults, os.environ))
+    if output_dir is not None and not dry_run:
+        _clear_stop_file(output_dir)
+    if scheduler == "deepspeed":
+        raise typer.Exit(_deepspeed(spec, args, output_dir, hostfile, dry_run))
+    from toolkit.launch import run_local, torchrun_argv
+
+    if dry_run:
+        import shlex
+
+        typer.echo(shlex.join(torchrun_argv(spec, args)))
+        return
+    status = run_local(spec, args)
+    if status == errors.EXIT_STOPPED:
+        typer.echo("[mdtk launch] the ranks saved a checkpoint and stopped on request; run the "
+                   "same command again to resume.", err=True)
+    raise typer.Exit(status)
+
+
+def _say(text: str) -> None:
+    """What the launch will do, for people: on stderr, so stdout holds only the command or
+    script (``--dry-run > job.sh``)."""
+    typer.echo(text, err=True)
+
+
+def _clear_stop_file(output_dir: Path) -> None:
+    """A stop asked of an earlier run is done once that run has stopped: a new launch runs."""
+    from toolkit.train.faults import stop_file
+
+    path = stop_file(output_dir)
+    if path.exists():
+        _say(f"[mdtk launch] removing {path} left by a stopped earlier run")
+        path.unlink(missing_ok=True)
+
+
+def _slurm(spec, args: list[str], output_dir: Path | None, script: Path | None, dry_run: bool,
+           env: dict[str, str], **kw) -> None:
+    from toolkit.atomic import write_text
+    from toolkit.launch import slurm_script
+    from toolkit.train.faults import stop_file
+
+    base = output_dir or Path.cwd()
+    log_dir = base.resolve() / "logs"
+    stop = str(stop_file(output_dir.resolve())) if output_dir is not None else None
+    text = slurm_script(spec, args, log_dir=str(log_dir), stop_file=stop, env=env,
+                        venv=_venv(), **kw)
+    if dry_run:
+        typer.echo(text, nl=False)
+        return
+    path = script or base / "sbatch.sh"
+    log_dir.mkdir(parents=True, exist_ok=True)  # sbatch does not create the log folder
+    write_text(path, text)
+    path.chmod(0o755)
+    typer.echo(f"wrote {path} ({spec.nnodes} nodes x {spec.nproc_per_node} GPUs); submit it "
+               f"with: sbatch {path}")
+
+
+def _venv() -> str | None:
+    """The virtual environment this mdtk runs from, activated by the sbatch script."""
+    return sys.prefix if sys.prefix != sys.base_prefix else None
+
+
+def _deepspeed(spec, args: list[str], output_dir: Path | None, hostfile: Path | None,
+               dry_run: bool) -> int:
+    import shlex
+    import subprocess
+
+    from toolkit.atomic import write_text
+    from toolkit.launch import rank_env
+    from toolkit.launch.dslauncher import (
+        HostfileError,
+        check_hostfile,
+        deepspeed_argv,
+        hostfile_text,
+        read_hostfile,
+    )
+
+    if hostfile is None:
+        if spec.nnodes > 1:
+            raise typer.BadParameter(f"--nodes {spec.nnodes} with --scheduler deepspeed needs "
+                                     "--hostfile listing the nodes ('HOST slots=N' lines).")
+        if output_dir is not None:
+            hostfile = output_dir / "hostfile"
+        else:  # a bare command: keep the working folder clean
+            import tempfile
+
+            hostfile = Path(tempfile.gettempdir()) / f"mdtk-hostfile-{os.getpid()}"
+        text = hostfile_text(["localhost"], spec.nproc_per_node)
+        _say(f"[mdtk launch] hostfile {hostfile}:\n{text.rstrip()}")
+        if not dry_run:
+            write_text(hostfile, text)
+    else:
+        try:
+            check_hostfile(read_hostfile(hostfile), spec, hostfile)
+        except (OSError, HostfileError) as e:
+            raise typer.BadParameter(str(e)) from None
+    shown = deepspeed_argv(spec, hostfile, args, executable=["deepspeed"])
+    typer.echo(shlex.join(shown))
+    if dry_run:
+        return 0
+    env = rank_env(spec, os.environ)
+    return subprocess.run(deepspeed_argv(spec, hostfile, args), env=env, check=False).returncode
 
 
 def _default_nproc() -> int:

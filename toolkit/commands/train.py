@@ -30,13 +30,25 @@ def train(
     if check:
         typer.echo("config OK")
         return
+    from toolkit import errors
+    from toolkit.train.faults import TrainingStopped, stop_file
     from toolkit.train.trainer import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except TrainingStopped as e:  # every rank: a requested stop, saved
+        if int(os.environ.get("RANK", "0")) == 0:
+            where = f"checkpoint {e.path}" if e.path else "the checkpoint already there"
+            stop = stop_file(str(cfg.output_dir))
+            again = (f"remove {stop} and launch it again" if stop.exists() else
+                     "launch it again")
+            typer.echo(f"[mdtk train] stopped at step {e.step} ({e.reason}); {where} holds the "
+                       f"run: {again} to resume (exit status {errors.EXIT_STOPPED}).", err=True)
+        _exit_cleanly(errors.EXIT_STOPPED)
     _exit_cleanly()
 
 
-def _exit_cleanly() -> None:
+def _exit_cleanly(status: int = 0) -> None:
     """Wait for every rank, then leave without interpreter teardown: gloo/DeepSpeed teardown
     sometimes aborts a finished run ("terminate called without an active exception"), which
     the launcher would report as a failure."""
@@ -49,7 +61,7 @@ def _exit_cleanly() -> None:
         dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def register(app: typer.Typer) -> None:

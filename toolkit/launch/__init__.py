@@ -1,6 +1,11 @@
-"""Command lines for running an mdtk command on many ranks: torchrun locally or per node, and
-Slurm batch scripts (pure functions returning argv lists / script text), and ``run_local``, which
-runs torchrun for this node."""
+"""Command lines for running an mdtk command on many ranks: torchrun locally or per node, Slurm
+batch scripts and the DeepSpeed launcher (pure functions returning argv lists / script text), and
+``run_local``, which runs torchrun for this node.
+
+Multi-node and restartable launches use torchrun's c10d rendezvous: agents may start in any
+order, and after a failure the group re-forms and the trainer resumes from its latest complete
+checkpoint (``checkpoint.resume: auto``). See docs/training.md, "Running on a cluster".
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from toolkit import errors
+from toolkit.train.faults import STOP_FILE_ENV
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,7 @@ class LaunchSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     max_restarts: int = 0
+    rdzv_id: str = "mdtk"
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
@@ -32,6 +39,14 @@ class LaunchSpec:
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, {self.nnodes})")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
+
+    @property
+    def elastic(self) -> bool:
+        """Whether torchrun needs the c10d rendezvous: several nodes, or restarts (a restarted
+        group re-forms through it)."""
+        return self.nnodes > 1 or self.max_restarts > 0
 
     @property
     def world_size(self) -> int:
@@ -39,18 +54,25 @@ class LaunchSpec:
 
 
 def torchrun_argv(spec: LaunchSpec, mdtk_args: list[str]) -> list[str]:
-    """``python -m torch.distributed.run ... -m toolkit.cli <mdtk_args>`` for this node."""
+    """``python -m torch.distributed.run ... -m toolkit.cli <mdtk_args>`` for this node.
+
+    One node without restarts: a static rendezvous (``--standalone`` for port 0). Otherwise
+    c10d on ``master_addr:master_port``; node 0's agent hosts the store (``is_host``), so
+    agents on one machine (tests) or behind aliased host names agree on who serves it."""
     argv = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={spec.nproc_per_node}", f"--nnodes={spec.nnodes}",
         f"--max-restarts={spec.max_restarts}",
     ]
-    if spec.nnodes == 1:
+    if not spec.elastic:
         argv += ["--standalone"] if spec.master_port == 0 else [
             f"--master-addr={spec.master_addr}", f"--master-port={spec.master_port}"]
     else:
-        argv += [f"--node-rank={spec.node_rank}", f"--master-addr={spec.master_addr}",
-                 f"--master-port={spec.master_port}"]
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.master_addr}:{spec.master_port}",
+                 f"--rdzv-id={spec.rdzv_id}"]
+        if spec.nnodes > 1:
+            argv += [f"--node-rank={spec.node_rank}",
+                     f"--rdzv-conf=is_host={str(spec.node_rank == 0).lower()}"]
     return argv + ["-m", "toolkit.cli", *mdtk_args]
 
 
@@ -62,9 +84,17 @@ def rank_env(spec: LaunchSpec, environ: Mapping[str, str], cores: int | None = N
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
-    env = dict(environ)
+    env = {**elastic_env(spec), **environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // spec.nproc_per_node)))
     return env
+
+
+def elastic_env(spec: LaunchSpec) -> dict[str, str]:
+    """Defaults for c10d launches: a fresh TCP store for the ranks of every attempt. torch
+    shares the agent's rendezvous store with the ranks and keeps it across restarts, so a
+    restarted group would read the previous attempt's addresses (gloo "connectFullMesh ...
+    Connection refused") and fail every restart."""
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if spec.elastic else {}
 
 
 def run_local(spec: LaunchSpec, mdtk_args: list[str]) -> int:
@@ -87,8 +117,11 @@ def run_local(spec: LaunchSpec, mdtk_args: list[str]) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        if {f.exitcode for f in e.failures.values()} == {errors.EXIT_STATUS}:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes == {errors.EXIT_STATUS}:
             return errors.EXIT_STATUS
+        if codes == {errors.EXIT_STOPPED}:  # the ranks said where they saved
+            return errors.EXIT_STOPPED
         print(e.format_msg(), file=sys.stderr, flush=True)
         return 1
     finally:
@@ -100,7 +133,9 @@ class _DropUserErrorExits(logging.Filter):
     """torchrun's "failed (exitcode: 2) local_rank: ..." line: the rank said why already."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return f"(exitcode: {errors.EXIT_STATUS})" not in record.getMessage()
+        message = record.getMessage()
+        return all(f"(exitcode: {code})" not in message
+                   for code in (errors.EXIT_STATUS, errors.EXIT_STOPPED))
 
 
 def slurm_script(
@@ -111,13 +146,22 @@ def slurm_script(
     partition: str | None = None,
     time_limit: str = "04:00:00",
     venv: str | None = None,
+    log_dir: str = "logs",
+    stop_file: str | None = None,
+    stop_minutes: int = 10,
+    env: Mapping[str, str] | None = None,
 ) -> str:
     """An sbatch script: one task per node, each running torchrun for that node's GPUs.
 
-    The first node of the allocation is the rendezvous host; torchrun's c10d rendezvous lets
-    nodes start in any order, and a failed node fails the whole job (max_restarts=0 by default),
-    which is what checkpoint-and-resume expects.
+    The first node of the allocation is the c10d rendezvous host; nodes may start in any order.
+    Preemption and time limits: ``--signal=B:USR1@<stop_minutes*60>`` reaches the batch shell
+    before the limit; its trap creates ``stop_file`` (exported as ``MDTK_STOP_FILE``), every
+    rank sees it at the next step boundary, saves a checkpoint and exits with
+    ``errors.EXIT_STOPPED``; the script then requeues the job (``--requeue``), whose trainer
+    resumes from that checkpoint (``checkpoint.resume: auto``). ``env``: exported defaults
+    (NCCL settings), each kept when the job's environment already sets it.
     """
+    stop = stop_file or "${SLURM_SUBMIT_DIR}/.mdtk-stop-${SLURM_JOB_ID}"
     lines = [
         "#!/usr/bin/env bash",
         f"#SBATCH --job-name={job_name}",
@@ -125,21 +169,44 @@ def slurm_script(
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={spec.nproc_per_node}",
         f"#SBATCH --time={time_limit}",
+        f"#SBATCH --output={log_dir}/%x-%j.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+        f"#SBATCH --signal=B:USR1@{stop_minutes * 60}",
     ]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     lines += [
-        "set -euo pipefail",
+        "set -uo pipefail",
         *([f"source {shlex.quote(venv)}/bin/activate"] if venv else []),
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"MASTER_PORT={spec.master_port}",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",
+        *(f"export {k}=${{{k}:-{shlex.quote(v)}}}" for k, v in sorted((env or {}).items())),
+        f'export {STOP_FILE_ENV}="{stop}"',
+        f'rm -f "${STOP_FILE_ENV}"  # a stop asked of an earlier run of this job is done',
+        "STOPPING=0",
+        "on_usr1() {",
+        '  echo "[mdtk] time limit or preemption near: asking the ranks to save and stop"',
+        f'  STOPPING=1; touch "${STOP_FILE_ENV}"',
+        "}",
+        "trap on_usr1 USR1",
+        f'echo "[mdtk] job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}): {spec.nnodes} '
+        f'nodes x {spec.nproc_per_node} GPUs, rendezvous $MASTER_ADDR:$MASTER_PORT"',
         "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
         f"  --nproc-per-node={spec.nproc_per_node} --nnodes=$SLURM_NNODES \\",
         f"  --max-restarts={spec.max_restarts} \\",
         "  --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d \\",
         '  --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \\',
-        "  -m toolkit.cli " + " ".join(shlex.quote(a) for a in mdtk_args),
+        "  -m toolkit.cli " + " ".join(shlex.quote(a) for a in mdtk_args) + " &",
+        "SRUN_PID=$!",
+        "# wait returns early when the trap runs: wait again until srun has ended",
+        'while wait "$SRUN_PID"; STATUS=$?; kill -0 "$SRUN_PID" 2>/dev/null; do :; done',
+        'if [ "$STOPPING" = 1 ]; then',
+        '  echo "[mdtk] ranks stopped with status $STATUS; requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$STATUS"',
         "",
     ]
     return "\n".join(lines)

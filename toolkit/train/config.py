@@ -172,6 +172,15 @@ class LoggingSection:
 
 
 @dataclass
+class RuntimeSection:
+    """``heartbeat_timeout_s``: a rank that completes no step (or checkpoint save) for this long
+    is ended, so a hung collective fails the group fast (0: off). Set it above the longest step
+    plus checkpoint save of the run."""
+
+    heartbeat_timeout_s: float = _opt(1800.0, minimum=0.0)
+
+
+@dataclass
 class TrainConfig:
     output_dir: str | None = None
     model: ModelSection = field(default_factory=ModelSection)
@@ -183,6 +192,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     export: ExportSection = field(default_factory=ExportSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -65,6 +65,7 @@ from toolkit.train.schedule import LRSchedule
 
 if TYPE_CHECKING:
     from toolkit.dsconfig.generator import Request
+    from toolkit.train.faults import Heartbeat, StopGuard
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _RECOMPUTE = {
@@ -300,18 +301,13 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan,
 
 def _train(state: RunState, engine) -> TrainResult:
     """Resume, the step loop (metrics, eval, checkpoints), the HF export."""
-    cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
-    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg, data = state.cfg, state.data
+    rank = dist.get_rank()
     out = Path(str(cfg.output_dir))
     total = state.total_steps
-    schedule = LRSchedule.from_config(cfg.optim, total)
     start = _resume(state, engine)
     result = TrainResult(steps=total, start_step=start, ds_config=state.ds_config,
                          ds_notes=state.ds_notes)
-
-    flops_per_token = model_flops_per_token(state.hf_config, cfg.train.seq_len)
-    peak = peak_tflops(device_name(), cfg.logging.peak_tflops)
-    tokens_per_step = run_plan.global_batch * cfg.train.seq_len
     writer = MetricsWriter(out, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                            wandb_project=cfg.logging.wandb_project,
                            run_config=cfg.to_dict()) if rank == 0 else None
@@ -319,34 +315,13 @@ def _train(state: RunState, engine) -> TrainResult:
         result.val_losses[0] = _validation_loss(state)
         _log(f"validation loss before training: {result.val_losses[0]:.4f}")
     progress = _progress(total, start) if rank == 0 else None
+    from toolkit.train import faults  # imported here: the import block is shared with reshard
+
+    stop = faults.StopGuard(faults.stop_file(out))
+    heartbeat = faults.Heartbeat(cfg.runtime.heartbeat_timeout_s, rank)
     try:
-        for step in range(start, total):
-            t0 = time.perf_counter()
-            res = train_step(engine, state.chunks, step_batches(data.train, sampler, step),
-                             num_microbatches=run_plan.grad_accum,
-                             micro_batch=run_plan.micro_batch, seq_len=cfg.train.seq_len,
-                             lr=schedule(step))
-            seconds = time.perf_counter() - t0
-            result.losses.append(res.loss)
-            done = step + 1
-            val = None
-            if data.validation is not None and cfg.train.eval_interval and (
-                    done % cfg.train.eval_interval == 0 or done == total):
-                val = _validation_loss(state)
-                result.val_losses[done] = val
-            if done % cfg.logging.interval == 0 or done == total or val is not None:
-                tp = throughput(tokens_per_step, seconds, flops_per_token, world, peak)
-                mem = gather_memory()
-                if writer is not None:
-                    writer.log(StepMetrics(
-                        step=done, loss=res.loss, lr=res.lr, grad_norm=res.grad_norm,
-                        tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
-                        mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds,
-                        consumed_samples=sampler.consumed_samples(done), val_loss=val))
-            if progress is not None:
-                progress.update(done, res.loss, val)
-            if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
-                _save(state, engine, done)
+        with stop, heartbeat:
+            _loop(state, engine, result, start, stop, heartbeat, writer, progress)
     finally:
         if writer is not None:
             writer.close()
@@ -360,6 +335,56 @@ def _train(state: RunState, engine) -> TrainResult:
         summary.pop("ds_config")
         _write_json(out / "summary.json", summary)
     return result
+
+
+def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGuard,
+          heartbeat: Heartbeat, writer: MetricsWriter | None, progress) -> None:
+    """The steps from ``start``; at each boundary a requested stop (``faults``) saves and
+    raises ``faults.TrainingStopped`` on every rank."""
+    from toolkit.train import faults
+
+    cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
+    world, total = dist.get_world_size(), state.total_steps
+    schedule = LRSchedule.from_config(cfg.optim, total)
+    flops_per_token = model_flops_per_token(state.hf_config, cfg.train.seq_len)
+    peak = peak_tflops(device_name(), cfg.logging.peak_tflops)
+    tokens_per_step = run_plan.global_batch * cfg.train.seq_len
+    if start < total and stop.requested():  # asked before this run trained anything
+        raise faults.TrainingStopped(start, None, stop.reason or "")
+    saved = start
+    for step in range(start, total):
+        faults.test_hook("step", step, stop)
+        t0 = time.perf_counter()
+        res = train_step(engine, state.chunks, step_batches(data.train, sampler, step),
+                         num_microbatches=run_plan.grad_accum,
+                         micro_batch=run_plan.micro_batch, seq_len=cfg.train.seq_len,
+                         lr=schedule(step))
+        seconds = time.perf_counter() - t0
+        result.losses.append(res.loss)
+        done = step + 1
+        val = None
+        if data.validation is not None and cfg.train.eval_interval and (
+                done % cfg.train.eval_interval == 0 or done == total):
+            val = _validation_loss(state)
+            result.val_losses[done] = val
+        if done % cfg.logging.interval == 0 or done == total or val is not None:
+            tp = throughput(tokens_per_step, seconds, flops_per_token, world, peak)
+            mem = gather_memory()
+            if writer is not None:
+                writer.log(StepMetrics(
+                    step=done, loss=res.loss, lr=res.lr, grad_norm=res.grad_norm,
+                    tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
+                    mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds,
+                    consumed_samples=sampler.consumed_samples(done), val_loss=val))
+        if progress is not None:
+            progress.update(done, res.loss, val)
+        if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
+            _save(state, engine, done)
+            saved = done
+        heartbeat.beat(done)
+        if done < total and stop.requested():
+            path = _save(state, engine, done) if saved != done else None
+            raise faults.TrainingStopped(done, path and str(path), stop.reason or "")
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -391,11 +416,16 @@ def _training_state(state: RunState, step: int) -> TrainingState:
     )
 
 
-def _save(state: RunState, engine, step: int) -> None:
-    path = state.checkpoints.save(
-        _training_state(state, step),
-        lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG, save_latest=False))
+def _save(state: RunState, engine, step: int) -> Path:
+    from toolkit.train import faults
+
+    def write_engine(folder: Path) -> None:
+        engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=False)
+        faults.test_hook("save", step)  # tests kill a rank here, mid-save
+
+    path = state.checkpoints.save(_training_state(state, step), write_engine)
     _log(f"saved checkpoint {path}")
+    return path
 
 
 def _resume(state: RunState, engine) -> int:
