@@ -29,7 +29,9 @@ def convert(
     etp: int | None = typer.Option(None, "--etp", min=1, help="Expert tensor-parallel size "
                                    "(legacy: must equal --tp)."),
     dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors to bf16, fp16 "
-                                     "or fp32 (default: keep each tensor's dtype)."),
+                                     "or fp32 (default: keep each tensor's dtype). fp8 weights "
+                                     "are dequantized into it (default: the checkpoint's "
+                                     "dtype)."),
     workers: str = typer.Option("auto", "--workers", help="Worker processes writing output "
                                 "files in parallel (megatron targets; each opens the source and "
                                 "reads ahead in a thread while it writes); auto: one per two "
@@ -122,6 +124,8 @@ def inspect(
         if info.dtypes:
             typer.echo("dtypes:       " + ", ".join(f"{k} ({v} tensors)"
                                                    for k, v in info.dtypes.items()))
+        if info.quantization:
+            typer.echo(f"quantized:    {info.quantization}")
         if info.tensors:
             typer.echo(f"parameters:   {info.parameters:,} in {info.tensors} tensors")
         typer.echo(f"files:        {len(info.files)}")
