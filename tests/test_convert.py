@@ -365,6 +365,7 @@ DS_CASES = [  # (name, model, tp, pp, zero, ep; dp on 2 ranks)
     # experts (mp_rank_00_model_states.pt holds ep rank 0's), global experts 2-3 are rank 1's.
     ("ep2_zero2", "moe", 1, 1, 2, 2),  # Mixtral
     ("qwen2moe_ep2_zero1", "qwen2_moe", 1, 1, 1, 2),  # + shared expert (a dense group)
+    ("gemma3_tp2_zero1", "gemma3", 2, 1, 1, 1),  # post-norms inside the linear modules
 ]
 
 
