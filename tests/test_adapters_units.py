@@ -101,7 +101,8 @@ def test_plans_tile_every_hf_tensor_exactly_once(family, layout):
     """Over all ranks of a layout, the pieces of distinct shards cover each HF element once."""
     config = {**ac.tiny_configs(), **ac.tiny_moe_configs()}[family]
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")
-                            .replace("GPT2ForCausalLM", "GPT2LMHeadModel")]
+                            .replace("GPT2ForCausalLM", "GPT2LMHeadModel")
+                            .replace("Gemma3Text", "Gemma3")]
     adapter = adapter_for(config)
     tp, pp, vpp = layout.get("tp", 1), layout.get("pp", 1), layout.get("vpp", 1)
     shapes = adapter.expected_tensors()

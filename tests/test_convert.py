@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_checks import adapter_checks as ac
+from dist_checks import convert_checks
 from typer.testing import CliRunner
 
 from toolkit.checkpoint import CheckpointError
@@ -134,13 +135,7 @@ def test_converted_checkpoints_give_the_hf_logits(chains, tiny_root):
         pairs += [(ref, f"mcore:{tiny_root / 'out' / f / 'm_tp2'}"),
                   (ref, f"megatron-legacy:{tiny_root / 'out' / f / 'leg_b'}")]
     pairs.append((str(tiny_root / "llama"), f"megatron-legacy:{tampered}"))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "dist_checks" /
-                                               "convert_checks.py"), json.dumps(pairs)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == len(pairs)
-    *good, bad = rows
+    *good, bad = convert_checks.verify_in_subprocess(pairs)
     worst = {r["spec"]: r["max_abs"] for r in good if not r["max_abs"] <= TOL}
     assert not worst, f"logits differ from HF beyond {TOL}: {worst}"
     assert all(r["layers"] == 4 for r in good)
@@ -370,6 +365,7 @@ DS_CASES = [  # (name, model, tp, pp, zero, ep; dp on 2 ranks)
     # experts (mp_rank_00_model_states.pt holds ep rank 0's), global experts 2-3 are rank 1's.
     ("ep2_zero2", "moe", 1, 1, 2, 2),  # Mixtral
     ("qwen2moe_ep2_zero1", "qwen2_moe", 1, 1, 1, 2),  # + shared expert (a dense group)
+    ("gemma3_tp2_zero1", "gemma3", 2, 1, 1, 1),  # post-norms inside the linear modules
 ]
 
 

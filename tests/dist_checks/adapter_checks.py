@@ -20,6 +20,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
+GEMMA3_LAYERS = ["sliding_attention", "full_attention"] * 2
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+
 
 def tiny_configs() -> dict:
     """One small config per dense family; GQA, odd vocab, biases and tying as each family has."""
@@ -42,6 +46,12 @@ def tiny_configs() -> dict:
         # plus Phi-3-mini's sliding window.
         "phi3": tf.Phi3Config(**common, tie_word_embeddings=True, partial_rotary_factor=0.75,
                               sliding_window=5, pad_token_id=0),
+        # Gemma 3: (1 + w) norms, sqrt(hidden) embedding scale, GeGLU, post-norms, q/k norms,
+        # query_pre_attn_scalar != head_dim, sliding / global layers with two RoPE bases (the
+        # global one linearly scaled), tied.
+        "gemma3": tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24,
+                                      sliding_window=5, layer_types=GEMMA3_LAYERS,
+                                      rope_parameters=GEMMA3_ROPE, pad_token_id=0),
         "gpt2": tf.GPT2Config(n_embd=64, n_layer=4, n_head=4, n_inner=96, vocab_size=VOCAB,
                               n_positions=64, bos_token_id=1, eos_token_id=2),
     }

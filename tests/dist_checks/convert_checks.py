@@ -32,6 +32,20 @@ def verify_many(pairs: list[tuple[str, str]], batch: int = 2, seq_len: int = 16)
     return out
 
 
+def verify_in_subprocess(pairs: list[tuple[str, str]]) -> list[dict]:
+    """``verify_many(pairs)`` in a fresh process (megatron-core's CPU mode must not be switched
+    on in the pytest process); one row per pair."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent.parent
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(pairs)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == len(pairs)
+    return rows
+
+
 # -- DeepSpeed: a real trainer run whose ZeRO checkpoint the converter must read ---------------
 
 def make_qwen2_moe(root: Path) -> str:

@@ -21,7 +21,7 @@ PRETRAIN = "bundled:examples/data/pretrain.jsonl"
 SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
-VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512}
+VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512}
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Case:
 
     name: str
     model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral) | phi3
+    #                       | gemma3
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -65,6 +66,10 @@ def make_assets(root: Path) -> dict[str, str]:
         # fused qkv_proj / gate_up_proj, partial RoPE, tied (Phi-4-mini's layout)
         "phi3": tf.Phi3Config(**common, vocab_size=VOCAB["phi3"], tie_word_embeddings=True,
                               partial_rotary_factor=0.75),
+        # (1 + w) norms, post-norms, embedding scale, GeGLU, sliding / global layers, tied
+        "gemma3": tf.Gemma3TextConfig(**{**common, "pad_token_id": 1}, vocab_size=VOCAB["gemma3"],
+                                      head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                      layer_types=["sliding_attention", "full_attention"] * 2),
     }
     out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
     for i, (name, config) in enumerate(configs.items()):
@@ -197,7 +202,7 @@ def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[Case],
     return out
 
 
-SFT_MODELS = ("phi3",)  # families whose fine-tune must lower the validation loss
+SFT_MODELS = ("phi3", "gemma3")  # families whose fine-tune must lower the validation loss
 
 
 def sft_validation(model: str, assets: dict[str, str], workdir: str,

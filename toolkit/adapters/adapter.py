@@ -191,6 +191,8 @@ class Adapter:
         """The HF config to write next to exported weights (dtype updated)."""
         cfg = copy.deepcopy(self.hf_config)
         cfg.dtype = dtype or self.hf_dtype
+        if getattr(cfg, "quantization_config", None) is not None:
+            del cfg.quantization_config  # fp8 sources are dequantized: the output is not
         return cfg
 
 

@@ -51,6 +51,7 @@ class Dims:
     qkv_bias: bool = False
     linear_bias: bool = False  # o_proj and MLP biases (megatron-core's add_bias_linear)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k
+    post_norms: bool = False  # norms after the attention and MLP outputs too (Gemma)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -101,6 +102,9 @@ class Family:
     norm: ClassVar[str] = "RMSNorm"
     gated: ClassVar[bool] = True
     qk_norm: ClassVar[bool] = False
+    post_norms: ClassVar[bool] = False  # a norm after the attention and after the MLP (Gemma)
+    #: Activations the gated MLP may have (the adapter resolves them by name).
+    gated_activations: ClassVar[tuple[str, ...]] = ("silu", "swish")
     #: Bias switches: fixed, or the config key that holds them.
     qkv_bias: ClassVar[bool | str] = "attention_bias"
     linear_bias: ClassVar[bool | str] = "attention_bias"  # o_proj
@@ -163,15 +167,16 @@ class Family:
             "vocab": v(hf, "vocab_size"), "tied": bool(v(hf, "tie_word_embeddings")),
             "positions": v(hf, "max_position_embeddings") if self.learned_positions else 0,
             "norm": self.norm, "gated": self.gated, "qkv_bias": self._switch(hf, self.qkv_bias),
-            "linear_bias": linear, "qk_norm": self.qk_norm, **moe})
+            "linear_bias": linear, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
+            **moe})
 
     def check(self, hf: Any) -> None:
         """Raise UnsupportedModel for anything megatron-core cannot represent exactly."""
         act = self.activation(hf)
-        if self.gated and act not in ("silu", "swish"):
-            raise UnsupportedModel(f"hidden_act={act!r}: the gated MLP mapping is SwiGLU only.")
-        if not self.learned_positions:
-            rope_kwargs(hf)
+        if self.gated and act not in self.gated_activations:
+            raise UnsupportedModel(f"hidden_act={act!r}: this family's gated MLP takes "
+                                   f"{', '.join(self.gated_activations)}.")
+        self.model_kwargs(hf)  # refuses RoPE settings megatron-core cannot compute
         d = self.dims(hf)
         if (m := self.moe) is None:
             return

@@ -147,10 +147,15 @@ def window_kwargs(hf: Any) -> dict[str, Any]:
     HF lets position q attend to k when ``q - k < sliding_window``; megatron-core's window
     ``(left, 0)`` allows ``q - k <= left``, hence ``left = sliding_window - 1``. Per-layer
     windows come from HF's ``layer_types`` (Qwen2's ``use_sliding_window`` +
-    ``max_window_layers`` are resolved into it by transformers).
+    ``max_window_layers`` are resolved into it by transformers; older Gemma configs give
+    ``sliding_window_pattern`` instead: every pattern-th layer is global).
     """
     size = getattr(hf, "sliding_window", None)
     types = getattr(hf, "layer_types", None)
+    pattern = getattr(hf, "sliding_window_pattern", None)  # Gemma 2/3 configs before layer_types
+    if types is None and pattern:
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(hf.num_hidden_layers)]
     if not size:
         return {}
     if types is None:

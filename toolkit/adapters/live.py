@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from toolkit.adapters.adapter import Adapter, adapter_for
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.hf import HFReader, HFWriter
+from toolkit.checkpoint.hf import HFReader, HFWriter, open_reader
 from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
@@ -102,7 +102,7 @@ def load_hf(
     path = resolve_source(source, revision=revision)
     adapter = adapter_for(path, dtype=dtype, vocab_multiple=vocab_multiple)
     adapter.validate(layout or ParallelLayout())
-    with HFReader(path) as reader:
+    with open_reader(path, adapter.params_dtype) as reader:  # fp8: dequantized into it
         names = adapter.match_checkpoint({n: reader.shape(n) for n in reader.names})
         active = _layout_in_use(layout)
         adapter.validate(active)

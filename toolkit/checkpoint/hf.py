@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from toolkit.atomic import replace_dir, temp_dir
-from toolkit.checkpoint import CheckpointError, formats
+from toolkit.checkpoint import CheckpointError, formats, fp8
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -41,7 +41,7 @@ TOKENIZER_FILES = (
 _SAFE_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
 
 
@@ -535,16 +535,35 @@ def looks_like(path: Path) -> bool:
         (path / f).is_file() for f in (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE))
 
 
-def open_source(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[HFReader, Any, dict]:
-    """An HF folder as a source (``formats`` opener): its reader, adapter and weight files."""
+def open_reader(path: str | Path, out_dtype: torch.dtype | None = None) -> Any:
+    """The slice reader of an HF folder: ``HFReader``, wrapped in ``fp8.DequantizingReader``
+    when config.json declares fp8 block quantization (weights then come out in ``out_dtype``,
+    default the checkpoint's dtype)."""
     reader = HFReader(path)
+    config = Path(path) / "config.json"
+    try:
+        data = json.loads(config.read_text()) if config.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        reader.close()
+        raise CheckpointError(f"{config} is not valid JSON ({err}).") from err
+    return fp8.dequantizing(reader, data, out_dtype)
+
+
+def open_source(path: Path, make_adapter: formats.AdapterFactory
+                ) -> tuple[Any, Any, dict]:
+    """An HF folder as a source (``formats`` opener): its reader (dequantizing fp8 weights),
+    adapter and weight files."""
+    reader = open_reader(path)
     try:
         adapter = make_adapter(Path(path), {})
     except BaseException:
         reader.close()
         raise
-    return reader, adapter, {"files": sorted(set(reader.files.values()))}
+    info: dict = {"files": sorted(set(getattr(reader, "inner", reader).files.values()))}
+    if isinstance(reader, fp8.DequantizingReader):
+        info["quantization"] = (f"fp8 e4m3, {reader.block[0]}x{reader.block[1]} block scales "
+                                f"({len(reader.quantized)} weights, dequantized on read)")
+    return reader, adapter, info
 
 
 formats.register(FORMAT, open_source, looks_like)

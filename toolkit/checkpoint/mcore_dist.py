@@ -118,6 +118,7 @@ def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype) -> None:
     config = adapter.hf_config.to_dict()
     name = str(dtype).removeprefix("torch.")
     config["dtype"] = name
+    config.pop("quantization_config", None)  # fp8 sources are dequantized: the output is not
     if "torch_dtype" in config:  # the older name of the same key: keep the two in agreement
         config["torch_dtype"] = name
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

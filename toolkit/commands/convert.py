@@ -35,7 +35,9 @@ def convert(
     zero: int | None = typer.Option(None, "--zero", min=0, max=3, help="--to trainer: ZeRO "
                                     "stage of the target (default: the saved one)."),
     dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors to bf16, fp16 "
-                                     "or fp32 (default: keep each tensor's dtype)."),
+                                     "or fp32 (default: keep each tensor's dtype). fp8 weights "
+                                     "are dequantized into it (default: the checkpoint's "
+                                     "dtype)."),
     workers: str = typer.Option("auto", "--workers", help="Worker processes writing output "
                                 "files in parallel (megatron targets; each opens the source and "
                                 "reads ahead in a thread while it writes); auto: one per two "
@@ -147,6 +149,8 @@ def inspect(
         if info.dtypes:
             typer.echo("dtypes:       " + ", ".join(f"{k} ({v} tensors)"
                                                    for k, v in info.dtypes.items()))
+        if info.quantization:
+            typer.echo(f"quantized:    {info.quantization}")
         if info.tensors:
             typer.echo(f"parameters:   {info.parameters:,} in {info.tensors} tensors")
         typer.echo(f"files:        {len(info.files)}")

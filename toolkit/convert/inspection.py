@@ -18,6 +18,7 @@ class Info:
     architecture: str | None = None
     layout: dict[str, Any] = field(default_factory=dict)
     dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> number of tensors
+    quantization: str | None = None  # e.g. fp8 block scales, dequantized on read
     parameters: int = 0
     tensors: int = 0
     files: list[str] = field(default_factory=list)
@@ -46,8 +47,10 @@ def inspect(path: str | Path, *, hf_config: str | Path | None = None,
         info.iteration = op.info.get("iteration")
         info.layout = {k: v for k, v in (op.info.get("layout") or {}).items() if v}
         info.files = [str(f) for f in op.info.get("files", [])]
+        info.quantization = op.info.get("quantization")
+        stored = getattr(op.source, "stored_dtype", op.source.dtype)  # fp8: as on disk
         for name, shape in op.adapter.expected_tensors().items():
-            dt = str(op.source.dtype(op.names[name])).replace("torch.", "")
+            dt = str(stored(op.names[name])).replace("torch.", "")
             info.dtypes[dt] = info.dtypes.get(dt, 0) + 1
             info.parameters += math.prod(shape)
             info.tensors += 1

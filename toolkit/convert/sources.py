@@ -86,6 +86,8 @@ def detect(path: str | Path) -> str:
 def open_ctx(ctx: Ctx) -> Opened:
     """Open ``ctx.src`` and match its tensors to the adapter (``vocab_multiple`` applied)."""
     source, found, info = formats.get(ctx.fmt).open(Path(ctx.src), adapter_factory(ctx.hf_config))
+    if ctx.dtype is not None and hasattr(source, "dequantize_to"):
+        source.dequantize_to(ctx.dtype)  # fp8 weights: the product rounded once, into --dtype
     try:
         adapter = adapter_for(found.hf_config, vocab_multiple=ctx.vocab_multiple)
         adapter.source = found.source

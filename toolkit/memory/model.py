@@ -57,6 +57,7 @@ class ModelShape:
     gated_mlp: bool = True
     norm: str = "rms"  # "rms" (weight only) or "layer" (weight + bias)
     qk_norm: bool = False
+    post_norms: bool = False  # norms after the attention and MLP outputs too (Gemma)
     learned_positions: int = 0  # rows of a learned position embedding (GPT-2), 0 for RoPE
     experts: int = 0
     top_k: int = 0
@@ -76,9 +77,9 @@ class ModelShape:
             head_dim=d.head_dim, ffn=d.dense_ffn or d.ffn, vocab=d.vocab, tied=d.tied,
             qkv_bias=d.qkv_bias, o_bias=d.linear_bias, mlp_bias=d.linear_bias, gated_mlp=d.gated,
             norm="layer" if d.norm == "LayerNorm" else "rms", qk_norm=d.qk_norm,
-            learned_positions=d.positions, experts=d.experts, top_k=d.top_k,
-            moe_ffn=d.ffn if d.experts else 0, shared_ffn=d.shared_ffn, shared_gate=d.shared_gate,
-            moe_layers=d.moe_layers, name=name,
+            post_norms=d.post_norms, learned_positions=d.positions, experts=d.experts,
+            top_k=d.top_k, moe_ffn=d.ffn if d.experts else 0, shared_ffn=d.shared_ffn,
+            shared_gate=d.shared_gate, moe_layers=d.moe_layers, name=name,
         )
 
     # -- derived -----------------------------------------------------------------------------
@@ -127,6 +128,10 @@ class ModelShape:
             yield TensorSpec(f"l{i}.k_norm", self.head_dim, REP, i)
         for k in range(norm_n):
             yield TensorSpec(f"l{i}.post_norm.{k}", h, REP, i)
+        if self.post_norms:
+            for k in range(norm_n):
+                yield TensorSpec(f"l{i}.attn_out_norm.{k}", h, REP, i)
+                yield TensorSpec(f"l{i}.mlp_out_norm.{k}", h, REP, i)
         if self.is_moe_layer(i):
             yield TensorSpec(f"l{i}.router", self.experts * h, REP, i)
             yield TensorSpec(f"l{i}.experts", self.experts * self._mlp_numel(self.moe_ffn),

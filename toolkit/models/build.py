@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from toolkit import runtime
+from toolkit.models import gemma
 from toolkit.models.attention import core_attention
 from toolkit.models.norm import TorchNorm
 
@@ -61,9 +62,17 @@ def layer_spec(
     normalization: str = "RMSNorm",
     moe_grouped_gemm: bool = False,
     attention: str | None = None,
+    zero_centered_norm: bool = False,
+    post_norms: bool = False,
+    local_rotary_base: float | None = None,
 ) -> ModuleSpec:
     """megatron-core's local layer spec with TorchNorm in every norm slot (SP-safe) and the core
-    attention ``attention`` picks (``toolkit.models.attention``: SDPA on CUDA by default)."""
+    attention ``attention`` picks (``toolkit.models.attention``: SDPA on CUDA by default).
+
+    Gemma 3's pieces (``toolkit.models.gemma``): ``zero_centered_norm`` puts the (1 + w) RMSNorm
+    in every norm slot (the block's final norm follows the layer's), ``post_norms`` a norm after
+    the attention output and the MLP output projections, ``local_rotary_base`` a RoPE base of
+    its own for the sliding-window layers."""
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=moe_grouped_gemm,
@@ -71,14 +80,24 @@ def layer_spec(
         normalization=normalization,
     )
     sub = spec.submodules
-    sub.input_layernorm = TorchNorm
-    sub.pre_mlp_layernorm = TorchNorm
+    norm = gemma.ZeroCenteredRMSNorm if zero_centered_norm else TorchNorm
+    sub.input_layernorm = norm
+    sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
     attn.core_attention = core_attention(attention)
     if attn.q_layernorm is not IdentityOp:
-        attn.q_layernorm = TorchNorm
+        attn.q_layernorm = norm
     if attn.k_layernorm is not IdentityOp:
-        attn.k_layernorm = TorchNorm
+        attn.k_layernorm = norm
+    if post_norms:
+        if num_experts:
+            raise ValueError("post_norms: not supported with experts.")
+        attn.linear_proj = gemma.RowParallelLinearNorm
+        sub.mlp.submodules.linear_fc2 = gemma.RowParallelLinearNorm
+    if local_rotary_base is not None:
+        sub.self_attention = dataclasses.replace(
+            sub.self_attention, module=gemma.LocalRopeSelfAttention,
+            params={**sub.self_attention.params, "local_rotary_base": local_rotary_base})
     return spec
 
 
@@ -106,7 +125,7 @@ def dense_variant(spec: ModuleSpec) -> ModuleSpec:
 
 def block_spec(config: TransformerConfig, spec: ModuleSpec,
                vp_stage: int | None = None) -> TransformerBlockSubmodules:
-    """The decoder block of one (virtual) stage, with TorchNorm as the final norm.
+    """The decoder block of one (virtual) stage, with the layers' norm as the final norm.
 
     With MoE and a ``moe_layer_freq`` that leaves some layers dense (as megatron-core's own
     ``get_gpt_decoder_block_spec`` reads it), those layers get the dense MLP.
@@ -118,12 +137,14 @@ def block_spec(config: TransformerConfig, spec: ModuleSpec,
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         dense = dense_variant(spec)
         specs = [spec if pattern[offset + j] else dense for j in range(n)]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
+    return TransformerBlockSubmodules(layer_specs=specs,
+                                      layer_norm=spec.submodules.input_layernorm)
 
 
-def build_chunks(config: TransformerConfig, spec: ModuleSpec,
-                 **gpt_kwargs: Any) -> list[GPTModel]:
-    """All GPTModel chunks of this rank: one, or vpp of them with interleaved pipelining."""
+def build_chunks(config: TransformerConfig, spec: ModuleSpec, *,
+                 embedding_scale: float | None = None, **gpt_kwargs: Any) -> list[GPTModel]:
+    """All GPTModel chunks of this rank: one, or vpp of them with interleaved pipelining
+    (``embedding_scale``: word embeddings multiplied by it, Gemma's sqrt(hidden))."""
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     if config.virtual_pipeline_model_parallel_size != (vpp if vpp > 1 else None):
         config = dataclasses.replace(
@@ -140,5 +161,7 @@ def build_chunks(config: TransformerConfig, spec: ModuleSpec,
             vp_stage=vp_stage,
             **gpt_kwargs,
         )
+        if embedding_scale is not None:
+            gemma.scale_embeddings(chunk, embedding_scale)
         chunks.append(chunk)
     return chunks
