@@ -524,7 +524,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
     """A torch_dist checkpoint as an HF-named source, its adapter (``make_adapter(hf_dir,
     common)``) and info (the ``formats`` opener)."""
     ckpt = DistCheckpoint.open(path)
-    adapter = make_adapter(find_hf_config(ckpt.path), ckpt.common)
+    adapter = make_adapter(find_hf_config(ckpt.path), {**ckpt.common, "root": ckpt.path.parent})
     names = full_names(ckpt, adapter)
     shapes = {}
     for name, (key, prefix) in names.items():
