@@ -139,3 +139,67 @@ def test_pickles_that_run_code_are_refused_in_every_format(mlm, tmp_path, monkey
         with pytest.raises((CheckpointError, pickle.UnpicklingError)):
             convert(hf, tmp_path / "out-bin", "hf", progress=False)
         assert not (tmp_path / "out-bin").exists() and not marker.exists()
+
+
+#: Run settings of the fixture's own runs that are not facts of the model: taken from the
+#: run whose value is Megatron-LM's converter default (legacy: ``tools/checkpoint``) instead.
+_FROM_CONVERTER = ("seq_length", "encoder_seq_length", "vocab_size", "no_save_rng")
+#: Megatron-LM's ``load_args_from_checkpoint`` / ``check_checkpoint_args`` / the issue's list.
+_REQUIRED = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+    "num_query_groups", "group_query_attention", "kv_channels", "max_position_embeddings",
+    "position_embedding_type", "add_position_embedding", "use_rotary_position_embeddings",
+    "rotary_base", "rotary_percent", "rotary_interleaved", "add_bias_linear", "add_qkv_bias",
+    "squared_relu", "swiglu", "untie_embeddings_and_output_weights", "apply_layernorm_1p",
+    "normalization", "apply_query_key_layer_scaling", "attention_dropout", "hidden_dropout",
+    "num_experts", "moe_layer_freq", "moe_router_topk", "moe_token_dispatcher_type",
+    "moe_router_pre_softmax", "moe_grouped_gemm", "moe_shared_expert_intermediate_size",
+    "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "layernorm_epsilon", "qk_layernorm", "tokenizer_type",
+    "tokenizer_model", "padded_vocab_size", "vocab_size", "make_vocab_size_divisible_by",
+    "ckpt_format", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "no_save_rng",
+    "no_save_optim")
+
+
+def test_mdtk_megatron_args_are_megatron_lms(mlm, tmp_path):
+    """mdtk's torch_dist and legacy outputs of the fixture's HF model carry, for every args
+    field they write, the value Megatron-LM wrote for the same model at tp=2."""
+    own = {"legacy-tp2": load_torch(mlm / "legacy-tp2" / CKPTS["legacy-tp2"]),
+           "torch_dist-tp2": load_torch(mlm / "torch_dist-tp2" / CKPTS["torch_dist-tp2"])}
+    # rope base / eps / dropout as given to the torch_dist run; fields its training arguments
+    # no longer write (apply_layernorm_1p) as tools/checkpoint's saver writes them
+    model = {**vars(own["legacy-tp2"]["args"]), **vars(own["torch_dist-tp2"]["args"])}
+    model.update({k: getattr(own["legacy-tp2"]["args"], k) for k in _FROM_CONVERTER})
+    outs = {"mcore": ("torch_dist-tp2", "release/common.pt"),
+            "megatron-legacy": ("legacy-tp2", "release/mp_rank_01/model_optim_rng.pt")}
+    for to, (ref_name, file) in outs.items():
+        dst = tmp_path / to
+        convert(mlm / "hf-llama-tiny", dst, to, L(tp=2), progress=False)
+        state = load_torch(dst / file)
+        args = vars(state["args"])
+        ref = {**model, **{k: getattr(own[ref_name]["args"], k)
+                           for k in ("ckpt_format", "use_dist_ckpt")}}
+        assert [k for k in _REQUIRED if k not in args] == [], to
+        mdtk_only = {"hf_architecture", "iteration", "tokenizer_model"}
+        wrong = {k: (v, ref.get(k, "<not written>")) for k, v in args.items()
+                 if k not in mdtk_only and (k not in ref or ref[k] != v)}
+        assert wrong == {}, f"{to}: args differing from Megatron-LM's (mdtk, Megatron-LM): {wrong}"
+        tok = Path(args["tokenizer_model"])
+        assert tok == dst / "hf_config" and (tok / "tokenizer.json").read_bytes() == (
+            mlm / "hf-llama-tiny" / "tokenizer.json").read_bytes()
+        for key in ("checkpoint_version", "num_floating_point_operations_so_far",
+                    *(("content_metadata",) if to == "mcore" else ())):
+            assert state[key] == own[ref_name][key], (to, key)
+        if to == "megatron-legacy":  # the same padded shards as Megatron-LM's own legacy files
+            emb = state["model"]["embedding.word_embeddings.weight"]
+            theirs = own["legacy-tp2"]["model"]["embedding.word_embeddings.weight"]
+            assert emb.shape == theirs.shape == (512, 64)
+        assert args["padded_vocab_size"] == 1024 and args["make_vocab_size_divisible_by"] == 128
+    # the padding is stripped again on the way back, and --vocab-multiple overrides it
+    convert(tmp_path / "mcore", tmp_path / "back", "hf", progress=False)
+    _assert_identical(tmp_path / "back", _weights(mlm / "hf-llama-tiny"))
+    convert(mlm / "hf-llama-tiny", tmp_path / "least", "mcore", L(tp=2), vocab_multiple=1,
+            progress=False)
+    args = load_torch(tmp_path / "least" / "release" / "common.pt")["args"]
+    assert (args.padded_vocab_size, args.make_vocab_size_divisible_by) == (1002, 1)
