@@ -480,3 +480,22 @@ def test_safetensors_reader_and_streaming_writer(tmp_path, monkeypatch):
         w2.add("b", tensors["b"])
     w2.abort()
     _no_output(tmp_path / "out2")
+
+
+def test_deepspeed_tools_read_step_folders_without_a_tag(ds_runs, tmp_path):
+    """Each step folder has DeepSpeed's own ``latest`` (the engine tag), so DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint`` works on it without a tag and gives the
+    weights mdtk convert gives (megatron-core names: the legacy target at the run's layout)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    runs, _, _ = ds_runs
+    for case in ("dp2_zero2", "dp2_zero3"):
+        step = Path(runs[case]["checkpoints"]) / "step_0000002"
+        assert (step / "latest").read_text() == "engine"
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(step))
+        convert(step, tmp_path / case, "megatron-legacy", vocab_multiple=1, progress=False)
+        ours = load_torch(tmp_path / case / "iter_0000002" / "mp_rank_00" /
+                          "model_optim_rng.pt")["model"]
+        ours = {k: v for k, v in ours.items() if isinstance(v, torch.Tensor)}
+        assert sorted(ours) == sorted(theirs), case
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), case

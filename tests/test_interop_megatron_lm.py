@@ -203,3 +203,30 @@ def test_mdtk_megatron_args_are_megatron_lms(mlm, tmp_path):
             progress=False)
     args = load_torch(tmp_path / "least" / "release" / "common.pt")["args"]
     assert (args.padded_vocab_size, args.make_vocab_size_divisible_by) == (1002, 1)
+
+
+# -- plain DeepSpeed checkpoints of HF models (the layout HF Trainer + DeepSpeed writes) ------
+
+DSP = FIXTURES / "deepspeed-plain"
+
+
+@pytest.mark.skipif(not DSP.is_dir(), reason=f"fixtures not found at {DSP}")
+def test_plain_deepspeed_checkpoint_converts_as_zero_to_fp32(tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root = tmp_path / "dsp"
+    shutil.copytree(DSP, root)
+    ckpt, model = root / "zero2-hf-llama", root / "hf-llama-tiny-v512"
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    with pytest.raises(CheckpointError) as err:  # names every place it looked
+        convert(ckpt, tmp_path / "none", "hf", progress=False)
+    assert f"config.json in {ckpt}, {root}" in str(err.value) and "--hf-config" in str(err.value)
+    assert not (tmp_path / "none").exists()
+    convert(ckpt, tmp_path / "given", "hf", hf_config=model, progress=False)
+    _assert_identical(tmp_path / "given", theirs)
+    shutil.copy(model / "config.json", ckpt)  # HF Trainer's checkpoint-N/ has it beside
+    convert(ckpt / "global_step2", tmp_path / "beside", "hf", progress=False)
+    _assert_identical(tmp_path / "beside", theirs)
+    # the trained weights differ from the model DeepSpeed started from
+    start = _weights(model)
+    assert sum(not torch.equal(start[k], theirs[k]) for k in start) > len(start) // 2

@@ -149,14 +149,20 @@ def hf_config_from_args(args: Any, tokenizer: dict[str, Any] | None = None) -> d
     return cfg
 
 
-def derived_hf_folder(args: Any, root: Path) -> Path:
-    """A folder with the config.json derived from ``args`` and the tokenizer files of
-    ``args.tokenizer_model`` (when found), shared by every process that asks for the same."""
+def derived_hf_folder(common: dict[str, Any]) -> Path:
+    """A folder with the config.json derived from Megatron-LM's ``args`` in ``common`` and the
+    tokenizer files of ``args.tokenizer_model`` (when found), shared by every process that asks
+    for the same; a CheckpointError naming every place looked at when there are no args."""
+    args = common.get("args")
+    root = Path(common.get("root") or ".")
     if args is None:
+        looked = common.get("looked_for")
+        where = (f"config.json in {', '.join(looked)}" if looked else
+                 f"{HF_CONFIG_DIR}/config.json in {root} and its two parents")
         raise CheckpointError(f"cannot find the HF config of the checkpoint at {root}: looked "
-                              f"for {HF_CONFIG_DIR}/config.json in {root} and its parents, and "
-                              "it stores no Megatron-LM args to derive one from: pass "
-                              "--hf-config DIR, a folder with the model's config.json.")
+                              f"for {where}, and it stores no Megatron-LM args to derive one "
+                              "from: pass --hf-config DIR, a folder with the model's "
+                              "config.json.")
     tok = tokenizer_folder(args, root)
     config = hf_config_from_args(args, tokenizer_facts(tok) if tok else None)
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"

@@ -73,7 +73,7 @@ def adapter_factory(override: str | Path | None) -> formats.AdapterFactory:
     def make(found: Path | None, common: dict) -> Adapter:
         folder = override or found
         if folder is None:  # Megatron-LM's own checkpoint: the model from its args
-            folder = derived_hf_folder(common.get("args"), Path(common.get("root") or "."))
+            folder = derived_hf_folder(common)
         return adapter_from_folder(folder)
     return make
 
