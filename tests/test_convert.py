@@ -48,7 +48,7 @@ def _chain(src: Path, out: Path, family: str) -> dict:
     a, b, c = _layouts(family)
     kw = {"progress": False}
     convert(src, out / "m_tp2", "mcore", L(tp=2), **kw)
-    convert(out / "m_tp2", out / "m_tp1", "mcore", L(), **kw)
+    convert(out / "m_tp2", out / "m_tp1", "mcore", L(), vocab_multiple=1, **kw)  # least padding
     convert(out / "m_tp1", out / "hf_via_mcore", "hf", **kw)
     convert(src, out / "leg_a", "megatron-legacy", a, **kw)
     convert(out / "leg_a", out / "leg_b", "megatron-legacy", b, **kw)
@@ -96,7 +96,7 @@ def test_megatron_files_have_the_layouts_asked_for(chains, tiny_root):
     first = load_torch(out / "leg_a" / "release" / "mp_rank_01_000" / "model_optim_rng.pt")
     assert sorted(k for k in first if k.startswith("model")) == ["model0", "model1"]
     emb = first["model0"]["embedding.word_embeddings.weight"]
-    assert tuple(emb.shape) == (501, 64)  # vocab 1001 padded to 1002 at tp=2, half per rank
+    assert tuple(emb.shape) == (512, 64)  # vocab 1001 padded to 1024 (128 x tp=2), half per rank
     qkv = first["model0"]["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert tuple(qkv.shape) == ((4 + 2 * 2) * 16 // 2, 64)  # (heads + 2 kv groups) * dim / tp
     assert first["args"].tensor_model_parallel_size == 2
@@ -104,9 +104,10 @@ def test_megatron_files_have_the_layouts_asked_for(chains, tiny_root):
     assert "decoder.layers.1.self_attention.linear_qkv.weight" not in first["model0"]
     with HFReader(tiny_root / "llama") as ref:
         full = ref.read("model.embed_tokens.weight", ((0, 1001), (0, 64)))
-    assert torch.equal(emb[:500], full[501:1001])
-    assert torch.count_nonzero(emb[500]) == 0  # the padding row
-    for name, rows in (("m_tp2", 1002), ("m_tp1", 1001)):
+    assert torch.equal(emb[:489], full[512:1001])
+    assert torch.count_nonzero(emb[489:]) == 0  # the padding rows
+    assert first["args"].make_vocab_size_divisible_by == 128  # as Megatron-LM stores it
+    for name, rows in (("m_tp2", 1024), ("m_tp1", 1001)):
         info = inspect(out / name)
         assert info.format == "mcore" and info.problems == [], info
         assert info.layout["tp"] == (2 if name == "m_tp2" else 1)
@@ -475,3 +476,22 @@ def test_safetensors_reader_and_streaming_writer(tmp_path, monkeypatch):
         w2.add("b", tensors["b"])
     w2.abort()
     _no_output(tmp_path / "out2")
+
+
+def test_deepspeed_tools_read_step_folders_without_a_tag(ds_runs, tmp_path):
+    """Each step folder has DeepSpeed's own ``latest`` (the engine tag), so DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint`` works on it without a tag and gives the
+    weights mdtk convert gives (megatron-core names: the legacy target at the run's layout)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    runs, _, _ = ds_runs
+    for case in ("dp2_zero2", "dp2_zero3"):
+        step = Path(runs[case]["checkpoints"]) / "step_0000002"
+        assert (step / "latest").read_text() == "engine"
+        theirs = get_fp32_state_dict_from_zero_checkpoint(str(step))
+        convert(step, tmp_path / case, "megatron-legacy", vocab_multiple=1, progress=False)
+        ours = load_torch(tmp_path / case / "iter_0000002" / "mp_rank_00" /
+                          "model_optim_rng.pt")["model"]
+        ours = {k: v for k, v in ours.items() if isinstance(v, torch.Tensor)}
+        assert sorted(ours) == sorted(theirs), case
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), case

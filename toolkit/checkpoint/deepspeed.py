@@ -474,35 +474,79 @@ def _zero3_reader(groups: list[dict], osds: list[dict], files: list[Path], what:
     return read
 
 
-def _hf_config_dir(ckpt: DeepSpeedCheckpoint) -> Path | None:
-    """The HF folder the run trained (trainer_state.json's config: model.path or model.config)."""
+def hf_config_candidates(ckpt: DeepSpeedCheckpoint) -> list[Path]:
+    """Where the HF config of a DeepSpeed checkpoint may be, in order: trainer_state.json's
+    ``model.path`` / ``model.config`` (mdtk's trainer; a relative path is taken as given, then
+    against the run folder), else beside the engine folder (HF Trainer's ``checkpoint-N/``)."""
     model = (ckpt.state.get("config") or {}).get("model") or {}
+    run = ckpt.path.parent.parent.parent  # <run>/checkpoints/step_N/engine
+    out: list[Path] = []
     for key in ("path", "config"):
         value = model.get(key)
         if not value:
             continue
         p = Path(value)
-        if p.is_file() and p.name.endswith(".json"):
-            p = p.parent
-        if (p / "config.json").is_file():
-            return p
-    return None
+        for cand in ([p] if p.is_absolute() else [p, run / p]):
+            out.append(cand.parent if cand.name.endswith(".json") else cand)
+    return [*out, ckpt.path.parent, ckpt.path.parent.parent]
+
+
+def _hf_config_dir(ckpt: DeepSpeedCheckpoint) -> Path | None:
+    """The first of ``hf_config_candidates`` holding a config.json."""
+    return next((p for p in hf_config_candidates(ckpt) if (p / "config.json").is_file()), None)
+
+
+class HFNamedSource:
+    """A plain DeepSpeed checkpoint of an HF model (HF Trainer + DeepSpeed: the module is the
+    transformers model, so parameters carry their HF names; one model-parallel rank): the fp32
+    weights merged from the ZeRO partitions, as DeepSpeed's ``zero_to_fp32`` merges them."""
+
+    def __init__(self, ckpt: DeepSpeedCheckpoint):
+        if len(ckpt.ranks) != 1:
+            raise CheckpointError(f"{ckpt.path}: {len(ckpt.ranks)} model-parallel ranks with HF "
+                                  "parameter names; only mp_world_size 1 is read.")
+        self._rank = ckpt.ranks[0]
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._rank.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._rank.shapes[name])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32
+
+    def read(self, name: str, region: Any) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self._rank.read(name))
+        return self._last[1][tuple(slice(a, b) for a, b in region)]
+
+    def close(self) -> None:
+        self._last = None
 
 
 def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "fp32"
-                ) -> tuple[McoreFullSource, Any, dict]:
-    """A DeepSpeed checkpoint of mdtk's trainer as an HF-named source, its adapter
+                ) -> tuple[McoreFullSource | HFNamedSource, Any, dict]:
+    """A DeepSpeed checkpoint (of mdtk's trainer, or plain DeepSpeed of an HF model, as HF
+    Trainer writes it) as an HF-named source, its adapter
     (``make_adapter(hf_dir, common)``) and info (the ``formats`` opener); ``state`` picks the
     fp32 master weights or an Adam moment (``STATES``)."""
     ckpt = DeepSpeedCheckpoint.open(path, state)
-    adapter = make_adapter(_hf_config_dir(ckpt), {"iteration": ckpt.step})
+    adapter = make_adapter(_hf_config_dir(ckpt), {
+        "iteration": ckpt.step, "root": ckpt.path.parent,
+        "looked_for": [str(p) for p in hf_config_candidates(ckpt)]})
+    info = {"iteration": ckpt.step, "folder": ckpt.path,
+            "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
+                       "dp": ckpt.dp, "ep": ckpt.ep, "etp": ckpt.etp, "zero": ckpt.stage},
+            "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files)}
+    if "embedding.word_embeddings.weight" not in ckpt.ranks[0].shapes:
+        return HFNamedSource(ckpt), adapter, info  # plain DeepSpeed of an HF model
     if ckpt.ep > 1 and not adapter.dims.experts:
         raise CheckpointError(f"{ckpt.path}: saved with ep={ckpt.ep}, but "
                               f"{adapter.architecture} has no experts.")
-    emb = ckpt.ranks[0].shapes.get("embedding.word_embeddings.weight")
-    if emb is None:
-        raise CheckpointError(f"{ckpt.ranks[0].files[0]} has no embedding.word_embeddings.weight "
-                              "(first pipeline stage, first tensor-parallel rank).")
+    emb = ckpt.ranks[0].shapes["embedding.word_embeddings.weight"]  # first stage, tp rank 0
     padded = emb[0] * ckpt.tp
     table = adapter.family.table(adapter.hf_config, adapter.dims, padded)
     rules = dict(table.items())
@@ -558,10 +602,6 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
             slice(a, b) for a, b in r)], torch.float32)
 
     shapes = {key: (full_rules[key].local_shape(1), torch.float32) for key in holders}
-    info = {"iteration": ckpt.step, "folder": ckpt.path,
-            "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
-                       "dp": ckpt.dp, "ep": ckpt.ep, "etp": ckpt.etp, "zero": ckpt.stage},
-            "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files)}
     return McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info
 
 

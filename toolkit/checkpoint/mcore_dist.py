@@ -129,29 +129,81 @@ def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype) -> None:
                 shutil.copy2(src / name, out / name)
 
 
+#: Megatron-LM's own defaults (``megatron/training/arguments.py``, core_v0.16.1) for the model
+#: arguments its loaders read (``load_args_from_checkpoint``, ``check_checkpoint_args``,
+#: ``tools/checkpoint``) that a model may leave unset; the model's values go on top.
+MEGATRON_LM_DEFAULTS: dict[str, Any] = {
+    "add_position_embedding": True, "use_rotary_position_embeddings": False,
+    "rotary_base": 10000, "rotary_percent": 1.0, "rotary_interleaved": False,
+    "rotary_seq_len_interpolation_factor": None, "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0, "squared_relu": False, "apply_layernorm_1p": False,
+    "apply_query_key_layer_scaling": False, "qk_layernorm": False, "attention_dropout": 0.1,
+    "hidden_dropout": 0.1, "window_size": None, "window_attn_skip_freq": None,
+    "num_experts": None, "moe_layer_freq": 1, "moe_ffn_hidden_size": None, "moe_router_topk": 2,
+    "moe_token_dispatcher_type": "allgather", "moe_router_pre_softmax": False,
+    "moe_grouped_gemm": False, "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False, "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
+    "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
+    "moe_input_jitter_eps": None, "spec": None, "hybrid_override_pattern": None,
+    "hybrid_attention_ratio": 0.0, "hybrid_mlp_ratio": 0.0, "is_hybrid_model": False,
+    "tokenizer_type": "HuggingFaceTokenizer", "consumed_train_samples": 0,
+    "consumed_valid_samples": 0, "finetune": False,
+}
+
+#: ``transformer_kwargs`` / ``model_kwargs`` names whose Megatron-LM argument is named otherwise.
+_ARG_NAMES = {"num_moe_experts": "num_experts", "gated_linear_unit": "swiglu",
+              "max_sequence_length": "max_position_embeddings",
+              "rope_scaling": "use_rope_scaling",
+              "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor"}
+
+
 def megatron_args(adapter: Any, layout: Any, padded_vocab: int, iteration: int | None,
-                  ckpt_format: str, dtype: torch.dtype) -> argparse.Namespace:
-    """The run arguments Megatron-LM's ``--load`` compares (``check_checkpoint_args``)."""
+                  ckpt_format: str, dtype: torch.dtype, tokenizer_model: str | None = None
+                  ) -> argparse.Namespace:
+    """The run arguments Megatron-LM writes for this model, so that its ``--load`` (with or
+    without ``--use-checkpoint-args``) and ``tools/checkpoint`` loaders build the same model.
+
+    The vocab is padded to a multiple of ``make_vocab_size_divisible_by x tp`` (Megatron-LM
+    stores the multiple without tp); no rng or optimizer state is written, which
+    ``no_save_rng`` / ``no_save_optim`` declare so that a plain ``--load`` skips them.
+    """
     d = adapter.dims
-    kw = adapter.family.transformer_kwargs(adapter.hf_config)
-    gpt = adapter.family.model_kwargs(adapter.hf_config)
-    return argparse.Namespace(
-        num_layers=d.layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn,
-        num_attention_heads=d.heads, num_query_groups=d.groups, kv_channels=d.head_dim,
-        group_query_attention=d.groups != d.heads, max_position_embeddings=gpt.get(
-            "max_sequence_length"), position_embedding_type=gpt.get("position_embedding_type"),
-        add_position_embedding=gpt.get("position_embedding_type") == "learned_absolute",
+    hf = adapter.hf_config
+    out = dict(MEGATRON_LM_DEFAULTS)
+    for k, v in {**adapter.family.transformer_kwargs(hf),
+                 **adapter.family.model_kwargs(hf)}.items():
+        out[_ARG_NAMES.get(k, k)] = v
+    if isinstance(out["rotary_base"], float) and out["rotary_base"].is_integer():
+        out["rotary_base"] = int(out["rotary_base"])  # Megatron-LM's --rotary-base is an int
+    if isinstance(out.get("window_size"), tuple):
+        out["window_size"] = list(out["window_size"])
+    multiple = getattr(adapter, "vocab_multiple", 1)
+    seq = out["max_position_embeddings"]
+    out.update(
+        num_layers=d.layers, hidden_size=d.hidden, num_attention_heads=d.heads,
+        num_query_groups=d.groups, kv_channels=d.head_dim,
+        group_query_attention=d.groups != d.heads,
+        seq_length=seq, encoder_seq_length=seq, swiglu=bool(out.get("swiglu")),
         vocab_size=d.vocab, padded_vocab_size=padded_vocab,
-        make_vocab_size_divisible_by=padded_vocab // layout.tp if padded_vocab % layout.tp == 0
-        else 1, untie_embeddings_and_output_weights=not d.tied,
-        normalization=kw.get("normalization"), swiglu=bool(kw.get("gated_linear_unit")),
+        make_vocab_size_divisible_by=multiple if padded_vocab % (multiple * layout.tp) == 0
+        else 1, untie_embeddings_and_output_weights=not d.tied, tokenizer_model=tokenizer_model,
         num_experts=d.experts or None, tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
-        expert_model_parallel_size=layout.ep, ckpt_format=ckpt_format, iteration=iteration or 0,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp or layout.tp,
+        ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist",
+        iteration=iteration or 0, no_save_rng=True, no_save_optim=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         hf_architecture=adapter.architecture,
     )
+    return argparse.Namespace(**out)
+
+
+#: What Megatron-LM's ``save_checkpoint`` puts next to ``args`` (core_v0.16.1): the content
+#: metadata torch_dist checkpoints carry (``common.pt``) for its optimizer sharding.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 # -- keys -----------------------------------------------------------------------------------------
@@ -525,7 +577,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
     """A torch_dist checkpoint as an HF-named source, its adapter (``make_adapter(hf_dir,
     common)``) and info (the ``formats`` opener)."""
     ckpt = DistCheckpoint.open(path)
-    adapter = make_adapter(find_hf_config(ckpt.path), ckpt.common)
+    adapter = make_adapter(find_hf_config(ckpt.path), {**ckpt.common, "root": ckpt.path.parent})
     names = full_names(ckpt, adapter)
     shapes = {}
     for name, (key, prefix) in names.items():

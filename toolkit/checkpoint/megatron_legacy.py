@@ -143,7 +143,8 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
     and info (the ``formats`` opener)."""
     ckpt = LegacyCheckpoint.open(path)
     adapter = make_adapter(find_hf_config(ckpt.path),
-                           {"args": ckpt.args, "iteration": ckpt.iteration})
+                           {"args": ckpt.args, "iteration": ckpt.iteration,
+                            "root": ckpt.path.parent})
     padded = _padded_vocab(ckpt, adapter)
     table: Table = adapter.family.table(adapter.hf_config, adapter.dims, padded)
     rules = dict(table.items())

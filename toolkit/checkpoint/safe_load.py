@@ -2,7 +2,8 @@
 
 Every ``.pt`` / ``.bin`` the converter reads goes through ``load_torch``: ``torch.load`` with
 ``weights_only=True`` plus an explicit allowlist. Megatron-LM stores its run arguments as an
-``argparse.Namespace`` (allowed) whose values may include megatron enums or classes; those are
+``argparse.Namespace`` (allowed) whose values may include ``signal.Signals`` members (allowed:
+rebuilt by value) and megatron enums or classes; those are
 replaced by inert placeholders (``Opaque``) that only record their name and arguments: they can
 never execute anything, and the tensors are untouched.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import pickle
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,11 @@ from toolkit.checkpoint import CheckpointError
 
 #: Modules whose globals (in a checkpoint's ``args``) become inert placeholders.
 OPAQUE_PREFIXES = ("megatron.", "transformer_engine.", "apex.", "deepspeed.", "enum.")
+
+#: Stdlib classes allowed as themselves: Megatron-LM (since core_v0.16.0) stores
+#: ``args.exit_signal`` as a ``signal.Signals`` member; unpickling calls ``Signals(value)``, which
+#: only looks up an existing enum member (no code from the file runs).
+ALLOWED_STDLIB: dict[str, Any] = {"signal.Signals": signal.Signals}
 
 
 class Opaque:
@@ -61,6 +68,9 @@ def load_torch(path: str | Path, *, mmap: bool = True) -> Any:
     refused = []
     for name in unsafe:
         if name == "argparse.Namespace":
+            continue
+        if name in ALLOWED_STDLIB:
+            allowed.append(ALLOWED_STDLIB[name])
             continue
         if name.startswith(OPAQUE_PREFIXES):
             allowed.append((_opaque(name), name))

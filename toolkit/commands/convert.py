@@ -52,9 +52,10 @@ def convert(
     source_format: str | None = typer.Option(None, "--from", help="Source format when detection "
                                              "is ambiguous: hf, mcore, megatron-legacy, "
                                              "deepspeed."),
-    vocab_multiple: int = typer.Option(1, "--vocab-multiple", min=1, help="Megatron targets: "
+    vocab_multiple: int = typer.Option(128, "--vocab-multiple", min=1, help="Megatron targets: "
                                        "pad the vocab to a multiple of this x tp (Megatron-LM's "
-                                       "--make-vocab-size-divisible-by)."),
+                                       "--make-vocab-size-divisible-by, default 128 as there; "
+                                       "1 = least padding). HF output strips the padding."),
     max_shard_gb: float = typer.Option(5.0, "--max-shard-gb", help="HF target: largest "
                                        "safetensors shard, in GiB."),
     fsync: bool = typer.Option(False, "--fsync", help="fsync every output file before the "

@@ -17,6 +17,7 @@ import torch
 
 from toolkit.atomic import building
 from toolkit.checkpoint import CheckpointError, mcore_dist, megatron_legacy
+from toolkit.checkpoint.hf import TOKENIZER_FILES
 from toolkit.convert.pool import job_source, run_jobs, split
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Ctx, Opened
@@ -54,10 +55,18 @@ def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLay
         out_dtype = dtype or dtype_of(next(iter(adapter.expected_tensors())))
         mcore_dist.save_hf_config(adapter, tmp, out_dtype)
         padded = adapter.padded_vocab(layout.tp)
+        # the tokenizer files copied into hf_config/, named by their final (absolute) path
+        has_tok = any((tmp / mcore_dist.HF_CONFIG_DIR / n).is_file() for n in TOKENIZER_FILES)
+        tok = str(dst.resolve() / mcore_dist.HF_CONFIG_DIR) if has_tok else None
         args = mcore_dist.megatron_args(adapter, layout, padded, iteration,
-                                        "torch_dist" if to == "mcore" else "torch", out_dtype)
+                                        "torch_dist" if to == "mcore" else "torch", out_dtype,
+                                        tokenizer_model=tok)
         common = {"args": args, "checkpoint_version": mcore_dist.CHECKPOINT_VERSION,
-                  "iteration": iteration or 0}
+                  "iteration": iteration or 0,
+                  "num_floating_point_operations_so_far": int(
+                      op.info.get("num_floating_point_operations_so_far") or 0)}
+        if to == "mcore":
+            common["content_metadata"] = dict(mcore_dist.CONTENT_METADATA)
         if to == "mcore":
             items = mcore_dist.plan_items(adapter, layout.tp, dtype_of)
             groups = split(items, [it.nbytes for it in items], workers)

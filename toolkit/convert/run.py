@@ -72,7 +72,7 @@ def convert(
     *,
     source_format: str | None = None,
     hf_config: str | Path | None = None,
-    vocab_multiple: int = 1,
+    vocab_multiple: int = 128,
     verify: bool = False,
     max_shard_bytes: int = 5 * 2**30,
     fsync: bool = False,
@@ -80,7 +80,8 @@ def convert(
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst`` (layout for Megatron).
 
     ``layout``: tp/pp/vpp/ep of a megatron-legacy target (one file per rank); for mcore only
-    tp matters (vocab padding: ``vocab_multiple * tp``); ignored for hf. ``dtype`` casts
+    tp matters (vocab padding: ``vocab_multiple * tp``, by default Megatron-LM's 128 x tp);
+    ignored for hf. ``dtype`` casts
     floating tensors (default: keep each tensor's dtype). ``verify`` reads every tensor of the
     result back and compares it bit-exactly with the source. ``fsync``: flush every output file
     to disk before the rename (durable against power loss; off by default, as ``cp`` and

@@ -1,7 +1,8 @@
 """Any checkpoint the format registry knows, opened as HF-named tensors through its adapter.
 
 ``toolkit.checkpoint.formats`` recognises and opens each format; here the model's adapter is
-built for it, from the HF config folder the checkpoint carries (or ``--hf-config``) read as plain
+built for it, from the HF config folder the checkpoint carries (or ``--hf-config``, or for
+Megatron-LM's own checkpoints the one derived from its args: ``megatron_lm``) read as plain
 JSON (``read_hf_config``: no transformers import), and the stored tensor names are matched
 against the adapter's mapping, so a checkpoint that does not fit its config.json fails here,
 naming the files that differ.
@@ -18,6 +19,7 @@ import torch
 
 from toolkit.adapters import Adapter, CheckpointMismatch, adapter_for, read_hf_config
 from toolkit.checkpoint import CheckpointError, formats
+from toolkit.convert.megatron_lm import derived_hf_folder
 
 Region = tuple[tuple[int, int], ...]
 
@@ -70,10 +72,8 @@ def adapter_factory(override: str | Path | None) -> formats.AdapterFactory:
     own HF config folder, or of ``override`` (``--hf-config``)."""
     def make(found: Path | None, common: dict) -> Adapter:
         folder = override or found
-        if folder is None:
-            raise CheckpointError("this Megatron checkpoint carries no HF config (no hf_config/ "
-                                  "folder): pass --hf-config DIR, a folder with the model's "
-                                  "config.json.")
+        if folder is None:  # Megatron-LM's own checkpoint: the model from its args
+            folder = derived_hf_folder(common)
         return adapter_from_folder(folder)
     return make
 

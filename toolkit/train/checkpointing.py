@@ -7,6 +7,8 @@ Layout of ``checkpoint.dir``::
         engine/                 DeepSpeed engine checkpoint (model, optimizer, ZeRO partitions)
         rng/rank_00000.pt       RNG states of each global rank (python, numpy, torch, CUDA, mcore)
         trainer_state.json      step, consumed samples, dp, layout, data fingerprint, config
+        latest                  "engine": DeepSpeed's own tag pointer, so its tools (zero_to_fp32,
+                                get_fp32_state_dict_from_zero_checkpoint) work without a tag
     latest                      "step_0000010", written last (for people and external tools)
 
 A save is collective: every rank writes into ``.tmp-step_0000010``; rank 0 writes
@@ -309,6 +311,8 @@ class CheckpointManager:
         save_rng(tmp, rank)
         _barrier()
         if rank == 0:
+            if write_engine is not None:  # as engine.save_checkpoint(save_latest=True) writes it
+                (tmp / "latest").write_text(ENGINE_TAG)
             state_path = tmp / STATE_FILE
             state_path.write_text(json.dumps(dataclasses.asdict(state), indent=1))
             _fsync_tree(tmp)
