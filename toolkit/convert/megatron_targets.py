@@ -29,7 +29,8 @@ def _mcore_job(ctx: Ctx, layout: ParallelLayout, folder: str, index: int,
     with job_source(ctx) as op:
         return mcore_dist.write_data_file(Path(folder) / f"__{index}_0.distcp", items,
                                           op.adapter.table(layout.tp), op.read,
-                                          op.dtype_of(ctx.dtype), tick or (lambda n: None))
+                                          op.dtype_of(ctx.dtype), tick or (lambda n: None),
+                                          op.byte_range)
 
 
 def _legacy_job(ctx: Ctx, layout: ParallelLayout, folder: str, coords: list[Any],
