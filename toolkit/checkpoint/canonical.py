@@ -37,6 +37,8 @@ from toolkit.mapping import Column, Piece, Rule
 
 Region = tuple[tuple[int, int], ...]
 Reader = Callable[[str, Region], torch.Tensor]
+#: name, region -> ``(file, offset, length)`` of those whole rows as stored, or None.
+Locator = Callable[[str, Region], "tuple[Any, int, int] | None"]
 
 
 def _idx(region: Region) -> tuple[slice, ...]:
@@ -62,6 +64,40 @@ def local_tensor(rule: Rule, rank: int, size: int, read: Reader,
     for p in pieces:
         part = read(p.source, p.src)
         out[_idx(p.dst)] = part.t() if p.transpose else part
+    return out
+
+
+def local_segments(rule: Rule, rank: int, size: int, locate: Locator,
+                   itemsize: int) -> list[tuple[Any, int, int]] | None:
+    """Shard ``rank`` of ``size`` of ``rule`` as ``(file, offset, length)`` byte ranges in
+    row-major order (file None: zero rows, the vocab padding), when every piece is whole rows of
+    its source (``locate(name, region)``: the range of those rows as stored, or None) and whole
+    rows of the shard (no transpose, no inner-dimension cut): then a writer copies the bytes
+    file to file. None when any piece is not (then ``local_tensor`` assembles it in memory)."""
+    if not rule.split:
+        rank, size = 0, 1
+    shape = rule.local_shape(size)
+    if not shape:
+        return None
+    row = itemsize
+    for n in shape[1:]:
+        row *= n
+    inner = tuple((0, n) for n in shape[1:])
+    out: list[tuple[Any, int, int]] = []
+    at = 0
+    for p in sorted(rule.pieces(rank, size), key=lambda p: p.dst[0][0]):
+        a, b = p.dst[0]
+        if p.transpose or tuple(p.dst[1:]) != inner or a < at:
+            return None
+        where = locate(p.source, p.src)
+        if where is None or where[2] != (b - a) * row:
+            return None
+        if a > at:
+            out.append((None, 0, (a - at) * row))
+        out.append(where)
+        at = b
+    if at < shape[0]:
+        out.append((None, 0, (shape[0] - at) * row))
     return out
 
 

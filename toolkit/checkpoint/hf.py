@@ -121,6 +121,18 @@ class HFReader:
             return h.dtype(name)
         return h[name].dtype
 
+    def byte_range(self, name: str, region: tuple[tuple[int, int], ...]
+                   ) -> tuple[Path, int, int] | None:
+        """``(file, offset, length)`` of the region's bytes as stored, when the region is whole
+        rows of a safetensors tensor (one contiguous range: a writer can copy it file to file);
+        None otherwise (``.bin`` files, inner-dimension cuts)."""
+        if self.kind != "safetensors":
+            return None
+        h = self._handle(name)
+        if name not in h._info:
+            return None
+        return h.byte_range(name, tuple(region))
+
     def read(self, name: str, region: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """The region ``[(start, stop), ...]`` of tensor ``name``; only that region is read."""
         index = tuple(slice(a, b) for a, b in region)
@@ -218,6 +230,21 @@ class SafetensorsFile:
             return torch.empty((max(b - a, 0), *shape[1:]), dtype=dtype)
         data = self._read_at(begin + a * row, (b - a) * row)
         return data.view(dtype).view(b - a, *shape[1:])
+
+    def byte_range(self, name: str, region: tuple[tuple[int, int], ...]
+                   ) -> tuple[Path, int, int] | None:
+        """Where rows ``region[0]`` of ``name`` lie in the file, when ``region`` spans its inner
+        dimensions whole; else None."""
+        dtype, shape, begin, end = self._info[name]
+        region = tuple(region) + tuple((0, n) for n in shape[len(region):])
+        if not shape or len(region) != len(shape) or tuple(region[1:]) != tuple(
+                (0, n) for n in shape[1:]):
+            return None
+        a, b = region[0]
+        if not 0 <= a <= b <= shape[0]:
+            return None
+        row = math.prod(shape[1:]) * dtype.itemsize
+        return self.path, begin + a * row, (b - a) * row
 
     def read(self, name: str, region: tuple[tuple[int, int], ...] | None = None
              ) -> torch.Tensor:

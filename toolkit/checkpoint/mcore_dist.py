@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from toolkit.checkpoint import CheckpointError, formats
-from toolkit.checkpoint.canonical import McoreFullSource, local_tensor
+from toolkit.checkpoint import CheckpointError, formats, torch_record
+from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
 from toolkit.checkpoint.hf import TOKENIZER_FILES
 from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_torch
@@ -628,27 +628,56 @@ def plan_items(adapter: Any, tp: int, dtype_of: Callable[[str], torch.dtype]) ->
 
 def write_data_file(path: Path, items: list[Item], table: Any, read: Callable,
                     dtype_of: Callable[[str], torch.dtype],
-                    tick: Callable[[int], None] = lambda n: None) -> list[dict]:
-    """Write ``items`` into one DCP data file; returns their storage records."""
+                    tick: Callable[[int], None] = lambda n: None,
+                    byte_range: Callable[[str, Any, torch.dtype], Any] | None = None
+                    ) -> list[dict]:
+    """Write ``items`` into one DCP data file; returns their storage records.
+
+    ``byte_range(name, region, dtype)`` (optional): where a source region lies as stored
+    (``Opened.byte_range``). An item made of whole rows of such regions (every layer tensor,
+    ``[gate; up]``, fused QKV, the embedding of a safetensors source without a cast) is copied
+    file to file into its ``torch.save`` record (``torch_record``); the others are assembled in
+    memory, the next one read in a thread while this one is written."""
     rules = dict(table.items())
     records = []
 
-    def produce(it: Item) -> torch.Tensor:
+    def produce(it: Item) -> Any:
         rule = rules[it.name]
-        t = local_tensor(rule, 0, 1, read, dtype_of(rule.sources[0]))
+        dtype = dtype_of(rule.sources[0])
+        if byte_range is not None:
+            segs = local_segments(rule, 0, 1, lambda n, r: byte_range(n, r, dtype),
+                                  dtype.itemsize)
+            if segs is not None:
+                return torch_record.merge(segs), dtype
+        t = local_tensor(rule, 0, 1, read, dtype)
         return t.reshape((1,) * len(it.prefix) + tuple(t.shape)).contiguous()
 
     # the next chunk is read (in a thread) while this one is written: two chunks in memory
     with open(path, "wb") as f, contextlib.closing(read_ahead(items, produce)) as chunks:
         for it, t in chunks:
             offset = f.tell()
-            torch.save(t, f)
+            shape = (1,) * len(it.prefix) + tuple(it.shape)
+            if isinstance(t, tuple):
+                f.flush()
+                torch_record.save_segments(f.fileno(), shape, t[1], t[0])
+                f.seek(0, 2)  # the buffered file learns the position the copies moved to
+                dtype = t[1]
+            else:
+                torch.save(t, f)
+                shape, dtype = tuple(t.shape), t.dtype
             records.append({"key": it.key, "offsets": (*it.prefix, *(0,) * len(it.shape)),
-                            "sizes": tuple(t.shape), "dtype": t.dtype, "file": path.name,
+                            "sizes": shape, "dtype": dtype, "file": path.name,
                             "offset": offset, "length": f.tell() - offset})
             tick(it.nbytes)
             del t
     return records
+
+
+def import_metadata_classes() -> None:
+    """Import the DCP modules ``write_metadata`` pickles classes of (about 0.6 s: they pull in
+    DTensor), so a caller can do it in the background while data is written."""
+    import torch.distributed.checkpoint.filesystem  # noqa: F401
+    import torch.distributed.checkpoint.metadata  # noqa: F401
 
 
 def write_metadata(folder: Path, items: list[Item], records: list[dict], num_layers: int,

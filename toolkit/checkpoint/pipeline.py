@@ -62,3 +62,29 @@ def read_ahead(items: Iterable[T], produce: Callable[[T], Any], depth: int = 1
         stop.set()
         slots.release(depth + 1)  # wake the thread wherever it waits; it sees ``stop``
         thread.join()
+
+
+def background(fn: Callable[[], T]) -> Callable[[], T]:
+    """Start ``fn()`` in a thread now; the returned call waits for it and gives its result (or
+    raises its exception). For fixed work a conversion needs only at its end (importing the
+    modules that write the metadata or config files): it runs while the data is copied, which
+    in the kernel (``copy_file_range``) leaves the other core and the GIL free."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as err:  # noqa: BLE001 - raised in the caller when it waits
+            box.append((False, err))
+
+    thread = threading.Thread(target=run, name="mdtk-background", daemon=True)
+    thread.start()
+
+    def wait() -> T:
+        thread.join()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    return wait

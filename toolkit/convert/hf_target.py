@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from toolkit.checkpoint.hf import HFWriter
-from toolkit.checkpoint.pipeline import read_ahead
+from toolkit.checkpoint.pipeline import background, read_ahead
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Opened, full
 
@@ -22,12 +23,10 @@ from toolkit.convert.sources import Opened, full
 def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
              overwrite: bool, max_shard_bytes: int, fsync: bool) -> None:
     """Write the open source as an HF folder at ``dst`` (floating tensors cast to ``dtype``)."""
-    from toolkit.adapters import adapter_for
-    from toolkit.adapters.live import generation_config
-
     dtype_of = op.dtype_of(dtype)
     expected = op.adapter.expected_tensors()
     out_dtype = dtype or dtype_of(next(iter(expected)))
+    configs = background(lambda: _configs(op, out_dtype))  # imports transformers meanwhile
     writer = HFWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                       plan={n: (tuple(s), dtype_of(n)) for n, s in expected.items()})
     writer.fsync = fsync
@@ -52,10 +51,18 @@ def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
                     writer.add(name, t)
                     bar.advance(t.numel() * t.element_size())
                 del t
-        # transformers' config of the same folder: it writes config.json as transformers does
-        live = adapter_for(op.adapter.source)
-        writer.finish(live.export_config(out_dtype), generation_config=generation_config(live),
-                      copy_from=op.adapter.source)
+        config, gen = configs()
+        writer.finish(config, generation_config=gen, copy_from=op.adapter.source)
     except BaseException:
         writer.abort()
         raise
+
+
+def _configs(op: Opened, dtype: torch.dtype) -> tuple[Any, Any]:
+    """transformers' config and generation config of the source's HF config folder (so
+    config.json is written as transformers writes it), with the weights' dtype."""
+    from toolkit.adapters import adapter_for
+    from toolkit.adapters.live import generation_config
+
+    live = adapter_for(op.adapter.source)
+    return live.export_config(dtype), generation_config(live)

@@ -52,6 +52,16 @@ class Opened:
     def read(self, name: str, region: Any) -> torch.Tensor:
         return self.source.read(self.names[name], tuple(region))
 
+    def byte_range(self, name: str, region: Any, dtype: torch.dtype
+                   ) -> tuple[Any, int, int] | None:
+        """``(file, offset, length)`` of ``region`` of ``name`` as stored, when the source can
+        say (HF safetensors: whole rows) and stores it as ``dtype`` (no cast); else None."""
+        stored = self.names[name]
+        locate = getattr(self.source, "byte_range", None)
+        if locate is None or self.source.dtype(stored) != dtype:
+            return None
+        return locate(stored, tuple(region))
+
     def dtype_of(self, dtype: torch.dtype | None) -> Callable[[str], torch.dtype]:
         """name -> output dtype: ``dtype`` for floating tensors when given, else as stored."""
         def of(name: str) -> torch.dtype:
