@@ -4,13 +4,14 @@ Three launches, each scenario's assertions in its own test:
 
 * two torchrun agents (``--nodes 2``, 2 processes each, c10d rendezvous on 127.0.0.1, started
   through ``mdtk launch CONFIG --node-rank R``) train tp2 x dp2 for 6 steps: the reference;
-* one agent with 4 processes under ``--max-restarts 3`` that is made to fail twice: a worker is
+* one agent with 4 processes under ``--max-restarts 2`` that is made to fail twice: a worker is
   SIGKILLed from outside while it is inside the save of step 4 (the restarted group resumes
   from step 2, never from the partial step 4), then a worker gets SIGTERM before step 5 (every
   rank saves step 5 and exits with status 75; the next restart resumes there). Its per-step
   losses equal the two-agent run's bit for bit, in every attempt;
-* two processes, one hung on purpose (test hook), ``runtime.heartbeat_timeout_s=4``: the
-  watchdogs end the group within the timeout.
+* two processes under ``--max-restarts 1``, one hung on purpose (test hook),
+  ``runtime.heartbeat_timeout_s=5``: the watchdogs end the group within the timeout, torchrun
+  restarts it, and the stop file then makes every rank save and ``mdtk launch`` exit 75.
 """
 
 from __future__ import annotations
@@ -107,13 +108,13 @@ def two_nodes(setup) -> dict:
 
 @pytest.fixture(scope="module")
 def restarted(setup) -> dict:
-    """One agent, 4 processes, --max-restarts 3; SIGKILL mid-save, then SIGTERM."""
+    """One agent, 4 processes, --max-restarts 2; SIGKILL mid-save, then SIGTERM."""
     faults = ",".join([
         "pause:save:1:4:0",  # attempt 0: rank 1 waits inside the save of step 4
         "pause:step:2:4:1",  # attempt 1: rank 2 waits before step 5 (index 4)
     ])
     proc, out, log = _launch(setup, "restarted", ["--nodes", "1", "--gpus-per-node", "4",
-                                                  "--max-restarts", "3", "--master-port",
+                                                  "--max-restarts", "2", "--master-port",
                                                   str(free_port())], faults=faults)
     seen: dict = {}
     try:
@@ -169,24 +170,35 @@ def test_sigterm_saves_then_resumes_bit_exactly(two_nodes, restarted):
     assert ckpts == ["latest", "step_0000002", "step_0000004", "step_0000005", "step_0000006"]
 
 
-def test_hung_rank_ends_the_group_within_the_heartbeat_timeout(setup):
-    """Rank 1 sleeps before step 2; every rank's watchdog ends it after HEARTBEAT_S."""
+def test_hung_rank_fails_fast_and_the_stop_file_stops_the_restarted_group(setup):
+    """Attempt 0: rank 1 sleeps before step 2; every rank's watchdog ends the group
+    HEARTBEAT_S after the last step and torchrun restarts it. Attempt 1: the stop file appears
+    while rank 0 waits before step 2; step 2 is saved and `mdtk launch` exits 75."""
     proc, out, log = _launch(
-        setup, "hung", ["--nodes", "1", "--gpus-per-node", "2", "--master-port",
-                        str(free_port())],
+        setup, "hung", ["--nodes", "1", "--gpus-per-node", "2", "--max-restarts", "1",
+                        "--master-port", str(free_port())],
         overrides=("parallel.tp=1", f"runtime.heartbeat_timeout_s={HEARTBEAT_S}",
-                   "checkpoint.interval=0"), faults="hang:step:1:1:0")
+                   "checkpoint.interval=0"), faults="hang:step:1:1:0,pause:step:0:1:1")
     try:
         _wait_for(out / "hang-step-r1-s1-a0", proc)
         hung_at = time.monotonic()
-        status = proc.wait(TIMEOUT)
+        while "no training progress" not in log.read_text():
+            assert time.monotonic() - hung_at < TIMEOUT and proc.poll() is None
+            time.sleep(0.05)
         waited = time.monotonic() - hung_at
+        _wait_for(out / "pause-step-r0-s1-a1", proc)
+        (out / "STOP").touch()
+        status = proc.wait(TIMEOUT)
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert status != 0, text[-2000:]
     assert "no training progress for" in text and "heartbeat_timeout_s=5" in text
     assert re.search(rf"exitcode\s*:\s*{errors.EXIT_HUNG}\b", text), text[-2000:]
-    # the watchdog polls every 0.4 s; the launcher's teardown takes the rest
-    assert HEARTBEAT_S - 0.5 < waited < HEARTBEAT_S + 10, waited
+    # the last step ended just before the hang: the watchdog polls every 0.5 s
+    assert HEARTBEAT_S - 0.5 < waited < HEARTBEAT_S + 2, waited
+    assert status == errors.EXIT_STOPPED, text[-3000:]
+    assert f"stopped at step 2 (stop file {out / 'STOP'}); checkpoint" in text
+    assert f"remove {out / 'STOP'} and launch it again to resume (exit status 75)" in text
+    assert "the ranks saved a checkpoint and stopped on request" in text
+    assert (out / "checkpoints" / "step_0000002" / "trainer_state.json").is_file()

@@ -105,11 +105,11 @@ class StopGuard:
                             device=runtime.device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         value = int(flag.item())
-        if value and value % _RANKS != rank:
-            asked, by = _REASONS[value // _RANKS], value % _RANKS
-            self.reason = f"{asked or 'stop file'} on rank {by}"
-        elif value:
-            self.reason = f"{mine} on rank {rank}"
+        asked, by = divmod(value, _RANKS)
+        if asked == 1:  # the stop file: a shared path every rank may see
+            self.reason = mine if code == 1 else "stop file"
+        elif asked:
+            self.reason = f"{_REASONS[asked]} on rank {by}"
         return bool(value)
 
 
