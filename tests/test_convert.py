@@ -495,3 +495,22 @@ def test_deepspeed_tools_read_step_folders_without_a_tag(ds_runs, tmp_path):
         ours = {k: v for k, v in ours.items() if isinstance(v, torch.Tensor)}
         assert sorted(ours) == sorted(theirs), case
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), case
+
+
+def test_deepspeed_model_path_relative_to_the_run(ds_runs, tmp_path, monkeypatch):
+    """trainer_state.json stores the model path absolute; a relative one (older runs) is found
+    against the run folder when converting from another directory."""
+    runs, _, _ = ds_runs
+    run = tmp_path / "run"
+    shutil.copytree(Path(runs["dp2_zero2"]["checkpoints"]), run / "checkpoints")
+    state_file = run / "checkpoints" / "step_0000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert Path(state["config"]["model"]["path"]).is_absolute()
+    shutil.copytree(state["config"]["model"]["path"], run / "model")
+    state["config"]["model"]["path"] = "model"
+    state_file.write_text(json.dumps(state))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    convert(run / "checkpoints", tmp_path / "hf", "hf", progress=False)
+    same = ac.compare_tensors(Path(runs["dp2_zero2"]["export_dir"]), tmp_path / "hf")
+    assert same["n"] > 0 and same["unequal"] == [] and same["only_a"] == same["only_b"] == []

@@ -230,3 +230,22 @@ def test_plain_deepspeed_checkpoint_converts_as_zero_to_fp32(tmp_path):
     # the trained weights differ from the model DeepSpeed started from
     start = _weights(model)
     assert sum(not torch.equal(start[k], theirs[k]) for k in start) > len(start) // 2
+
+
+def test_old_format_bin_is_read_through_the_safe_loader(mlm, tmp_path, monkeypatch):
+    """A ``pytorch_model.bin`` in torch's old (non-zip) format converts; one that would run code
+    is still refused, with nothing written."""
+    hf = tmp_path / "old-bin"
+    hf.mkdir()
+    shutil.copy(mlm / "hf-llama-tiny" / "config.json", hf)
+    ref = _weights(mlm / "hf-llama-tiny")
+    torch.save(ref, hf / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    convert(hf, tmp_path / "out", "hf", progress=False)
+    _assert_identical(tmp_path / "out", ref)
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("MDTK_PWNED", str(marker))
+    torch.save({**ref, "evil": _RunsCode()}, hf / "pytorch_model.bin",
+               _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match="not weights"):
+        convert(hf, tmp_path / "out2", "hf", progress=False)
+    assert not (tmp_path / "out2").exists() and not marker.exists()

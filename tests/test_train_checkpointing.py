@@ -47,7 +47,8 @@ def test_save_layout_latest_and_state(tmp_path):
     assert mgr.resolve_resume("auto") is None  # nothing yet: fresh start
     path = mgr.save(_state(10), _write_engine)
     assert path.name == "step_0000010"
-    assert sorted(p.name for p in path.iterdir()) == [ENGINE_TAG, "rng", STATE_FILE]
+    assert sorted(p.name for p in path.iterdir()) == [ENGINE_TAG, "latest", "rng", STATE_FILE]
+    assert (path / "latest").read_text() == ENGINE_TAG  # DeepSpeed's own tag pointer
     assert (path / ENGINE_TAG / "weights.bin").read_bytes() == b"w" * 100
     assert rng_file(path, 0).is_file()
     assert (mgr.root / "latest").read_text().strip() == "step_0000010"

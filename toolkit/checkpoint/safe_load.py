@@ -17,6 +17,7 @@ import argparse
 import io
 import pickle
 import signal
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,15 @@ def load_torch(path: str | Path, *, mmap: bool = True) -> Any:
     """
     path = Path(path)
     allowed: list[Any] = [argparse.Namespace]
-    try:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    legacy = path.is_file() and not zipfile.is_zipfile(path)
+    try:  # the old (non-zip) format cannot be listed: weights_only refuses its globals itself
+        unsafe = [] if legacy else torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception as err:  # noqa: BLE001 - any parse failure means a damaged file
         raise CheckpointError(f"{path}: cannot read it as a torch checkpoint ({err}); the file "
                               "is damaged or truncated.") from err
+    if legacy:
+        allowed += list(ALLOWED_STDLIB.values())
+        mmap = False  # only zip files can be memory-mapped
     refused = []
     for name in unsafe:
         if name == "argparse.Namespace":
@@ -92,6 +97,10 @@ def load_torch(path: str | Path, *, mmap: bool = True) -> Any:
             raise CheckpointError(f"{path}: cannot load ({err}); the file is damaged or "
                                   "truncated.") from err
         except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            if legacy and "Unsupported global" in str(err):
+                raise CheckpointError(f"{path} (old non-zip format) contains objects that are "
+                                      f"not weights ({err}); refusing to unpickle them. "
+                                      "Re-save the tensors only.") from err
             raise CheckpointError(f"{path}: cannot load ({err}).") from err
 
 

@@ -412,8 +412,19 @@ def _training_state(state: RunState, step: int) -> TrainingState:
         world_size=plan.layout.world_size, dp_size=plan.layout.dp,
         global_batch=plan.global_batch, micro_batch=plan.micro_batch, seed=cfg.train.seed,
         layout=dataclasses.asdict(plan.layout), data_fingerprint=state.data.key,
-        config=cfg.to_dict(),
+        config=_absolute_model_paths(cfg.to_dict()),
     )
+
+
+def _absolute_model_paths(config: dict) -> dict:
+    """The config with local model paths made absolute, so that a checkpoint names its HF
+    folder wherever it is read from (``mdtk convert`` from another directory); hub ids stay."""
+    model = dict(config.get("model") or {})
+    for key in ("path", "config", "tokenizer"):
+        value = model.get(key)
+        if isinstance(value, str) and value and Path(value).exists():
+            model[key] = str(Path(value).resolve())
+    return {**config, "model": model}
 
 
 def _save(state: RunState, engine, step: int) -> Path:
