@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -177,6 +178,7 @@ def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: 
     res: dict = {"model": name, "hf_bytes": folder_bytes(src), "largest_tensor": largest,
                  "rss_target": int(1.5 * 2**30 + 2 * largest), "workers": workers,
                  "repeats": repeats, "cold": cold}
+    res["load_before"] = os.getloadavg()  # other jobs on the machine (the lock covers ours)
     runs: dict[str, list[dict]] = {k: [] for k in ("cp_hf", "hf_to_mcore", "cp_mcore",
                                                    "mcore_to_hf")}
     for _ in range(repeats):
@@ -198,6 +200,7 @@ def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: 
         runs["mcore_to_hf"].append(measure([MDTK, "convert", str(work / "mcore"),
                                             str(work / "hf"), "--to", "hf", "--workers",
                                             workers, "-q"]))
+    res["load_after"] = os.getloadavg()
     res["mcore_bytes"] = folder_bytes(work / "mcore")
     for k, rs in runs.items():
         res[k] = {"seconds": _stats([r["seconds"] for r in rs]),
@@ -250,6 +253,8 @@ def main() -> None:
                   f"(per round {pr['min']:.2f}-{pr['max']:.2f}x)  peak RSS "
                   f"{s['peak_rss'] / gib:.2f} GiB ({'within' if s['rss_ok'] else 'ABOVE'} "
                   "target)")
+        print(f"  load average (1, 5, 15 min) before {r['load_before']}, after "
+              f"{r['load_after']}")
         if "checked_tensors" in r:
             print(f"  round trip bit-exact: {r['checked_tensors']} tensors")
     out = CACHE / f"results{'-cold' if args.cold else ''}.json"
