@@ -69,7 +69,30 @@ def tiny_moe_configs() -> dict:
         # has a dense MLP (mlp_only_layers -> megatron-core's moe_layer_freq).
         "qwen3_moe": tf.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48,
                                        head_dim=24, norm_topk_prob=True, mlp_only_layers=[2]),
+        "deepseek_v3": tiny_deepseek_v3(),
     }
+
+
+#: DeepSeek-V3's published YaRN settings, scaled to the tiny context.
+DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+             "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+             "original_max_position_embeddings": 64}
+
+
+def tiny_deepseek_v3(**overrides):
+    """DeepSeek-V3 in small: MLA with q/kv LoRA, YaRN, 4 experts in 2 groups (top-1 group,
+    top-2 experts: group score = top-2 sum, as the real 8 / 4 / 8), a shared expert, layer 0
+    dense, routed scaling; odd sizes (q_lora 20, kv_lora 14 + rope 6) so a wrong split shows."""
+    import transformers as tf
+
+    kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              vocab_size=VOCAB, n_routed_experts=4, n_group=2, topk_group=1,
+              num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1,
+              routed_scaling_factor=2.5, q_lora_rank=20, kv_lora_rank=14, qk_rope_head_dim=6,
+              qk_nope_head_dim=10, v_head_dim=12, max_position_embeddings=256,
+              rope_parameters=DSV3_YARN, bos_token_id=1, eos_token_id=2)
+    return tf.DeepseekV3Config(**{**kw, **overrides})
 
 
 def tokens() -> torch.Tensor:
@@ -99,6 +122,9 @@ def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, P
                     p.copy_(1.0 + 0.2 * torch.randn_like(p))
                 else:
                     p.normal_(0.0, 0.15)
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):  # a weight HF keeps as a buffer
+                    b.copy_(0.3 * torch.randn_like(b))
         path = root / name
         model.save_pretrained(path)
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,

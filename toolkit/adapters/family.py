@@ -45,12 +45,18 @@ class Dims:
     dense_layers: tuple[int, ...] = ()  # MoE model: layers with a dense MLP
     shared_ffn: int = 0  # MoE model: shared expert size (0: none)
     shared_gate: bool = False  # the shared expert has a sigmoid gate
+    router_bias: bool = False  # per-expert score-correction bias (a stored buffer, DeepSeek-V3)
     positions: int = 0  # rows of a learned position table; 0: RoPE
     norm: str = "RMSNorm"  # or "LayerNorm" (weight and bias)
     gated: bool = True  # SwiGLU-style MLP (gate and up projections)
     qkv_bias: bool = False
     linear_bias: bool = False  # o_proj and MLP biases (megatron-core's add_bias_linear)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k
+    # Multi-latent attention (DeepSeek); kv_lora 0: GQA attention. head_dim is then v_head_dim.
+    kv_lora: int = 0  # latent size of keys/values (kv_a_proj output without the RoPE part)
+    q_lora: int = 0  # latent size of queries; 0: one q_proj
+    qk_nope: int = 0  # per-head q/k size without RoPE
+    qk_rope: int = 0  # per-head q/k RoPE size (one RoPE key shared by all heads)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -170,8 +176,7 @@ class Family:
         act = self.activation(hf)
         if self.gated and act not in ("silu", "swish"):
             raise UnsupportedModel(f"hidden_act={act!r}: the gated MLP mapping is SwiGLU only.")
-        if not self.learned_positions:
-            rope_kwargs(hf)
+        self.model_kwargs(hf)  # refuses RoPE settings megatron-core cannot compute
         d = self.dims(hf)
         if (m := self.moe) is None:
             return

@@ -111,8 +111,17 @@ def load_hf(
     return chunks, adapter
 
 
-def _params(chunks: list[Any]) -> dict[tuple[int, str], torch.nn.Parameter]:
-    return {(i, name): p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+#: Persistent buffers that are checkpoint weights (DeepSeek's ``e_score_correction_bias``).
+WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+
+
+def _params(chunks: list[Any]) -> dict[tuple[int, str], torch.Tensor]:
+    """The chunks' parameters and weight buffers (``WEIGHT_BUFFERS``), by (chunk, name)."""
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    for i, chunk in enumerate(chunks):
+        out.update(((i, n), p) for n, p in chunk.named_parameters())
+        out.update(((i, n), b) for n, b in chunk.named_buffers() if n.endswith(WEIGHT_BUFFERS))
+    return out
 
 
 def check_plans(chunks: list[Any], plans: list[TensorPlan], coord: Coord, num_layers: int) -> None:
