@@ -1,12 +1,11 @@
 """DeepSeek-V3 / R1 (``DeepseekV3ForCausalLM``): multi-latent attention + DeepSeekMoE.
 
-MLA is megatron-core's ``MLASelfAttention`` (``builders.mla_attention``; its RoPE de-interleaves
-the pairs as HF's ``rope_interleave``; YaRN: ``hfconfig.mla_rope_kwargs``). Routing: sigmoid +
+MLA: megatron-core's ``MLASelfAttention`` (``builders.mla_attention``; its RoPE de-interleaves
+pairs as HF's ``rope_interleave``; YaRN: ``hfconfig.mla_rope_kwargs``). Routing: sigmoid +
 ``e_score_correction_bias`` (the router's ``expert_bias`` buffer), group-limited top-k (group
-score: top ``top_k // topk_group`` sum, HF's is top-2), renormalised, times
-``routed_scaling_factor``; an ungated shared expert; the first ``first_k_dense_replace`` layers
-dense; no aux loss (HF has none). MTP layers past ``num_hidden_layers`` (HF skips them): see
-``toolkit.convert.extras``. docs/models/deepseek_v3.md has the details.
+score: top ``top_k // topk_group`` sum; HF's: top-2), renormalised, x ``routed_scaling_factor``;
+an ungated shared expert; the first ``first_k_dense_replace`` layers dense; no aux loss (HF has
+none). Details and the MTP layers: docs/models/deepseek_v3.md.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ class DeepseekV3(Family):
                 "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "rope_interleave": True}
     moe = Moe(experts_key=("n_routed_experts", "num_local_experts"), dense_layers=True)
     qkv_bias = linear_bias = mlp_bias = False
+    extra_layers = True  # the MTP layers stored past num_hidden_layers: kept aside
 
     def dims(self, hf: Any) -> Dims:
         v, d = self.value, super().dims(hf)
@@ -62,9 +62,6 @@ class DeepseekV3(Family):
                 "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
                 "moe_router_num_groups": v(hf, "n_group"),
                 "moe_router_group_topk": v(hf, "topk_group")}
-
-    def spec_kwargs(self, hf: Any) -> dict[str, Any]:
-        return {**super().spec_kwargs(hf), "multi_latent_attention": True}
 
     def model_kwargs(self, hf: Any) -> dict[str, Any]:  # MLA builds its own RoPE (not GPTModel)
         return {"max_sequence_length": self.value(hf, "max_position_embeddings"),

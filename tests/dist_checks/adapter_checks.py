@@ -95,6 +95,28 @@ def tiny_deepseek_v3(**overrides):
     return tf.DeepseekV3Config(**{**kw, **overrides})
 
 
+def add_mtp_layer(path: Path, config) -> None:
+    """Store a random multi-token-prediction layer past ``num_hidden_layers``, named as the
+    published DeepSeek-V3 checkpoints name it (``model.layers.61.*`` there): enorm, hnorm,
+    eh_proj, shared_head, its own embedding and a full MoE decoder layer. HF skips it; mdtk
+    must carry it through exports and conversions bit-exactly."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    last, mtp, h = config.num_hidden_layers - 1, config.num_hidden_layers, config.hidden_size
+    g = torch.Generator().manual_seed(61)
+    extra = {k.replace(f"layers.{last}.", f"layers.{mtp}."): v
+             for k, v in tensors.items() if k.startswith(f"model.layers.{last}.")}
+    extra.update({f"model.layers.{mtp}.{k}": torch.empty(s) for k, s in [
+        ("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+        ("shared_head.norm.weight", (h,)), ("shared_head.head.weight", (VOCAB, h)),
+        ("embed_tokens.weight", (VOCAB, h))]})
+    for k, v in extra.items():
+        tensors[k] = torch.randn(v.shape, generator=g)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 def tokens() -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
@@ -132,6 +154,8 @@ def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, P
         with torch.no_grad():
             logits = ref(tokens()).logits
         torch.save(logits, root / f"{name}.logits.pt")
+        if name == "deepseek_v3":
+            add_mtp_layer(path, config)
         out[name] = path
     return out
 
