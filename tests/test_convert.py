@@ -136,11 +136,25 @@ def test_converted_checkpoints_give_the_hf_logits(chains, tiny_root):
         pairs += [(ref, f"mcore:{tiny_root / 'out' / f / 'm_tp2'}"),
                   (ref, f"megatron-legacy:{tiny_root / 'out' / f / 'leg_b'}")]
     pairs.append((str(tiny_root / "llama"), f"megatron-legacy:{tampered}"))
-    *good, bad = convert_checks.verify_in_subprocess(pairs)
+    # DeepSeek-V3: moving one expert's score-correction bias (a buffer, not a parameter) must
+    # change the routing and fail too, so the bias really travels and is compared.
+    biased = tiny_root / "out" / "deepseek_v3" / "tampered"
+    shutil.copytree(tiny_root / "out" / "deepseek_v3" / "leg_b", biased)
+    key, hits = "decoder.layers.1.mlp.router.expert_bias", 0
+    for file in sorted(biased.glob("release/mp_rank_00_000_*/model_optim_rng.pt")):  # pp 0
+        state = load_torch(file, mmap=False)
+        if key in state["model"]:
+            state["model"][key][0] += 1.0
+            torch.save(state, file)
+            hits += 1
+    assert hits == 4  # global layer 1, replicated in each expert rank's file of stage 0
+    pairs.append((str(tiny_root / "deepseek_v3"), f"megatron-legacy:{biased}"))
+    *good, bad, bad_bias = convert_checks.verify_in_subprocess(pairs)
     worst = {r["spec"]: r["max_abs"] for r in good if not r["max_abs"] <= TOL}
     assert not worst, f"logits differ from HF beyond {TOL}: {worst}"
     assert all(r["layers"] == 4 for r in good)
     assert bad["max_abs"] > 1e-2, bad  # the comparison can fail
+    assert bad_bias["max_abs"] > 1e-2, bad_bias
 
 
 def test_mdtk_verify_cli_after_conversion(chains, tiny_root):

@@ -33,6 +33,8 @@ def test_param_count_exact_vs_transformers_meta_model(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     numel = sum(p.numel() for p in model.parameters())
+    numel += sum(b.numel() for m in model.modules() for n, b in m._buffers.items()  # stored
+                 if b is not None and n not in m._non_persistent_buffers_set)  # (DeepSeek bias)
     assert model_shape_from_hf(hf_config.to_dict()).num_params() == numel
 
 

@@ -69,7 +69,7 @@ def test_param_count_from_family_equals_hf_model(name, tmp_path):
     shape = model_shape_from_hf(hf_json, name=name)  # the family alone: no transformers here
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    params = dict(model.named_parameters())  # tied weights appear once
+    params = _stored(model)  # tied weights appear once; stored buffers (DeepSeek's bias) count
     assert shape.num_params() == sum(p.numel() for p in params.values()) > 0
     for i in range(shape.layers):
         prefix = family.layer.format(i=i)
@@ -79,6 +79,15 @@ def test_param_count_from_family_equals_hf_model(name, tmp_path):
     table = adapter_for(config).table(1)
     mapped = sum(_numel(s) for s in table.hf_shapes().values())
     assert mapped == shape.num_params()
+
+
+def _stored(model) -> dict:
+    """Parameters and persistent buffers (what ``save_pretrained`` stores), by name."""
+    out = dict(model.named_parameters())
+    for prefix, mod in model.named_modules():
+        out.update((f"{prefix}.{n}".lstrip("."), b) for n, b in mod._buffers.items()
+                   if b is not None and n not in mod._non_persistent_buffers_set)
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -100,6 +109,10 @@ PUBLISHED = {
     "qwen2.5-7b": 7_615_616_512,
     "mixtral-8x7b": 46_702_792_704,
     "qwen1.5-moe-a2.7b": 14_315_784_192,
+    # deepseek-ai/DeepSeek-V3: 671B without the MTP layer = HF's 671,026,404,352 parameters +
+    # 58 MoE layers x 256 e_score_correction_bias (a stored buffer). The hub's 685B adds the MTP
+    # layer (13,463,426,304 with its embedding/head copies) and the FP8 weight_scale_inv tensors.
+    "deepseek-v3": 671_026_419_200,
 }
 
 
@@ -113,12 +126,14 @@ def test_presets_have_their_published_sizes(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"),
                                                                       **cfg))
-    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+    assert sum(p.numel() for p in _stored(model).values()) == PUBLISHED[name]
 
 
 def test_moe_presets_active_params():
     assert round(load_model_shape("mixtral-8x7b").active_params() / 1e9, 1) == 12.9
     assert round(load_model_shape("qwen1.5-moe-a2.7b").active_params() / 1e9, 1) == 2.7
+    # DeepSeek-V3 "37B activated": 8 of 256 routed experts + everything else, 37.55B
+    assert round(load_model_shape("deepseek-v3").active_params() / 1e9, 1) == 37.6
 
 
 def test_new_family_file_gets_estimates_without_memory_code(tmp_path):

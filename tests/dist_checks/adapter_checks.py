@@ -79,7 +79,52 @@ def tiny_moe_configs() -> dict:
         # has a dense MLP (mlp_only_layers -> megatron-core's moe_layer_freq).
         "qwen3_moe": tf.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48,
                                        head_dim=24, norm_topk_prob=True, mlp_only_layers=[2]),
+        "deepseek_v3": tiny_deepseek_v3(),
     }
+
+
+#: DeepSeek-V3's published YaRN settings, scaled to the tiny context.
+DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+             "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+             "original_max_position_embeddings": 64}
+
+
+def tiny_deepseek_v3(**overrides):
+    """DeepSeek-V3 in small: MLA with q/kv LoRA, YaRN, 4 experts in 2 groups (top-1 group,
+    top-2 experts: group score = top-2 sum, as the real 8 / 4 / 8), a shared expert, layer 0
+    dense, routed scaling; odd sizes (q_lora 20, kv_lora 14 + rope 6) so a wrong split shows."""
+    import transformers as tf
+
+    kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              vocab_size=VOCAB, n_routed_experts=4, n_group=2, topk_group=1,
+              num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1,
+              routed_scaling_factor=2.5, q_lora_rank=20, kv_lora_rank=14, qk_rope_head_dim=6,
+              qk_nope_head_dim=10, v_head_dim=12, max_position_embeddings=256,
+              rope_parameters=DSV3_YARN, bos_token_id=1, eos_token_id=2)
+    return tf.DeepseekV3Config(**{**kw, **overrides})
+
+
+def add_mtp_layer(path: Path, config) -> None:
+    """Store a random multi-token-prediction layer past ``num_hidden_layers``, named as the
+    published DeepSeek-V3 checkpoints name it (``model.layers.61.*`` there): enorm, hnorm,
+    eh_proj, shared_head, its own embedding and a full MoE decoder layer. HF skips it; mdtk
+    must carry it through exports and conversions bit-exactly."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    last, mtp, h = config.num_hidden_layers - 1, config.num_hidden_layers, config.hidden_size
+    g = torch.Generator().manual_seed(61)
+    extra = {k.replace(f"layers.{last}.", f"layers.{mtp}."): v
+             for k, v in tensors.items() if k.startswith(f"model.layers.{last}.")}
+    extra.update({f"model.layers.{mtp}.{k}": torch.empty(s) for k, s in [
+        ("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+        ("shared_head.norm.weight", (h,)), ("shared_head.head.weight", (VOCAB, h)),
+        ("embed_tokens.weight", (VOCAB, h))]})
+    for k, v in extra.items():
+        tensors[k] = torch.randn(v.shape, generator=g)
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def tokens() -> torch.Tensor:
@@ -109,6 +154,9 @@ def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, P
                     p.copy_(1.0 + 0.2 * torch.randn_like(p))
                 else:
                     p.normal_(0.0, 0.15)
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):  # a weight HF keeps as a buffer
+                    b.copy_(0.3 * torch.randn_like(b))
         path = root / name
         model.save_pretrained(path)
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -116,6 +164,8 @@ def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, P
         with torch.no_grad():
             logits = ref(tokens()).logits
         torch.save(logits, root / f"{name}.logits.pt")
+        if name == "deepseek_v3":
+            add_mtp_layer(path, config)
         out[name] = path
     return out
 

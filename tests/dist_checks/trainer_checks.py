@@ -21,7 +21,7 @@ PRETRAIN = "bundled:examples/data/pretrain.jsonl"
 SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
-VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512}
+VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512, "dsv3": 512}
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Case:
 
     name: str
     model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral) | phi3
-    #                       | gemma3
+    #                       | gemma3 | dsv3 (DeepSeek-V3: MLA + sigmoid-routed experts)
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -50,6 +50,7 @@ def make_assets(root: Path) -> dict[str, str]:
     """A tiny tokenizer and three tiny HF checkpoints with random weights."""
     import transformers as tf
 
+    from dist_checks.adapter_checks import tiny_deepseek_v3
     from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(root / "tokenizer", vocab_size=TOKENIZER_VOCAB)
@@ -70,6 +71,9 @@ def make_assets(root: Path) -> dict[str, str]:
         "gemma3": tf.Gemma3TextConfig(**{**common, "pad_token_id": 1}, vocab_size=VOCAB["gemma3"],
                                       head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
                                       layer_types=["sliding_attention", "full_attention"] * 2),
+        "dsv3": tiny_deepseek_v3(**{**common, "intermediate_size": 96, "num_hidden_layers": 2,
+                                    "num_key_value_heads": 4, "rms_norm_eps": 1e-6},
+                                 vocab_size=VOCAB["dsv3"]),
     }
     out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
     for i, (name, config) in enumerate(configs.items()):
@@ -202,7 +206,7 @@ def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[Case],
     return out
 
 
-SFT_MODELS = ("phi3", "gemma3")  # families whose fine-tune must lower the validation loss
+SFT_MODELS = ("phi3", "gemma3", "dsv3")  # families whose fine-tune must lower the validation loss
 
 
 def sft_validation(model: str, assets: dict[str, str], workdir: str,

@@ -174,6 +174,8 @@ class Adapter:
                 continue
             if self.dims.tied and name == "lm_head.weight":
                 continue
+            if self.family.kept_aside(self.hf_config, name):
+                continue  # copied through by exports and conversions (``kept``)
             extra.append(name)
         if extra:
             raise CheckpointMismatch(
@@ -186,6 +188,11 @@ class Adapter:
         if bad:
             raise CheckpointMismatch("tensor shapes differ from config.json: " + _listing(bad))
         return resolved
+
+    def kept(self, stored: Any) -> list[str]:
+        """The stored names (of ``stored``) the family keeps aside: no weights of the megatron-core
+        model, copied unchanged by exports and conversions (DeepSeek-V3's MTP layers)."""
+        return [n for n in stored if self.family.kept_aside(self.hf_config, n)]
 
     def export_config(self, dtype: torch.dtype | None = None) -> Any:
         """The HF config to write next to exported weights (dtype updated)."""

@@ -45,6 +45,7 @@ class Dims:
     dense_layers: tuple[int, ...] = ()  # MoE model: layers with a dense MLP
     shared_ffn: int = 0  # MoE model: shared expert size (0: none)
     shared_gate: bool = False  # the shared expert has a sigmoid gate
+    router_bias: bool = False  # per-expert score-correction bias (a stored buffer, DeepSeek-V3)
     positions: int = 0  # rows of a learned position table; 0: RoPE
     norm: str = "RMSNorm"  # or "LayerNorm" (weight and bias)
     gated: bool = True  # SwiGLU-style MLP (gate and up projections)
@@ -52,6 +53,11 @@ class Dims:
     linear_bias: bool = False  # o_proj and MLP biases (megatron-core's add_bias_linear)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k
     post_norms: bool = False  # norms after the attention and MLP outputs too (Gemma)
+    # Multi-latent attention (DeepSeek); kv_lora 0: GQA attention. head_dim is then v_head_dim.
+    kv_lora: int = 0  # latent size of keys/values (kv_a_proj output without the RoPE part)
+    q_lora: int = 0  # latent size of queries; 0: one q_proj
+    qk_nope: int = 0  # per-head q/k size without RoPE
+    qk_rope: int = 0  # per-head q/k RoPE size (one RoPE key shared by all heads)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -111,6 +117,9 @@ class Family:
     mlp_bias: ClassVar[bool | str] = "mlp_bias"  # must equal linear_bias (one megatron switch)
     learned_positions: ClassVar[bool] = False
     ffn_factor: ClassVar[int] = 0  # intermediate_size null: ffn = ffn_factor * hidden
+    #: Stored layers numbered past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction
+    #: modules) are no part of the model: kept aside and written back by exports/conversions.
+    extra_layers: ClassVar[bool] = False
     moe: ClassVar[Moe | None] = None
     # HF module names (Llama's layout).
     embed: ClassVar[str] = "model.embed_tokens.weight"
@@ -136,6 +145,17 @@ class Family:
 
     def _switch(self, hf: Any, declared: bool | str) -> bool:
         return declared if isinstance(declared, bool) else bool(self.value(hf, declared, False))
+
+    def kept_aside(self, hf: Any, name: str) -> bool:
+        """Whether stored tensor ``name`` is kept aside (copied through, never loaded)."""
+        if not self.extra_layers:
+            return False
+        head, _, rest = self.layer.partition("{i}")
+        for prefix in {head, head.removeprefix(self.base_prefix)}:
+            number = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+            if number.isdigit() and int(number) >= self.value(hf, "num_hidden_layers"):
+                return True
+        return False
 
     def activation(self, hf: Any) -> str:
         """The MLP activation's HF name (the adapter resolves it to a function)."""
@@ -229,7 +249,8 @@ class Family:
         """Arguments of ``toolkit.models.layer_spec``."""
         d = self.dims(hf)
         return {"normalization": d.norm, "qk_layernorm": d.qk_norm,
-                **({"num_experts": d.experts} if self.moe else {})}
+                **({"num_experts": d.experts} if self.moe else {}),
+                **({"multi_latent_attention": True} if d.kv_lora else {})}
 
     def model_kwargs(self, hf: Any) -> dict[str, Any]:
         """GPTModel arguments besides vocab_size and share_embeddings_and_output_weights."""

@@ -170,9 +170,50 @@ def window_kwargs(hf: Any) -> dict[str, Any]:
 
 
 def dense_layers(hf: Any, layers: int, experts: int) -> tuple[int, ...]:
-    """Layers HF's Qwen-MoE decoders build with a dense MLP: layer i is sparse iff ``i not in
-    mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0``."""
+    """Layers HF's MoE decoders build with a dense MLP. Qwen-MoE: layer i is sparse iff ``i not
+    in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0``; DeepSeek:
+    the first ``first_k_dense_replace`` layers are dense (a config has one rule or the other)."""
     only = set(getattr(hf, "mlp_only_layers", None) or [])
     step = getattr(hf, "decoder_sparse_step", None) or 1
+    first = getattr(hf, "first_k_dense_replace", None) or 0
     return tuple(i for i in range(layers)
-                 if i in only or not (experts > 0 and (i + 1) % step == 0))
+                 if i < first or i in only or not (experts > 0 and (i + 1) % step == 0))
+
+
+def mla_rope_kwargs(hf: Any) -> dict[str, Any]:
+    """megatron-core ``MLATransformerConfig`` RoPE fields of a DeepSeek config's decoupled RoPE
+    head (``default`` or ``yarn``); refuse what MLA's YarnRotaryEmbedding computes differently.
+
+    HF's YaRN multiplies cos/sin by ``get_mscale(factor, mscale) / get_mscale(factor,
+    mscale_all_dim)`` when both are set (else ``get_mscale(factor)``) and the softmax scale by
+    ``get_mscale(factor, mscale_all_dim) ** 2``; megatron-core computes both from its ``mscale`` /
+    ``mscale_all_dim`` the same way, and ``mscale_all_dim=0`` means 1 for the softmax scale.
+    """
+    p = rope_parameters(hf)
+    kind = p.get("rope_type", "default")
+    out: dict[str, Any] = {"rotary_base": float(p["rope_theta"])}
+    if kind == "default":
+        return {**out, "rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0,
+                "mscale_all_dim": 0.0}
+    if kind != "yarn":
+        raise UnsupportedModel(f"rope_type={kind!r}: multi-latent attention supports default and "
+                               "yarn RoPE (megatron-core's MLA rope_type 'rope' / 'yarn').")
+    orig = p.get("original_max_position_embeddings") or hf.max_position_embeddings
+    factor = p.get("factor") or hf.max_position_embeddings / orig
+    mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+    bad = {k: p[k] for k in ("attention_factor",) if p.get(k) is not None}
+    if p.get("truncate", True) is not True:
+        bad["truncate"] = p["truncate"]
+    if mscale_all and not mscale:
+        bad["mscale"] = mscale  # HF then ignores mscale_all_dim for cos/sin, megatron-core not
+    if bad:
+        raise UnsupportedModel(f"yarn rope_parameters {bad}: megatron-core's YarnRotaryEmbedding "
+                               "(MLA) has no such setting; supported: factor, mscale with "
+                               "mscale_all_dim, beta_fast, beta_slow, original_max_position_"
+                               "embeddings.")
+    return {**out, "rope_type": "yarn", "rotary_scaling_factor": float(factor),
+            "original_max_position_embeddings": int(orig),
+            "beta_fast": float(p.get("beta_fast") or 32),
+            "beta_slow": float(p.get("beta_slow") or 1),
+            "mscale": float(mscale) if mscale and mscale_all else 1.0,
+            "mscale_all_dim": float(mscale_all or 0.0)}

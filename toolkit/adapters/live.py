@@ -111,8 +111,17 @@ def load_hf(
     return chunks, adapter
 
 
-def _params(chunks: list[Any]) -> dict[tuple[int, str], torch.nn.Parameter]:
-    return {(i, name): p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+#: Persistent buffers that are checkpoint weights (DeepSeek's ``e_score_correction_bias``).
+WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
+
+
+def _params(chunks: list[Any]) -> dict[tuple[int, str], torch.Tensor]:
+    """The chunks' parameters and weight buffers (``WEIGHT_BUFFERS``), by (chunk, name)."""
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    for i, chunk in enumerate(chunks):
+        out.update(((i, n), p) for n, p in chunk.named_parameters())
+        out.update(((i, n), b) for n, b in chunk.named_buffers() if n.endswith(WEIGHT_BUFFERS))
+    return out
 
 
 def check_plans(chunks: list[Any], plans: list[TensorPlan], coord: Coord, num_layers: int) -> None:
@@ -242,6 +251,8 @@ def export_hf(
             written.update(shapes)
         result = None
         if writer is not None:
+            for name, tensor in kept_tensors(adapter):  # e.g. DeepSeek-V3's MTP layers
+                writer.add(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
             result = writer.finish(adapter.export_config(dtype),
                                    generation_config=generation_config(adapter),
                                    copy_from=adapter.source)
@@ -251,6 +262,17 @@ def export_hf(
         raise
     dist.barrier()
     return result
+
+
+def kept_tensors(adapter: Adapter) -> Any:
+    """The tensors of the adapter's source HF folder that no model holds (``Adapter.kept``:
+    DeepSeek-V3's MTP layers), one at a time, so an export writes them back unchanged."""
+    src = adapter.source
+    if src is None or not (any(src.glob("*.safetensors")) or any(src.glob("*.bin"))):
+        return
+    with HFReader(src) as reader:
+        for name in adapter.kept(reader.names):
+            yield name, reader.read(name, tuple((0, n) for n in reader.shape(name)))
 
 
 def generation_config(adapter: Adapter) -> Any:

@@ -55,6 +55,21 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
         max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=False,
     ),
+    # deepseek-ai/DeepSeek-V3 config.json (also R1 / V3-0324 / V3.1: same shapes). 671B = the
+    # 61 layers' weights incl. e_score_correction_bias; the MTP layer (layer 61) is not counted.
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+        n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+        norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_theta=10000, rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40,
+                                        "mscale": 1.0, "mscale_all_dim": 1.0,
+                                        "original_max_position_embeddings": 4096, "type": "yarn"},
+        vocab_size=129280, tie_word_embeddings=False, num_nextn_predict_layers=1,
+    ),
 }
 
 

@@ -402,7 +402,8 @@ class HFWriter:
             if n > 1:
                 index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
                 (self.tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-            config.save_pretrained(self.tmp)
+            if config is not None:  # None: a folder of tensors only (kept-aside extras)
+                config.save_pretrained(self.tmp)
             if generation_config is not None:
                 generation_config.save_pretrained(self.tmp)
             if copy_from is not None:

@@ -51,7 +51,9 @@ HF_CONFIG_DIR = "hf_config"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
 CHECKPOINT_VERSION = 3.0
-_LINEAR = re.compile(r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
+_LINEAR = re.compile(r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_q_proj"
+                     r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj"
+                     r"|linear_kv_up_proj)\.weight$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(rf"^{re.escape(EXPERTS)}\.(\d+)\.(.*)$")
 

@@ -16,24 +16,36 @@ import torch
 
 from toolkit.checkpoint.hf import HFWriter
 from toolkit.checkpoint.pipeline import background, read_ahead
+from toolkit.convert.extras import Kept
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Opened, full
 
 
 def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
              overwrite: bool, max_shard_bytes: int, fsync: bool) -> None:
-    """Write the open source as an HF folder at ``dst`` (floating tensors cast to ``dtype``)."""
+    """Write the open source as an HF folder at ``dst`` (floating tensors cast to ``dtype``);
+    tensors no model holds (``toolkit.convert.extras``: MTP layers) are copied back too."""
+    with Kept(op) as kept:
+        _write_hf(op, kept, dst, dtype, bar, overwrite=overwrite,
+                  max_shard_bytes=max_shard_bytes, fsync=fsync)
+
+
+def _write_hf(op: Opened, kept: Kept, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
+              overwrite: bool, max_shard_bytes: int, fsync: bool) -> None:
     dtype_of = op.dtype_of(dtype)
     expected = op.adapter.expected_tensors()
     out_dtype = dtype or dtype_of(next(iter(expected)))
     configs = background(lambda: _configs(op, out_dtype))  # imports transformers meanwhile
+    plan = {n: (tuple(s), dtype_of(n)) for n, s in expected.items()}
     writer = HFWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                      plan={n: (tuple(s), dtype_of(n)) for n, s in expected.items()})
+                      plan={**plan, **kept.plan(dtype)})
     writer.fsync = fsync
     segments = getattr(op.source, "segments", None)
     stored_dtype = op.dtype_of(None)
 
     def produce(name: str) -> torch.Tensor | list:
+        if name in kept.names:
+            return kept.read(name, dtype)
         if segments is not None and dtype_of(name) == stored_dtype(name):
             found = segments(op.names[name])
             if found is not None:
@@ -42,7 +54,8 @@ def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,
 
     try:
         # the next tensor is read (in a thread) while this one is written: two in memory
-        with contextlib.closing(read_ahead(expected, produce)) as tensors:
+        names = {**expected, **dict.fromkeys(kept.names)}
+        with contextlib.closing(read_ahead(names, produce)) as tensors:
             for name, t in tensors:
                 if isinstance(t, list):
                     writer.add_segments(name, t)

@@ -19,6 +19,7 @@ from toolkit.atomic import building
 from toolkit.checkpoint import CheckpointError, mcore_dist, megatron_legacy
 from toolkit.checkpoint.hf import TOKENIZER_FILES
 from toolkit.checkpoint.pipeline import background
+from toolkit.convert.extras import save_kept
 from toolkit.convert.pool import job_source, run_jobs, split
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Ctx, Opened
@@ -58,6 +59,7 @@ def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLay
         folder = mcore_dist.write_tracker(tmp, iteration)
         out_dtype = dtype or dtype_of(next(iter(adapter.expected_tensors())))
         mcore_dist.save_hf_config(adapter, tmp, out_dtype)
+        save_kept(op, tmp / mcore_dist.HF_CONFIG_DIR, dtype)  # e.g. DeepSeek-V3's MTP layers
         padded = adapter.padded_vocab(layout.tp)
         # the tokenizer files copied into hf_config/, named by their final (absolute) path
         has_tok = any((tmp / mcore_dist.HF_CONFIG_DIR / n).is_file() for n in TOKENIZER_FILES)

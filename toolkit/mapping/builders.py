@@ -134,3 +134,29 @@ def experts(block: str, count: int, hidden: int, ffn: int,
             names: tuple[str, str, str] = SWIGLU) -> list[Rules]:
     """Routed SwiGLU experts ``{block}{e}.<names>`` (split by expert-TP), one dict per expert."""
     return [gated_mlp(f"{block}{e}.", hidden, ffn, names=names, to="") for e in range(count)]
+
+
+def mla_attention(a: str, hidden: int, heads: int, q_lora: int, kv_lora: int, qk_nope: int,
+                  qk_rope: int, v_dim: int) -> Rules:
+    """Multi-latent attention (DeepSeek-V2/V3) under ``a``: megatron-core's ``MLASelfAttention``.
+
+    The down projections ``q_a_proj`` / ``kv_a_proj_with_mqa`` are column-parallel in
+    megatron-core's local spec (split over TP, gathered after), the up projections
+    ``q_b_proj`` / ``kv_b_proj`` store heads one after another (``[nope; rope]`` per query head,
+    ``[k_nope; v]`` per key/value head) and are split by heads; ``q_lora=0``: one ``q_proj``.
+    """
+    q_head, s = qk_nope + qk_rope, "self_attention."
+    rules: Rules = {
+        f"{s}linear_kv_down_proj.weight": Column(a + "kv_a_proj_with_mqa.weight",
+                                                 kv_lora + qk_rope, hidden),
+        f"{s}kv_layernorm.weight": Replicated(a + "kv_a_layernorm.weight", (kv_lora,)),
+        f"{s}linear_kv_up_proj.weight": Column(a + "kv_b_proj.weight", heads * (qk_nope + v_dim),
+                                               kv_lora),
+        f"{s}linear_proj.weight": Row(a + "o_proj.weight", hidden, heads * v_dim)}
+    if not q_lora:
+        return {**rules, f"{s}linear_q_proj.weight": Column(a + "q_proj.weight", heads * q_head,
+                                                            hidden)}
+    return {**rules,
+            f"{s}linear_q_down_proj.weight": Column(a + "q_a_proj.weight", q_lora, hidden),
+            f"{s}q_layernorm.weight": Replicated(a + "q_a_layernorm.weight", (q_lora,)),
+            f"{s}linear_q_up_proj.weight": Column(a + "q_b_proj.weight", heads * q_head, q_lora)}

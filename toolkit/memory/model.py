@@ -64,7 +64,14 @@ class ModelShape:
     moe_ffn: int = 0
     shared_ffn: int = 0
     shared_gate: bool = False
+    router_bias: bool = False  # per-expert score-correction bias (a buffer, stored with weights)
     moe_layers: tuple[int, ...] = ()
+    # Multi-latent attention (DeepSeek; kv_lora 0: GQA): latent sizes, per-head q/k sizes
+    # without / with RoPE; head_dim is then the value head size.
+    kv_lora: int = 0
+    q_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
     name: str = "model"
     #: The adapter's vocab padding: megatron-core's vocab is a multiple of ``vocab_multiple * tp``
     #: (``toolkit.mapping.padded_vocab_size``; 1 = the adapter's default, the least padding).
@@ -78,18 +85,22 @@ class ModelShape:
             qkv_bias=d.qkv_bias, o_bias=d.linear_bias, mlp_bias=d.linear_bias, gated_mlp=d.gated,
             norm="layer" if d.norm == "LayerNorm" else "rms", qk_norm=d.qk_norm,
             post_norms=d.post_norms, learned_positions=d.positions, experts=d.experts,
-            top_k=d.top_k, moe_ffn=d.ffn if d.experts else 0, shared_ffn=d.shared_ffn,
-            shared_gate=d.shared_gate, moe_layers=d.moe_layers, name=name,
+            top_k=d.top_k,
+            moe_ffn=d.ffn if d.experts else 0, shared_ffn=d.shared_ffn, shared_gate=d.shared_gate,
+            router_bias=d.router_bias, moe_layers=d.moe_layers, kv_lora=d.kv_lora,
+            q_lora=d.q_lora, qk_nope=d.qk_nope, qk_rope=d.qk_rope, name=name,
         )
 
     # -- derived -----------------------------------------------------------------------------
     @property
     def q_dim(self) -> int:
-        return self.heads * self.head_dim
+        """Width of the queries (MLA: per head, the q/k size with the RoPE part)."""
+        return self.heads * (self.qk_nope + self.qk_rope if self.kv_lora else self.head_dim)
 
     @property
     def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
+        """Width of the keys (MLA: expanded from the latent per head, as attention sees them)."""
+        return self.q_dim if self.kv_lora else self.kv_heads * self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -115,6 +126,28 @@ class ModelShape:
         h = self.hidden
         for k in range(norm_n):
             yield TensorSpec(f"l{i}.input_norm.{k}", h, REP, i)
+        yield from (self._mla_tensors(i) if self.kv_lora else self._gqa_tensors(i))
+        for k in range(norm_n):
+            yield TensorSpec(f"l{i}.post_norm.{k}", h, REP, i)
+        if self.post_norms:
+            for k in range(norm_n):
+                yield TensorSpec(f"l{i}.attn_out_norm.{k}", h, REP, i)
+                yield TensorSpec(f"l{i}.mlp_out_norm.{k}", h, REP, i)
+        if self.is_moe_layer(i):
+            yield TensorSpec(f"l{i}.router", self.experts * h, REP, i)
+            if self.router_bias:
+                yield TensorSpec(f"l{i}.router_bias", self.experts, REP, i)
+            yield TensorSpec(f"l{i}.experts", self.experts * self._mlp_numel(self.moe_ffn),
+                             EXPERT, i)
+            if self.shared_ffn:
+                yield from self._mlp_tensors(f"l{i}.shared", self.shared_ffn, i)
+            if self.shared_gate:
+                yield TensorSpec(f"l{i}.shared_gate", h, REP, i)
+        else:
+            yield from self._mlp_tensors(f"l{i}.mlp", self.ffn, i)
+
+    def _gqa_tensors(self, i: int) -> Iterator[TensorSpec]:
+        h = self.hidden
         yield TensorSpec(f"l{i}.q", h * self.q_dim, COL, i)
         yield TensorSpec(f"l{i}.k", h * self.kv_dim, COL, i)
         yield TensorSpec(f"l{i}.v", h * self.kv_dim, COL, i)
@@ -126,22 +159,21 @@ class ModelShape:
         if self.qk_norm:
             yield TensorSpec(f"l{i}.q_norm", self.head_dim, REP, i)
             yield TensorSpec(f"l{i}.k_norm", self.head_dim, REP, i)
-        for k in range(norm_n):
-            yield TensorSpec(f"l{i}.post_norm.{k}", h, REP, i)
-        if self.post_norms:
-            for k in range(norm_n):
-                yield TensorSpec(f"l{i}.attn_out_norm.{k}", h, REP, i)
-                yield TensorSpec(f"l{i}.mlp_out_norm.{k}", h, REP, i)
-        if self.is_moe_layer(i):
-            yield TensorSpec(f"l{i}.router", self.experts * h, REP, i)
-            yield TensorSpec(f"l{i}.experts", self.experts * self._mlp_numel(self.moe_ffn),
-                             EXPERT, i)
-            if self.shared_ffn:
-                yield from self._mlp_tensors(f"l{i}.shared", self.shared_ffn, i)
-            if self.shared_gate:
-                yield TensorSpec(f"l{i}.shared_gate", h, REP, i)
+
+    def _mla_tensors(self, i: int) -> Iterator[TensorSpec]:
+        """DeepSeek's attention: down projections (column-parallel in megatron-core), latent
+        norms, per-head up projections, output projection."""
+        h, n, v = self.hidden, self.heads, self.head_dim
+        if self.q_lora:
+            yield TensorSpec(f"l{i}.q_down", h * self.q_lora, COL, i)
+            yield TensorSpec(f"l{i}.q_norm", self.q_lora, REP, i)
+            yield TensorSpec(f"l{i}.q_up", self.q_lora * self.q_dim, COL, i)
         else:
-            yield from self._mlp_tensors(f"l{i}.mlp", self.ffn, i)
+            yield TensorSpec(f"l{i}.q", h * self.q_dim, COL, i)
+        yield TensorSpec(f"l{i}.kv_down", h * (self.kv_lora + self.qk_rope), COL, i)
+        yield TensorSpec(f"l{i}.kv_norm", self.kv_lora, REP, i)
+        yield TensorSpec(f"l{i}.kv_up", self.kv_lora * n * (self.qk_nope + v), COL, i)
+        yield TensorSpec(f"l{i}.o", n * v * h, ROW, i)
 
     def _mlp_numel(self, ffn: int) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden * ffn

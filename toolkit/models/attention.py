@@ -81,5 +81,26 @@ def resolve(choice: str | None = None) -> str:
     return choice
 
 
-def core_attention(choice: str | None = None) -> type[torch.nn.Module]:
-    return SDPAttention if resolve(choice) == "sdpa" else DotProductAttention
+def core_attention(choice: str | None = None, *, latent: bool = False) -> type[torch.nn.Module]:
+    """The core attention class; ``latent``: for megatron-core's multi-latent attention."""
+    cls = SDPAttention if resolve(choice) == "sdpa" else DotProductAttention
+    return (_LATENT[cls] if latent else cls)
+
+
+def _latent(cls: type[DotProductAttention]) -> type[DotProductAttention]:
+    """``cls`` accepting MLA's ``k_channels`` / ``v_channels`` (TE's attention takes them).
+
+    Both forwards read the head sizes from the q/k/v tensors; the output size comes from
+    ``kv_channels``, which the MLA config sets to ``v_head_dim``; the softmax scale is passed.
+    """
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None,
+                 **kwargs) -> None:
+        if v_channels is not None and v_channels != kwargs["config"].kv_channels:
+            raise ValueError(f"MLA v_head_dim={v_channels} must equal kv_channels="
+                             f"{kwargs['config'].kv_channels} for megatron-core's core attention.")
+        cls.__init__(self, *args, **kwargs)
+
+    return type(f"Latent{cls.__name__}", (cls,), {"__init__": __init__, "__doc__": _latent.__doc__})
+
+
+_LATENT = {c: _latent(c) for c in (SDPAttention, DotProductAttention)}

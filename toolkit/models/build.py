@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from toolkit import runtime
@@ -52,6 +52,8 @@ def transformer_config(**kwargs: Any) -> TransformerConfig:
     """
     values = {**_UNFUSED, "use_cpu_initialization": True,
               "batch_p2p_comm": runtime.backend() == "nccl", **kwargs}
+    if values.get("multi_latent_attention"):  # MLA's sizes and RoPE live in the subclass
+        return MLATransformerConfig(**values)
     return TransformerConfig(**values)
 
 
@@ -65,6 +67,7 @@ def layer_spec(
     zero_centered_norm: bool = False,
     post_norms: bool = False,
     local_rotary_base: float | None = None,
+    multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """megatron-core's local layer spec with TorchNorm in every norm slot (SP-safe) and the core
     attention ``attention`` picks (``toolkit.models.attention``: SDPA on CUDA by default).
@@ -72,23 +75,32 @@ def layer_spec(
     Gemma 3's pieces (``toolkit.models.gemma``): ``zero_centered_norm`` puts the (1 + w) RMSNorm
     in every norm slot (the block's final norm follows the layer's), ``post_norms`` a norm after
     the attention output and the MLP output projections, ``local_rotary_base`` a RoPE base of
-    its own for the sliding-window layers."""
+    its own for the sliding-window layers.
+
+    ``multi_latent_attention``: megatron-core's ``MLASelfAttention`` (DeepSeek) with its q / kv
+    latent norms; its local spec declares no ``sharded_state_dict_keys_map``, it gets the GQA
+    spec's, so torch_dist keys are named alike for every family.
+    """
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=moe_grouped_gemm,
-        qk_layernorm=qk_layernorm,
+        qk_layernorm=qk_layernorm or multi_latent_attention,
         normalization=normalization,
+        multi_latent_attention=multi_latent_attention,
     )
     sub = spec.submodules
     norm = gemma.ZeroCenteredRMSNorm if zero_centered_norm else TorchNorm
     sub.input_layernorm = norm
     sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
-    attn.core_attention = core_attention(attention)
-    if attn.q_layernorm is not IdentityOp:
-        attn.q_layernorm = norm
-    if attn.k_layernorm is not IdentityOp:
-        attn.k_layernorm = norm
+    attn.core_attention = core_attention(attention, latent=multi_latent_attention)
+    for slot in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+        if getattr(attn, slot, IdentityOp) is not IdentityOp:
+            setattr(attn, slot, norm)
+    if multi_latent_attention:
+        _mla_without_te()
+        sub.sharded_state_dict_keys_map = dict(get_gpt_layer_local_spec(
+            normalization=normalization).submodules.sharded_state_dict_keys_map)
     if post_norms:
         if num_experts:
             raise ValueError("post_norms: not supported with experts.")
@@ -99,6 +111,17 @@ def layer_spec(
             sub.self_attention, module=gemma.LocalRopeSelfAttention,
             params={**sub.self_attention.params, "local_rotary_base": local_rotary_base})
     return spec
+
+
+def _mla_without_te() -> None:
+    """Without Transformer Engine, megatron-core 0.16.1's ``multi_latent_attention`` still sees
+    TE's placeholders (MagicMock) imported and sets ``HAVE_TE``; its ``isinstance(linear_proj,
+    TELinear)`` then fails. Tell it what megatron-core's TE extension knows: TE is absent."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not te_ext.HAVE_TE:
+        mla.HAVE_TE = False
 
 
 def moe_layer_pattern(config: TransformerConfig) -> list[int] | None:
