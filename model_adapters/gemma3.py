@@ -1,13 +1,11 @@
-"""Gemma 3 text (``Gemma3ForCausalLM``): Llama's layout plus Gemma's pieces, from the layer spec.
+"""Gemma 3 text (``Gemma3ForCausalLM``): Llama's layout plus Gemma's pieces of the layer spec.
 
-(1 + w) RMSNorms everywhere (weights stored as is: ``toolkit.models.gemma.ZeroCenteredRMSNorm``
-computes 1 + w, so checkpoints round-trip bit-exactly), the embedding scaled by sqrt(hidden),
-GeGLU (``gelu_pytorch_tanh``), q/k norms, ``post_attention_layernorm`` / ``post_feedforward_
-layernorm`` after the attention and MLP outputs (``pre_feedforward_layernorm`` is the pre-MLP
-norm), softmax scale ``query_pre_attn_scalar ** -0.5``, sliding-window layers (``layer_types``,
-or ``sliding_window_pattern`` in older configs) with RoPE base ``rope_local_base_freq`` and
-global layers with ``rope_theta`` (and its scaling), tied embeddings. Soft-capping of attention
-logits or final logits (Gemma 2's, null in Gemma 3) and bidirectional attention are refused.
+(1 + w) RMSNorms (``w`` stored as is, so checkpoints round-trip bit-exactly), the embedding
+scaled by sqrt(hidden), GeGLU, q/k norms, norms after the attention and MLP outputs
+(``pre_feedforward_layernorm`` is the pre-MLP norm), softmax scale ``query_pre_attn_scalar **
+-0.5``, sliding / global layers (``layer_types`` or older ``sliding_window_pattern``) with RoPE
+bases ``rope_local_base_freq`` / ``rope_theta`` (+ scaling), tied. Logit soft-capping (null in
+Gemma 3) and bidirectional attention are refused. See ``toolkit/models/gemma.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ class Gemma3(Family):
                 "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
                 "max_position_embeddings": 131072, "tie_word_embeddings": True,
                 "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0}
-    qkv_bias = linear_bias = "attention_bias"
-    mlp_bias = False  # Gemma's MLP has no bias: attention_bias=True is refused (one switch)
+    qkv_bias = linear_bias = mlp_bias = False  # attention_bias=True is refused in check
     qk_norm = post_norms = True
     gated_activations = ("gelu_pytorch_tanh",)
     post_norm = "pre_feedforward_layernorm."
@@ -46,19 +43,17 @@ class Gemma3(Family):
         return {**p, "rope_theta": getattr(hf, "rope_theta", None) or 1e6}
 
     def check(self, hf: Any) -> None:
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(hf, key, None) is not None:
-                raise UnsupportedModel(
-                    f"{key}={getattr(hf, key)}: megatron-core has no tanh soft-capping of "
-                    "logits. Gemma 3 checkpoints set it to null; set it to null only if the "
-                    "model was trained without it.")
-        if getattr(hf, "use_bidirectional_attention", False):
-            raise UnsupportedModel("use_bidirectional_attention=True (embedding models): "
-                                   "mdtk builds causal decoders only.")
-        local = self.rope(hf, "sliding_attention")
-        if local.get("rope_type", "default") != "default":
-            raise UnsupportedModel(f"sliding-attention rope_type={local['rope_type']!r}: only "
-                                   "default RoPE is supported on sliding-window layers.")
+        cap = "megatron-core has no tanh soft-capping of logits (null in Gemma 3 checkpoints)"
+        why = {"attn_logit_softcapping": cap, "final_logit_softcapping": cap,
+               "use_bidirectional_attention": "mdtk builds causal decoders only",
+               "attention_bias": "Gemma's MLP has no bias, and megatron-core has one bias "
+               "switch for o_proj and the MLP"}
+        for key, reason in why.items():
+            if getattr(hf, key, None) not in (None, False):
+                raise UnsupportedModel(f"{key}={getattr(hf, key)}: {reason}.")
+        if (kind := self.rope(hf, "sliding_attention").get("rope_type", "default")) != "default":
+            raise UnsupportedModel(f"sliding-attention rope_type={kind!r}: only default RoPE "
+                                   "is supported on sliding-window layers.")
         super().check(hf)
 
     def transformer_kwargs(self, hf: Any) -> dict[str, Any]:

@@ -195,6 +195,76 @@ def test_phi3_refuses_longrope():
         adapter_for(HFConfig(legacy))
 
 
+def _gemma3_json(**changes) -> dict:
+    data = {**ac.tiny_configs()["gemma3"].to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    return {**data, **changes}
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: megatron-core has no tanh"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: megatron-core"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ({"hidden_activation": "silu"}, "hidden_act='silu'.*gelu_pytorch_tanh"),
+    ({"attention_bias": True}, "attention_bias=True: Gemma's MLP has no bias"),
+])
+def test_gemma3_refusals(changes, match):
+    from toolkit.adapters import HFConfig
+
+    with pytest.raises(UnsupportedModel, match=match):
+        adapter_for(HFConfig(_gemma3_json(**changes)))
+
+
+def test_gemma3_older_config_json():
+    """A config.json in the older form (rope_theta + rope_scaling for global layers,
+    rope_local_base_freq, sliding_window_pattern, no layer_types / rope_parameters) translates
+    as transformers 5 reads it: same megatron-core arguments from the plain JSON view."""
+    import transformers as tf
+
+    from toolkit.adapters import HFConfig
+
+    legacy = {k: v for k, v in _gemma3_json().items()
+              if k not in ("rope_parameters", "layer_types", "_sliding_window_pattern")}
+    legacy.update(rope_theta=1e6, rope_local_base_freq=100.0, sliding_window_pattern=2,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+    plain, ref = adapter_for(HFConfig(legacy)), adapter_for(tf.Gemma3TextConfig(**legacy))
+    assert ref.hf_config.layer_types == ac.GEMMA3_LAYERS  # what transformers makes of it
+    f = plain.family
+    for fn in (f.transformer_kwargs, f.spec_kwargs, f.model_kwargs):
+        assert fn(plain.hf_config) == fn(ref.hf_config), fn.__name__
+    kw = f.transformer_kwargs(plain.hf_config)
+    assert kw["window_size"] == (4, 0) and kw["window_attn_skip_freq"] == [1, 0, 1, 0]
+    assert kw["softmax_scale"] == 24 ** -0.5
+    assert f.spec_kwargs(plain.hf_config)["local_rotary_base"] == 100.0
+    model = f.model_kwargs(plain.hf_config)
+    assert model["rotary_base"] == 1e6 and model["seq_len_interpolation_factor"] == 2.0
+    assert model["embedding_scale"] == 64 ** 0.5
+
+
+def test_gemma3_embedding_scale_rounds_in_the_embedding_dtype():
+    """bf16: the output is embedding * bf16(sqrt(hidden)), as transformers computes it."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from toolkit.models.gemma import scale_embeddings
+
+    class Chunk(torch.nn.Module):  # the attribute path megatron-core's GPTModel has
+        def __init__(self, emb: torch.nn.Embedding):
+            super().__init__()
+            self.embedding = torch.nn.Module()
+            self.embedding.word_embeddings = emb
+            self.embedding.forward = emb.forward
+
+    hidden = 3072  # sqrt = 55.42...: not exact in bf16
+    hf = Gemma3TextScaledWordEmbedding(11, hidden, 0, embed_scale=hidden ** 0.5).to(torch.bfloat16)
+    torch.nn.init.normal_(hf.weight)
+    chunk = Chunk(torch.nn.Embedding(11, hidden, dtype=torch.bfloat16))
+    chunk.embedding.word_embeddings.weight.data.copy_(hf.weight)
+    scale_embeddings(chunk, hidden ** 0.5)
+    ids = torch.arange(11)
+    assert torch.equal(chunk.embedding(ids), hf(ids))
+    unrounded = (hf.weight.float() * hidden ** 0.5).to(torch.bfloat16)
+    assert not torch.equal(unrounded, hf(ids))  # the rounding of the scale matters
+
+
 def test_refuses_bias_combination(tiny, tmp_path):
     path = _copy(tiny["llama"], tmp_path / "bias",
                  config={"attention_bias": True, "mlp_bias": False})
