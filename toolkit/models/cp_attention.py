@@ -41,8 +41,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch.nn.attention.bias import causal_lower_right
 
+from toolkit.parallel.layout import LayoutError
 
-class CPUnsupported(ValueError):
+
+class CPUnsupported(LayoutError):
     """A model feature the context-parallel attention cannot compute exactly."""
 
 
