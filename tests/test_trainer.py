@@ -47,6 +47,10 @@ CASES_4 = [
     # megatron-core's MoE needs sequence parallelism with tp > 1
     Case("moe_ep2_tp2_sp", model="moe", tp=2, ep=2, sp=True),
     Case("phi3_tp2_pp2", model="phi3", tp=2, pp=2),
+    Case("cp2_tp2_sp", cp=2, tp=2, sp=True),
+    Case("cp2_dp2_zero2", cp=2, zero=2),
+    Case("cp2_pp2", cp=2, pp=2),
+    Case("moe_cp2_ep2", model="moe", cp=2, ep=2),
 ]
 REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe"),
         Case("ref_noclip", overrides=("optim.clip_grad=0",)), Case("ref_phi3", model="phi3"),
