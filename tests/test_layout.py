@@ -64,6 +64,10 @@ def test_seq_len_checked_alone_for_any_5d_layout():
         ParallelLayout(tp=2, ep=2, sequence_parallel=True).validate_seq_len(31)
     with pytest.raises(LayoutError, match=r"2\*cp = 4"):
         ParallelLayout(cp=2).validate_seq_len(30)
+    # with cp, sequence parallelism splits each CP rank's part over tp: tp*cp must divide
+    ParallelLayout(tp=2, cp=2, sequence_parallel=True).validate_seq_len(32)
+    with pytest.raises(LayoutError, match=r"seq_len=36 is not divisible by tp\*cp = 4\*2"):
+        ParallelLayout(tp=4, cp=2, sequence_parallel=True).validate_seq_len(36)
 
 
 def test_valid_model_passes():
@@ -92,10 +96,8 @@ def test_describe():
     assert ParallelLayout(tp=2, pp=2, vpp=2).resolve(8).describe() == "dp=2 tp=2 pp=2 vpp=2"
 
 
-def test_context_parallel_refused_without_transformer_engine():
+def test_context_parallel_runs_without_transformer_engine():
     from toolkit.parallel import check_supported
 
-    check_supported(ParallelLayout(cp=2), have_te=True)  # allowed where TE exists
-    with pytest.raises(LayoutError, match="cp=2: context parallelism needs Transformer Engine"):
-        check_supported(ParallelLayout(cp=2), have_te=False)
-    check_supported(ParallelLayout(cp=1), have_te=False)
+    check_supported(ParallelLayout(cp=2))  # mdtk's CP attention: no Transformer Engine needed
+    check_supported(ParallelLayout(cp=1))

@@ -19,7 +19,7 @@ from toolkit.dsconfig.generator import zero_options
 from toolkit.memory import GIB, Cluster, ModelShape, TrainShape, estimate, load_model_shape
 from toolkit.parallel.layout import LayoutError
 from toolkit.planner import DEVICES, Workload, default_global_batch, explain, search
-from toolkit.planner.emit import EmitError, deepspeed_json
+from toolkit.planner.emit import deepspeed_json
 from toolkit.planner.search import (
     SearchSpace,
     candidates,
@@ -275,17 +275,18 @@ def test_emit_writes_a_config_the_trainer_accepts(tmp_path):
     assert no_data.exit_code == 1 and "--emit needs training data" in no_data.output
 
 
-def test_context_parallel_plans_are_marked_and_not_emitted():
+def test_context_parallel_plans_are_runnable_and_emitted():
     shape = load_model_shape("llama-3.1-8b")
     cluster = Cluster(1, 8, 80 * GIB, 1024 * GIB)
     work = Workload(32768, 8)
     result = search(shape, work, cluster, DEVICES["h100"], top=20,
                     space=SearchSpace(allow_cp=True))
     cp_plans = [p for p in result.plans if p.candidate.cp > 1]
-    assert cp_plans and all(not p.runnable and "Transformer Engine" in p.note for p in cp_plans)
-    assert all(p.runnable for p in result.plans if p.candidate.cp == 1)
-    with pytest.raises(EmitError, match="cp=1"):
-        deepspeed_json(shape, work, cp_plans[0], cluster)
+    assert cp_plans and all(p.runnable and not p.note for p in result.plans)
+    config, _ = deepspeed_json(shape, work, cp_plans[0], cluster)
+    c = cp_plans[0].candidate  # DeepSpeed's data-parallel group is dp x cp
+    assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"]
+                                          * config["gradient_accumulation_steps"] * c.dp * c.cp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         default = search(shape, work, cluster, DEVICES["h100"], top=20)

@@ -35,6 +35,10 @@ CASES_2 = [
     Case("gemma3_tp2_sp", model="gemma3", tp=2, sp=True),  # post-norm grads summed over TP
     # ZeRO-0 with pp>1 is refused only while clipping is on (DeepSpeed's ZeRO-0 norm is wrong)
     Case("pp2_zero0_noclip", pp=2, zero=0, overrides=("optim.clip_grad=0",), ref="ref_noclip"),
+    # context parallelism (mdtk's CP attention, no Transformer Engine)
+    Case("cp2", cp=2),
+    Case("cp2_sft", cp=2, mode="sft", ref="ref_sft"),  # masked prompts: token-weighted over CP
+    Case("cp2_grads", cp=2, zero=0, steps=1, grads=True, ref="ref_grads"),
 ]
 CASES_4 = [
     Case("tp2_pp2", tp=2, pp=2),
@@ -42,10 +46,17 @@ CASES_4 = [
     # megatron-core's MoE needs sequence parallelism with tp > 1
     Case("moe_ep2_tp2_sp", model="moe", tp=2, ep=2, sp=True),
     Case("phi3_tp2_pp2", model="phi3", tp=2, pp=2),
+    Case("cp2_tp2_sp", cp=2, tp=2, sp=True),
+    Case("cp2_dp2_zero2", cp=2, zero=2),
+    Case("cp2_pp2", cp=2, pp=2),
+    Case("moe_cp2_ep2", model="moe", cp=2, ep=2),
 ]
 REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe"),
         Case("ref_noclip", overrides=("optim.clip_grad=0",)), Case("ref_phi3", model="phi3"),
-        Case("ref_gemma3", model="gemma3"), Case("ref_dsv3", model="dsv3")]
+        Case("ref_gemma3", model="gemma3"), Case("ref_dsv3", model="dsv3"),
+        Case("ref_sft", mode="sft"), Case("ref_grads", zero=0, steps=1, grads=True)]
+CASES_2_PARITY = [c for c in CASES_2 if not c.grads]
+GRAD_ATOL = 1e-5  # relative to the largest gradient entry of the parameter
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +77,7 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results_2(rank_pool_2, assets):
     refuse = [
-        Case("refuse_cp2", cp=2),
+        Case("refuse_cp2_seq30", cp=2, overrides=("train.seq_len=30",)),
         Case("refuse_zero3_pp2", zero=3, pp=2),
         Case("refuse_bad_ds_json", overrides=(f"deepspeed.config={assets['bad_ds']}",)),
     ]
@@ -112,18 +123,29 @@ def _assert_parity(ranks: list[dict], ref: dict, case: Case, world: int) -> None
     for r in ranks:
         assert r["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL, abs=0), r["case"]
         assert r["losses"] == ranks[0]["losses"]  # every rank reports the same step loss
-        assert (r["tp"], r["pp"], r["ep"]) == (case.tp, case.pp, case.ep)
-        assert r["dp"] == world // (case.tp * case.pp)
+        assert (r["tp"], r["pp"], r["ep"], r["cp"]) == (case.tp, case.pp, case.ep, case.cp)
+        assert r["dp"] == world // (case.tp * case.pp * case.cp)
         assert r["chunks"] == (case.vpp or 1)
         assert r["stage"] == case.zero
         assert not r["left_initialised"]  # run() tore its process groups down
     assert ranks[0]["metrics"] == ranks[0]["losses"]  # metrics.jsonl holds the same numbers
 
 
-@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
+@pytest.mark.parametrize("case", CASES_2_PARITY, ids=[c.name for c in CASES_2_PARITY])
 def test_layout_matches_single_rank_2_ranks(results_2, results_1, case):
     _assert_parity(results_2[case.name], results_1["refs"][case.ref or f"ref_{case.model}"],
                    case, 2)
+
+
+def test_cp2_gradients_equal_single_rank(results_2, results_1):
+    """Every parameter's gradient after one step at cp2 (DeepSpeed-reduced over dp x cp)."""
+    ref = results_1["refs"]["ref_grads"]["grads"]
+    mine = results_2["cp2_grads"][0]["grads"]
+    assert results_2["cp2_grads"][0]["cp"] == 2
+    assert sorted(mine) == sorted(ref) and len(ref) > 10
+    for name, g in ref.items():
+        err = (mine[name] - g).abs().max().item() / g.abs().max().item()
+        assert err < GRAD_ATOL, (name, err)
 
 
 @pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
@@ -158,7 +180,7 @@ def test_resume_at_another_dp_continues_the_run(results_1, results_2):
 
 def test_refusals_name_the_reason_before_any_engine(results_2):
     expected = {
-        "refuse_cp2": ["cp=2", "Transformer Engine"],
+        "refuse_cp2_seq30": ["seq_len=30", "2*cp = 4", "change seq_len or cp"],
         "refuse_zero3_pp2": ["ZeRO stage 3 with pp>1 is not supported because",
                              "zero_stage 1 or 2"],
         "refuse_bad_ds_json": ["deepspeed.config=", "offload_param", "stage 2"],

@@ -42,6 +42,8 @@ class Case:
     steps: int = STEPS
     overrides: tuple[str, ...] = ()
     ref: str | None = None  # the reference case to match (default: ref_<model>)
+    mode: str = "pretrain"  # pretrain | sft (masked prompts)
+    grads: bool = False  # also return every parameter's reduced gradient of the first step
 
 
 # -- assets (built in the test process, without mdtk's CPU mode) ---------------------------------
@@ -88,8 +90,10 @@ def make_assets(root: Path) -> dict[str, str]:
     return out
 
 
-def config(case: Case, assets: dict[str, str], out: str | Path, *, mode: str = "pretrain"):
+def config(case: Case, assets: dict[str, str], out: str | Path, *, mode: str | None = None):
     from toolkit.train.config import apply_overrides, config_from_dict
+
+    mode = mode or case.mode
 
     raw: dict[str, Any] = {
         "output_dir": str(out),
@@ -127,9 +131,13 @@ def run_case(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]
         seen.update(tp=ps.get_tensor_model_parallel_world_size(),
                     pp=ps.get_pipeline_model_parallel_world_size(),
                     dp=ps.get_data_parallel_world_size(),
+                    cp=ps.get_context_parallel_world_size(),
                     ep=ps.get_expert_model_parallel_world_size(), chunks=len(chunks),
                     padded_vocab=int(chunks[0].vocab_size))
-        return original(chunks, mpu, ds_config)
+        engine = original(chunks, mpu, ds_config)
+        if case.grads:
+            _record_first_grads(engine, seen)
+        return engine
 
     trainer.build_engine = spy
     try:
@@ -143,6 +151,20 @@ def run_case(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]
     return {"case": case.name, "losses": result.losses, "start": result.start_step,
             "metrics": metrics, "stage": result.ds_config["zero_optimization"]["stage"],
             "left_initialised": _groups_left(), **seen}
+
+
+def _record_first_grads(engine, seen: dict[str, Any]) -> None:
+    """Keep every parameter's gradient as the first ``engine.step`` gets it (ZeRO-0: reduced
+    over the data-parallel group in ``param.grad``, before clipping and the update)."""
+    step = engine.step
+
+    def recording_step(*args, **kwargs):
+        if "grads" not in seen and dist.get_rank() == 0:
+            seen["grads"] = {n: p.grad.detach().clone() for n, p in engine.module.named_parameters()
+                             if p.grad is not None}
+        return step(*args, **kwargs)
+
+    engine.step = recording_step
 
 
 def _groups_left() -> bool:

@@ -104,6 +104,7 @@ class Adapter:
             "tensor_model_parallel_size": layout.tp,
             "pipeline_model_parallel_size": layout.pp,
             "virtual_pipeline_model_parallel_size": vpp,
+            "context_parallel_size": layout.cp,
             "expert_model_parallel_size": layout.ep,
             "expert_tensor_parallel_size": layout.etp,
             "sequence_parallel": layout.sequence_parallel,

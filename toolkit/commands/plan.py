@@ -43,7 +43,7 @@ def plan_cmd(
     top: int = typer.Option(5, "--top", min=1, help="Plans to show."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     allow_cp: bool = typer.Option(False, "--allow-cp", help="Also rank context-parallel plans "
-                                  "(modelled; mdtk trains them only with Transformer Engine)."),
+                                  "(mdtk's CP attention: all-gather K/V, no Transformer Engine)."),
     per_layout: bool = typer.Option(False, "--per-layout", help="One plan per layout (tp, pp, "
                                     "cp, ep, dp): the best ZeRO/offload/recompute/micro-batch."),
     peak_tflops: float | None = typer.Option(None, "--peak-tflops", min=0.0,

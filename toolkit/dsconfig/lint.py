@@ -189,7 +189,8 @@ def _check_batch(cfg: dict, world_size: int | None, layout: ParallelLayout,
     if world_size is None or any(isinstance(v, str) for v in values):
         return
     try:
-        dp = layout.resolve(world_size).dp
+        # DeepSpeed's data-parallel group (mdtk's mpu) is dp x cp: its batch identity uses both
+        dp = layout.resolve(world_size).dp * layout.cp
     except LayoutError as e:
         report.errors.append(str(e))
         return
@@ -201,8 +202,9 @@ def _check_batch(cfg: dict, world_size: int | None, layout: ParallelLayout,
     if batch is not None and micro is not None and gas is not None and batch != micro * gas * dp:
         report.errors.append(
             f"batch identity broken: train_batch_size={batch} != micro {micro} x accumulation "
-            f"{gas} x data-parallel size {dp} (= world {world_size} / (tp*pp*cp = "
-            f"{layout.model_parallel})) = {micro * gas * dp}.")
+            f"{gas} x data-parallel size {dp} (= world {world_size} / (tp*pp = "
+            f"{layout.tp * layout.pp}), DeepSpeed's data-parallel group includes the cp ranks) = "
+            f"{micro * gas * dp}.")
     elif batch is not None and micro is not None and gas is None and batch % (micro * dp):
         report.errors.append(f"train_batch_size={batch} is not divisible by micro {micro} x "
                              f"data-parallel size {dp}.")

@@ -33,12 +33,16 @@ class TrainerKeys:
     precision: str  # bf16 | fp16 | fp32
 
 
-def with_trainer_keys(config: dict[str, Any], keys: TrainerKeys) -> dict[str, Any]:
-    """A copy of ``config`` with the trainer's keys set and no scheduler."""
+def with_trainer_keys(config: dict[str, Any], keys: TrainerKeys, cp: int = 1) -> dict[str, Any]:
+    """A copy of ``config`` with the trainer's keys set and no scheduler.
+
+    DeepSpeed's data-parallel group is dp x cp (context-parallel ranks reduce gradients too), and
+    it checks ``train_batch_size == micro x accumulation x that group's size``: with cp > 1 its
+    batch counts each of a sample's cp shares once (global_batch x cp)."""
     config = {**config}
     config.pop("scheduler", None)
     config.update(
-        train_batch_size=keys.global_batch, train_micro_batch_size_per_gpu=keys.micro_batch,
+        train_batch_size=keys.global_batch * cp, train_micro_batch_size_per_gpu=keys.micro_batch,
         gradient_accumulation_steps=keys.grad_accum, gradient_clipping=keys.clip_grad,
         steps_per_print=QUIET_STEPS,
     )
@@ -68,7 +72,7 @@ def trainer_config(source: Request | str | Path, keys: TrainerKeys, layout: Para
         if not report.ok:
             raise ConfigError("; ".join(report.errors))
         notes = [f"user DeepSpeed config {source}", *report.warnings]
-    final = with_trainer_keys(config, keys)
+    final = with_trainer_keys(config, keys, layout.cp)
     report = lint(final, world_size=layout.world_size, layout=layout)
     if not report.ok:
         raise ConfigError("with the keys the trainer sets (batch split, clipping, optimizer, "

@@ -169,6 +169,10 @@ def build_chunks(config: TransformerConfig, spec: ModuleSpec, *,
     """All GPTModel chunks of this rank: one, or vpp of them with interleaved pipelining
     (``embedding_scale``: word embeddings multiplied by it, Gemma's sqrt(hidden))."""
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if config.context_parallel_size > 1:  # megatron-core's local attention asserts cp == 1
+        from toolkit.models.cp_attention import with_cp_attention
+
+        spec = with_cp_attention(spec)
     if config.virtual_pipeline_model_parallel_size != (vpp if vpp > 1 else None):
         config = dataclasses.replace(
             config, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None

@@ -161,10 +161,12 @@ class ParallelLayout:
                 f"seq_len={seq_len} is not divisible by 2*cp = {2 * self.cp} (context "
                 "parallelism splits each sequence into 2*cp chunks): change seq_len or cp."
             )
-        if self.sequence_parallel and seq_len % self.tp:
+        if self.sequence_parallel and seq_len % (self.tp * self.cp):
+            where = f"tp={self.tp}" if self.cp == 1 else f"tp*cp = {self.tp}*{self.cp}"
             raise LayoutError(
-                f"seq_len={seq_len} is not divisible by tp={self.tp} (sequence parallelism "
-                "splits the sequence across tensor-parallel ranks): change seq_len or tp."
+                f"seq_len={seq_len} is not divisible by {where} (sequence parallelism "
+                "splits each context-parallel rank's part of the sequence across tensor-parallel "
+                "ranks): change seq_len or tp."
             )
 
     def describe(self) -> str:

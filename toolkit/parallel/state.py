@@ -75,6 +75,10 @@ class Mpu:
     def get_data_parallel_rank(self) -> int:
         return ps.get_data_parallel_rank(with_context_parallel=True)
 
+    def get_data_parallel_rank_without_cp(self) -> int:
+        """Which share of the global batch this rank reads (CP ranks of one dp rank share it)."""
+        return ps.get_data_parallel_rank()
+
     def get_data_parallel_group_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.get_data_parallel_group())
 
@@ -115,23 +119,15 @@ class Mpu:
         return ps.get_expert_data_parallel_group()
 
 
-def check_supported(layout: ParallelLayout, *, have_te: bool | None = None) -> None:
+def check_supported(layout: ParallelLayout) -> None:
     """Refuse layouts this installation cannot run, before any process group is made.
 
-    Context parallelism needs Transformer Engine's attention: megatron-core's local
-    DotProductAttention asserts cp == 1, and Transformer Engine needs CUDA.
+    Context parallelism runs without Transformer Engine since mdtk's own CP attention
+    (``toolkit.models.cp_attention``); what it cannot compute (sliding windows, non-causal
+    masks, learnable softmax offsets) is refused when the model is built, naming the feature.
+    Nothing else is refused here yet: the hook stays so the trainer checks before any group.
     """
-    if layout.cp == 1:
-        return
-    if have_te is None:
-        have_te = runtime.have_transformer_engine()
-    if not have_te:
-        raise LayoutError(
-            f"cp={layout.cp}: context parallelism needs Transformer Engine's attention "
-            "(megatron-core's local DotProductAttention supports only cp=1, and Transformer "
-            "Engine needs CUDA). Install transformer-engine on a CUDA machine, or set cp=1 "
-            "(use more dp/tp instead)."
-        )
+    del layout
 
 
 def initialize(layout: ParallelLayout, *, seed: int = 1234) -> Mpu:

@@ -47,8 +47,7 @@ def deepspeed_json(model: ModelShape, work: Workload, plan: Planned, cluster: Cl
                    budget: Budget = Budget(), lr: float = 3e-4) -> tuple[dict[str, Any], list[str]]:
     """The DeepSpeed config of ``plan`` and the generator's notes."""
     if not plan.runnable:
-        raise EmitError(f"{plan.candidate.describe()}: {plan.note}. Emit a plan with cp=1 "
-                        "(run without --allow-cp, or pick another --emit-rank).")
+        raise EmitError(f"{plan.candidate.describe()}: {plan.note}. Pick another --emit-rank.")
     c = plan.candidate
     option = check_fit(model, work, c, cluster, budget)
     if not option.fits:  # cannot happen for a searched plan: the same test chose it

@@ -11,8 +11,8 @@ in tests/test_planner_search.py): tp within a node and dividing heads, query gro
 width (sequence parallelism always on with tp > 1); pp dividing the layers (vpp the layers per
 stage, with micro-batches a multiple of pp); ZeRO-2/3 only with pp = 1; ZeRO-3 not with experts;
 ZeRO-0 not with pp > 1 or experts (DeepSpeed's ZeRO-0 clipping norm); optimizer offload with
-ZeRO-2/3, parameter offload with ZeRO-3. Context parallelism is modelled but needs Transformer
-Engine in mdtk's trainer: cp > 1 plans are only produced with ``allow_cp`` and are marked.
+ZeRO-2/3, parameter offload with ZeRO-3. Context parallelism (mdtk's all-gather CP attention, no
+Transformer Engine) is searched only with ``allow_cp``; its plans are runnable like any other.
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ from toolkit.planner.cost import (
     step_cost,
 )
 from toolkit.planner.devices import Device
-
-CP_NOTE = ("cp > 1 needs Transformer Engine's attention in mdtk's trainer (not installed here); "
-           "modelled for comparison, not emitted")
 
 
 @dataclass(frozen=True)
@@ -250,8 +247,7 @@ def search(model: ModelShape, work: Workload, cluster: Cluster, device: Device, 
             continue
         seen.add(key)
         cost = step_cost(model, work, c, net, framework, eff)
-        plans.append(Planned(c, cost, option.estimate, runnable=c.cp == 1,
-                             note="" if c.cp == 1 else CP_NOTE))
+        plans.append(Planned(c, cost, option.estimate))
         if len(plans) >= top:
             break
     return SearchResult(tuple(plans), len(costed), rejected, work, cluster,

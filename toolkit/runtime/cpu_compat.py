@@ -38,6 +38,8 @@ def _cpu_device_factory(fn):
     def wrapper(*args, **kwargs):
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # staging for a host-to-GPU copy (RoPE's CP slicing)
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     wrapper._mdtk_cpu_compat = True  # type: ignore[attr-defined]

@@ -319,13 +319,37 @@ def _vocab_mask_hook(vocab_size: int, padded: int):
 # -- one step, one evaluation --------------------------------------------------------------
 
 def masked_mean_loss(per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean per-token loss of a micro-batch over the tokens ``loss_mask`` keeps (all if none)."""
+    """Mean per-token loss of a micro-batch over the tokens ``loss_mask`` keeps (all if none).
+
+    With context parallelism each rank holds part of every sequence: its loss is the sum over
+    its own kept tokens divided by the kept tokens of the whole micro-batch (counted over the CP
+    group), so the CP ranks' losses add up to the micro-batch's mean, token-weighted however the
+    SFT mask falls on the chunks. megatron-core's schedule multiplies the loss by cp before
+    backward and DeepSpeed averages gradients over dp x cp: the gradient is the single-rank one.
+    """
     per_token = per_token.float()
     mask = batch.get("loss_mask")
-    if mask is None:
-        return per_token.mean()
-    mask = mask.to(per_token.dtype)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    mask = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
+    count = mask.sum()
+    if ps.get_context_parallel_world_size() > 1:
+        count = count.detach().clone()
+        dist.all_reduce(count, group=ps.get_context_parallel_group())
+    return (per_token * mask).sum() / count.clamp(min=1.0)
+
+
+def context_parallel_share(batch: Batch) -> Batch:
+    """This CP rank's chunks (r and 2cp-1-r of 2cp) of every [b, s] tensor of a micro-batch
+    (megatron-core's layout, which its RoPE slicing and the CP attention expect)."""
+    if ps.get_context_parallel_world_size() == 1:
+        return batch
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    seq = next(iter(batch.values())).shape[1]
+    cp = ps.get_context_parallel_world_size()
+    if seq % (2 * cp):
+        raise EngineError(f"sequence length {seq} is not divisible by 2*cp = {2 * cp}: context "
+                          "parallelism splits each sequence into 2*cp chunks.")
+    return get_batch_on_this_cp_rank(dict(batch))
 
 
 def _forward_step_func(loss_fn: LossFn):
@@ -337,12 +361,13 @@ def _forward_step_func(loss_fn: LossFn):
         batch: Batch = {}
         if model.pre_process or model.post_process:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-        tokens = batch.get("tokens")
-        position_ids = batch.get("position_ids")
-        if tokens is not None and position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(
-                tokens)
-        output = model(tokens, position_ids, None, labels=batch.get("labels"))
+            tokens = batch.get("tokens")
+            if tokens is not None and batch.get("position_ids") is None:
+                batch["position_ids"] = torch.arange(tokens.shape[1], device=device).unsqueeze(
+                    0).expand_as(tokens)
+            batch = context_parallel_share(batch)  # positions are cut before RoPE sees them
+        output = model(batch.get("tokens"), batch.get("position_ids"), None,
+                       labels=batch.get("labels"))
 
         def loss_func(per_token: torch.Tensor):
             loss = loss_fn(per_token, batch)
@@ -472,7 +497,8 @@ def _zero0_grad_norm(engine) -> float:
 
 
 def _mean_loss(results: list[dict[str, torch.Tensor]], num_microbatches: int) -> float:
-    """Mean loss over micro-batches (last stage) and data-parallel ranks, sent to every rank."""
+    """Mean loss over micro-batches (last stage) and data-parallel ranks, sent to every rank
+    (context-parallel ranks hold parts of one micro-batch's loss: summed, not averaged)."""
     device = runtime.device()
     total = torch.zeros(1, dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -481,7 +507,7 @@ def _mean_loss(results: list[dict[str, torch.Tensor]], num_microbatches: int) ->
                                f"{num_microbatches} micro-batches")
         total += sum(r["loss"].double() for r in results) / num_microbatches
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
-        total /= ps.get_data_parallel_world_size(with_context_parallel=True)
+        total /= ps.get_data_parallel_world_size()
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     value = total.item()

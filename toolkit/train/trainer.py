@@ -256,7 +256,7 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, dict[str, Any]]:
     with runtime.failing_together():  # e.g. a model folder missing on one node only
         run_plan = cfgmod.plan(cfg, world)
         layout = run_plan.layout
-        parallel.check_supported(layout)  # cp>1 without Transformer Engine, before any group
+        parallel.check_supported(layout)  # before any group
         layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes: checked on load
         hf_config = _hf_config_dict(cfg)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
@@ -293,7 +293,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan,
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
     mask_vocab_padding(chunks, vocab)
     sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
-                                 layout.dp, mpu.get_data_parallel_rank(), cfg.train.seed,
+                                 layout.dp, mpu.get_data_parallel_rank_without_cp(), cfg.train.seed,
                                  cfg.data.shuffle)
     return RunState(cfg, run_plan, hf_config, data, sampler, list(chunks), adapter, ds_config,
                     notes, total)

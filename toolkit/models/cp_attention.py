@@ -1,0 +1,184 @@
+"""Context-parallel core attention without Transformer Engine: all-gather K/V, local SDPA.
+
+megatron-core's local ``DotProductAttention`` asserts ``context_parallel_size == 1``; only
+Transformer Engine's attention implements CP, and it needs CUDA and a matching build. This module
+fills megatron-core's ``core_attention`` slot when cp > 1, on CPU (gloo) and GPU (NCCL) alike.
+
+Layout (megatron-core's, so ``get_batch_on_this_cp_rank`` and its RoPE slicing apply): every
+sequence is cut into 2*cp chunks; CP rank r holds chunks r and 2cp-1-r, which balances the causal
+work. Each rank all-gathers K and V (its query-group heads only, before any GQA expansion) over the
+CP group and computes its two query chunks exactly against the keys before them:
+
+    chunk r        vs keys [0, (r+1)*c)        causal, bottom-right aligned
+    chunk 2cp-1-r  vs keys [0, (2cp-r)*c)      causal, bottom-right aligned
+
+Both are plain SDPA calls with ``causal_lower_right`` (flash / memory-efficient kernels on CUDA,
+the math kernel on CPU); every rank does (2cp+1)*c^2 score entries, the same on each rank. With
+an explicit padding mask (``attention_mask`` [b, 1|heads, sq_local, s_full], True = masked, the
+rows this rank's queries, as ``get_batch_on_this_cp_rank`` slices a full mask) both calls take
+a boolean mask instead (math / memory-efficient kernels, no flash).
+
+Backward is exact: the gather's backward sums every rank's dK/dV of the gathered keys and hands
+each owner its own rows (reduce-scatter on NCCL; all-reduce + slice on gloo, which lacks
+``reduce_scatter``). Why all-gather and not a ring: see docs/training.md ("Context parallelism").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+from torch.nn.attention.bias import causal_lower_right
+
+from toolkit.parallel.layout import LayoutError
+
+
+class CPUnsupported(LayoutError):
+    """A model feature the context-parallel attention cannot compute exactly."""
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward sums the gradients and returns this
+    rank's rows (the owner gets the dK/dV of its keys from every rank's queries)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group = ctx.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        grad = grad.contiguous()
+        rows = grad.shape[0] // world
+        if _is_gloo(group):  # gloo has no reduce_scatter: all-reduce, keep this rank's rows
+            total = grad.clone()
+            dist.all_reduce(total, group=group)
+            return total.narrow(0, rank * rows, rows).contiguous(), None
+        out = torch.empty((rows, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, grad, group=group)
+        return out, None
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` [2c, ...] (chunks r and 2cp-1-r of this rank) -> [2cp*c, ...] in sequence order."""
+    cp = dist.get_world_size(group)
+    gathered = _GatherSeq.apply(x, group)  # [cp ranks x (chunk r, chunk 2cp-1-r)]
+    g = gathered.view(cp, 2, x.shape[0] // 2, *x.shape[1:])
+    # ranks' first chunks are chunks 0..cp-1; their second chunks, in reverse rank order, cp..2cp-1
+    return torch.cat([g[:, 0], g[:, 1].flip(0)], dim=0).reshape(cp * x.shape[0], *x.shape[1:])
+
+
+def cp_chunk_bounds(cp: int, rank: int, chunk: int) -> list[tuple[int, int]]:
+    """(first query position, key prefix end) of this rank's two chunks of size ``chunk``."""
+    return [(i * chunk, (i + 1) * chunk) for i in (rank, 2 * cp - 1 - rank)]
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, scale: float,
+                 mask: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """Exact causal attention of this rank's query chunks over the whole sequence.
+
+    q [b, heads, 2c, d]; k, v [b, groups, 2c, d] (this rank's chunks; heads % groups == 0);
+    mask: None or [b, 1|heads, 2c, 2cp*c] bool, True = may NOT attend (megatron-core's sense),
+    key columns in sequence order. Returns [b, heads, 2c, d].
+    """
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    c = q.shape[2] // 2
+    # gather along the sequence (dim 0 of [s, b, g, d]) with the group heads only: less traffic
+    k_full, v_full = (gather_sequence(t.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3)
+                      for t in (k, v))
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for half, (_, end) in enumerate(cp_chunk_bounds(cp, rank, c)):
+        qh = q[:, :, half * c:(half + 1) * c]
+        kh, vh = k_full[:, :, :end], v_full[:, :, :end]
+        if mask is None:
+            bias = causal_lower_right(c, end)
+        else:
+            causal = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(end - c)
+            bias = causal & ~mask[:, :, half * c:(half + 1) * c, :end].bool()
+        outs.append(F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale,
+                                                   dropout_p=dropout, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
+
+
+class CPAttention(MegatronModule):
+    """megatron-core core attention for cp > 1 (the ``core_attention`` slot), any backend.
+
+    Same constructor as megatron-core's ``DotProductAttention`` (heads per TP partition, softmax
+    scale incl. query-key layer scaling, dropout). Refuses, at build time, what it cannot compute
+    exactly: non-causal masks, sliding windows, learnable softmax offsets.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise CPUnsupported(f"context parallelism: attn_mask_type={attn_mask_type.name} "
+                                "(only causal decoders are supported); set cp=1.")
+        if getattr(config, "window_size", None) is not None:
+            raise CPUnsupported("context parallelism with sliding-window attention is not "
+                                "supported; set cp=1.")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise CPUnsupported(f"context parallelism with softmax_type={config.softmax_type} "
+                                "is not supported; set cp=1.")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        tp = ps.get_tensor_model_parallel_world_size()
+        projection = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection, tp)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
+        head_dim = divide(projection, config.num_attention_heads)
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= self.layer_number
+        self.attention_dropout = torch.nn.Dropout(
+            config.attention_dropout if attention_dropout is None else attention_dropout)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise CPUnsupported("context parallelism with attention_bias or packed sequences "
+                                "(thd) is not supported; set cp=1.")
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout = self.attention_dropout.p if self.training else 0.0
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork()
+               if dropout > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        with rng:
+            context = cp_attention(q, k, v, group=ps.get_context_parallel_group(),
+                                   scale=self.softmax_scale, mask=attention_mask, dropout=dropout)
+        context = context.permute(2, 0, 1, 3).contiguous()  # [s, b, heads, d]
+        return context.view(*context.shape[:2], self.hidden_size_per_partition)
+
+
+def with_cp_attention(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` (a transformer layer) with :class:`CPAttention` in the core-attention slot."""
+    layer = spec.submodules
+    attn = layer.self_attention
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=CPAttention)
+    layer = dataclasses.replace(layer, self_attention=dataclasses.replace(attn,
+                                                                           submodules=attn_sub))
+    return dataclasses.replace(spec, submodules=layer)
