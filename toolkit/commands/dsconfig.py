@@ -34,7 +34,8 @@ def ds_config(
                                      "hub id."),
     check: Path | None = typer.Option(None, "--check", help="Lint this config instead."),
     world_size: int | None = typer.Option(None, "--world-size", min=1,
-                                          help="With --check: ranks of the run."),
+                                          help="With --check: ranks of the run; DeepSpeed's "
+                                          "own parser judges the batch keys at this world size."),
     nodes: int = NODES, gpus_per_node: int = GPUS, gpu_mem: str = GPU_MEM, cpu_mem: str = CPU_MEM,
     nvme_path: str | None = typer.Option(None, "--nvme-path"),
     nvme_size: str | None = typer.Option(None, "--nvme-size", help="NVMe space per node."),

@@ -26,9 +26,13 @@ HF_AUTO_KEYS = frozenset({
     "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold",
 })
+# accelerate's DeepSpeedPlugin fills these too (from its own settings), the HF Trainer does not.
+ACCELERATE_AUTO_KEYS = frozenset({"zero_optimization.stage3_gather_16bit_weights_on_model_save"})
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # What HF would write there; only used to let DeepSpeed's parser check the rest of the file.
 _AUTO_PLACEHOLDER = {"fp16.enabled": False, "bf16.enabled": False, "optimizer.params.betas":
-                     [0.9, 0.999]}
+                     [0.9, 0.999], "zero_optimization.stage3_gather_16bit_weights_on_model_save":
+                     False}
 INT_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
             "stage3_param_persistence_threshold", "stage3_max_live_parameters",
             "stage3_max_reuse_distance", "sub_group_size", "stage3_model_persistence_threshold")
@@ -100,7 +104,7 @@ def lint(cfg: dict[str, Any], *, world_size: int | None = None,
     layout = layout or ParallelLayout()
     autos = [p for p, v in _walk(cfg) if v == "auto"]
     for path in autos:
-        if path not in HF_AUTO_KEYS:
+        if path not in HF_AUTO_KEYS | ACCELERATE_AUTO_KEYS:
             report.errors.append(
                 f'{path} = "auto": only HF Trainer/accelerate resolve "auto", and only for '
                 f"{len(HF_AUTO_KEYS)} known keys; here DeepSpeed "
@@ -117,7 +121,7 @@ def lint(cfg: dict[str, Any], *, world_size: int | None = None,
     _check_optimizer(cfg, zero if isinstance(zero, dict) else {}, report)
     _check_top_level(cfg, report)
     if run_deepspeed:
-        report.errors.extend(deepspeed_errors(cfg))
+        report.errors.extend(deepspeed_errors(cfg, world_size=world_size, layout=layout))
     report.errors = list(dict.fromkeys(report.errors))
     return report
 
@@ -212,7 +216,8 @@ def _check_batch(cfg: dict, world_size: int | None, layout: ParallelLayout,
 
 def _check_optimizer(cfg: dict, zero: dict, report: LintReport) -> None:
     opt = cfg.get("optimizer")
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", "auto")
+    off_opt = zero.get("offload_optimizer")
+    offload = isinstance(off_opt, dict) and off_opt.get("device", "none") not in ("none", "auto")
     if opt is None:
         if offload and cfg.get("zero_force_ds_cpu_optimizer", True) is not False:
             report.warnings.append(
@@ -244,51 +249,99 @@ def _check_top_level(cfg: dict, report: LintReport) -> None:
             report.warnings.append(f"unknown top-level key {key!r}: DeepSpeed ignores it{hint}.")
 
 
-def _resolve_autos(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A copy where HF "auto" keys hold placeholders, so DeepSpeed can check everything else."""
+def _resolve_autos(cfg: dict[str, Any], world: float = 1) -> dict[str, Any]:
+    """A copy where HF "auto" keys hold what HF Trainer/accelerate would write, so DeepSpeed can
+    check everything else: the batch keys as they derive them (train batch = micro x
+    accumulation x world), any other value a placeholder."""
     out = copy.deepcopy(cfg)
-    for path in HF_AUTO_KEYS:
+    auto_batch = [k for k in _BATCH_KEYS if out.get(k) == "auto"]
+    for path in HF_AUTO_KEYS | ACCELERATE_AUTO_KEYS:
         node, *_ = [out]
         parts = path.split(".")
         for p in parts[:-1]:
             node = node.get(p) if isinstance(node, dict) else None
         if isinstance(node, dict) and node.get(parts[-1]) == "auto":
             node[parts[-1]] = _AUTO_PLACEHOLDER.get(path, 1)
+    if "train_batch_size" in auto_batch:
+        micro, gas = out.get("train_micro_batch_size_per_gpu", 1), out.get(
+            "gradient_accumulation_steps", 1)
+        if isinstance(micro, int) and isinstance(gas, int):
+            out["train_batch_size"] = micro * gas * world
     if isinstance(out.get("zero_optimization"), dict):
         out["zero_optimization"].pop("aio", None)  # reported in plain words already
     return out
 
 
-def deepspeed_errors(cfg: dict[str, Any]) -> list[str]:
-    """Run ``deepspeed.runtime.config.DeepSpeedConfig`` and translate what it rejects.
+def deepspeed_world(cfg: dict[str, Any], world_size: int, layout: ParallelLayout | None = None
+                    ) -> float:
+    """The data-parallel world DeepSpeedConfig checks the batch keys against on WORLD_SIZE ranks:
+    with model parallelism the mpu's data-parallel size, else DeepSpeed's own rule (the world,
+    divided by ``sequence_parallel_size`` when the config sets it: a float, as DeepSpeed does)."""
+    if layout is not None and layout.model_parallel > 1:
+        try:
+            return layout.resolve(world_size).dp
+        except LayoutError:
+            return world_size  # reported by lint's batch check
+    sp = cfg.get("sequence_parallel_size")
+    return world_size / sp if "sequence_parallel_size" in cfg and sp else world_size
 
-    DeepSpeed checks the batch keys against the world size of its own communication backend
-    (1 until ``deepspeed.initialize`` has started it, even inside a torch process group), so the
-    batch keys are rescaled to that world here; ``lint`` checks the real identity itself.
-    """
-    import pydantic
-    from deepspeed import comm
+
+def deepspeed_config_at(cfg: dict[str, Any], world: float):
+    """``DeepSpeedConfig`` parsed as on a run whose data-parallel world is WORLD, without starting
+    torch.distributed: DeepSpeed reads the world from its communication backend (1 before
+    ``deepspeed.initialize``), so it is set right before the batch keys are derived."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    probe = _resolve_autos(cfg)
-    try:  # the rule DeepSpeedConfig applies
-        world = comm.get_world_size()
-    except (RuntimeError, AssertionError, AttributeError):
-        world = 1
-    micro, gas = probe.get("train_micro_batch_size_per_gpu"), probe.get(
-        "gradient_accumulation_steps")
-    if isinstance(micro, int) and isinstance(gas, int) and "train_batch_size" in probe:
-        probe["train_batch_size"] = micro * gas * world
+    class _AtWorld(DeepSpeedConfig):
+        def _initialize_params(self, param_dict):  # runs after __init__ set world_size
+            self.world_size = world
+            super()._initialize_params(param_dict)
+
+    return _AtWorld(cfg)
+
+
+def deepspeed_errors(cfg: dict[str, Any], world_size: int | None = None,
+                     layout: ParallelLayout | None = None) -> list[str]:
+    """Run DeepSpeed's own ``DeepSpeedConfig`` at WORLD_SIZE ranks and translate what it rejects.
+
+    HF "auto" values are resolved as HF Trainer/accelerate would. Without WORLD_SIZE the batch
+    keys are rescaled to one rank when all three are given (the identity then holds at some
+    world; ``lint`` checks it when the world is known) and the missing ones derived at world 1.
+    Never raises: every DeepSpeed error, removed keys included, becomes one plain sentence.
+    """
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfigError
+
+    world = 1 if world_size is None else deepspeed_world(cfg, world_size, layout)
+    probe = _resolve_autos(cfg, world)
+    if world_size is None:
+        micro, gas = probe.get("train_micro_batch_size_per_gpu"), probe.get(
+            "gradient_accumulation_steps")
+        if isinstance(micro, int) and isinstance(gas, int) and "train_batch_size" in probe:
+            probe["train_batch_size"] = micro * gas
+    at = "" if world_size is None else f" at {world_size} ranks"
     try:
-        DeepSpeedConfig(probe)
+        deepspeed_config_at(probe, world)
     except pydantic.ValidationError as e:
         block = _BLOCK_NAMES.get(e.title, e.title)
         return [_plain(block, err) for err in e.errors()]
-    except AssertionError as e:
+    except DeepSpeedConfigError as e:  # removed keys and other checks DeepSpeed words itself
         return [f"DeepSpeed rejects the config: {e}"]
+    except AssertionError as e:
+        hint = ""
+        if not any(k in cfg for k in _BATCH_KEYS[:2]):
+            hint = (' Give train_micro_batch_size_per_gpu (or "auto" when HF Trainer/accelerate '
+                    "fills it).")
+        elif "batch" in str(e).lower() and world_size is not None:
+            hint = (f" DeepSpeed derives the missing batch keys from the data-parallel world "
+                    f"({world:g}); give train_micro_batch_size_per_gpu and "
+                    "gradient_accumulation_steps that fit it.")
+        return [f"DeepSpeed rejects the config{at}: {e}.{hint}"]
     except (TypeError, ValueError, KeyError) as e:
         return [f"DeepSpeed cannot read the config ({type(e).__name__}: {e}); check the value "
                 "types (numbers as numbers, not strings)."]
+    except Exception as e:  # noqa: BLE001 - a plain message, never a traceback
+        return [f"DeepSpeed cannot read the config ({type(e).__name__}: {e})."]
     return []
 
 
