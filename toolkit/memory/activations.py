@@ -20,8 +20,10 @@ and selective recompute (megatron-core's default ``core_attn``) drop the core-at
 Full recompute keeps only each layer's input and rebuilds one layer at a time. Context
 parallelism divides the sequence, except for K and V: mdtk's CP attention all-gathers them over
 the CP group and SDPA keeps the whole-sequence copies for backward (2 * seq * kv_dim a layer on
-every CP rank); it always runs SDPA, so no s x s scores are kept at cp > 1 (measured with
-saved-tensor hooks at cp=1 and cp=2, tests/test_memory_activations.py).
+every CP rank); it always runs SDPA, so no s x s softmax output is kept at cp > 1 (measured with
+saved-tensor hooks at cp=1 and cp=2, tests/test_memory_activations.py). Not modelled: SDPA on
+CPU materialises the lower-right causal mask of each non-square chunk (quadratic in s; see
+docs/benchmarks.md), CUDA's kernels do not.
 
 ``fused=False`` models megatron-core's unfused path (the local spec with fusions off, as mdtk
 builds it, running on CPU): RMSNorm keeps its normalised input too (torch's CPU rms_norm is
