@@ -371,16 +371,20 @@ def test_cli_convert_and_inspect(tiny_root, tmp_path):
 
 # -- DeepSpeed checkpoints of real trainer runs -------------------------------------------------
 
-DS_CASES = [  # (name, model, tp, pp, zero, ep; dp on 2 ranks)
-    ("tp2_zero3", "odd", 2, 1, 3, 1),  # tied embeddings, vocab 507 padded to 508 at tp=2
-    ("dp2_zero3", "dense", 1, 1, 3, 1),
-    ("dp2_zero2", "dense", 1, 1, 2, 1),
-    ("pp2_zero1", "odd", 1, 2, 1, 1),  # the tied output layer is a copy on the last stage
+DS_CASES = [  # (name, model, tp, pp, zero, ep, cp; dp on 2 ranks)
+    ("tp2_zero3", "odd", 2, 1, 3, 1, 1),  # tied embeddings, vocab 507 padded to 508 at tp=2
+    ("dp2_zero3", "dense", 1, 1, 3, 1, 1),
+    ("dp2_zero2", "dense", 1, 1, 2, 1, 1),
+    ("pp2_zero1", "odd", 1, 2, 1, 1, 1),  # the tied output layer is a copy on the last stage
     # Experts at ep=2 (edp=1): each rank's zero_pp_rank file is the only copy of its ep rank's
     # experts (mp_rank_00_model_states.pt holds ep rank 0's), global experts 2-3 are rank 1's.
-    ("ep2_zero2", "moe", 1, 1, 2, 2),  # Mixtral
-    ("qwen2moe_ep2_zero1", "qwen2_moe", 1, 1, 1, 2),  # + shared expert (a dense group)
-    ("gemma3_tp2_zero1", "gemma3", 2, 1, 1, 1),  # post-norms inside the linear modules
+    ("ep2_zero2", "moe", 1, 1, 2, 2, 1),  # Mixtral
+    ("qwen2moe_ep2_zero1", "qwen2_moe", 1, 1, 1, 2, 1),  # + shared expert (a dense group)
+    ("gemma3_tp2_zero1", "gemma3", 2, 1, 1, 1, 1),  # post-norms inside the linear modules
+    # cp=2 (dp=1): DeepSpeed's dp group is dp x cp, so ZeRO partitions over the two CP ranks,
+    # and with ep=2 the CP rank is the ep rank (cp folds into ep x edp).
+    ("cp2_zero2", "dense", 1, 1, 2, 1, 2),
+    ("cp2_ep2_zero1", "moe", 1, 1, 1, 2, 2),
 ]
 
 
@@ -392,10 +396,10 @@ def ds_runs(rank_pool_2, tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_convert")
     assets = tc.make_assets(root)
     assets["qwen2_moe"] = cc.make_qwen2_moe(root)
-    cases = [tc.Case(name, model=model, tp=tp, pp=pp, zero=zero, ep=ep, steps=2,
+    cases = [tc.Case(name, model=model, tp=tp, pp=pp, zero=zero, ep=ep, cp=cp, steps=2,
                      overrides=(f"export.hf_dir={root / 'runs' / name / 'export'}",
                                 "checkpoint.interval=2"))
-             for name, model, tp, pp, zero, ep in DS_CASES]
+             for name, model, tp, pp, zero, ep, cp in DS_CASES]
     first, _ = rank_pool_2.run(cc.train_for_conversion, assets, str(root / "runs"), cases,
                                timeout=900)
     return {r["case"]: r for r in first}, assets, root
@@ -416,6 +420,9 @@ def test_deepspeed_checkpoint_converts_to_the_trained_model(ds_runs, case):
     assert info.iteration == 2
     ep = next(c[5] for c in DS_CASES if c[0] == case)
     assert info.layout["ep"] == ep, info.layout
+    cp = next(c[6] for c in DS_CASES if c[0] == case)
+    tp, pp = (next(c[i] for c in DS_CASES if c[0] == case) for i in (2, 3))
+    assert (info.layout["cp"], info.layout["dp"]) == (cp, 2 // (tp * pp * cp)), info.layout
     report = convert(run["checkpoints"], out, "hf", progress=False)
     assert report.source_format == "deepspeed"
     same = ac.compare_tensors(Path(run["export_dir"]), out)

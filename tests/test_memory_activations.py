@@ -76,3 +76,45 @@ def test_activation_bytes_match_megatron_saved_tensors(case, measured):
     print("\n" + report)
     for what, _, _, err in rows:
         assert abs(err) <= TOLERANCE, f"{case['name']} {what}: {100 * err:+.1f}%\n{report}"
+
+
+# -- context parallelism -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def measured_cp(rank_pool_2):
+    return rank_pool_2.run(mc.measure_cp_activations, [1, 2], timeout=600)
+
+
+def predicted_cp(cp: int, layers: int) -> float:
+    """The memory model's activation bytes of one ``CP_SEQ``-token sequence on one rank."""
+    a = mc.ACT_MODEL
+    model = ModelShape(hidden=a["hidden"], layers=layers, heads=a["heads"],
+                       kv_heads=a["kv_heads"], head_dim=a["hidden"] // a["heads"], ffn=a["ffn"],
+                       vocab=a["vocab"], gated_mlp=True, norm="rms")
+    train = TrainShape(seq_len=mc.CP_SEQ, micro_batch=1, dtype="fp32", flash_attention=True,
+                       fused=False)  # SDPA: no s x s scores kept
+    layout = ParallelLayout(cp=cp).resolve(cp)
+    lines = activation_bytes(model, train, layout, rank_params(model, layout), stage=0,
+                             num_microbatches=1)
+    return sum(v for k, v in lines.items() if not k.startswith("recompute"))
+
+
+def test_activation_bytes_at_cp2(measured_cp):
+    """At cp=2 each rank saves about half of cp=1's activations for one long sequence (its two
+    chunks), plus the whole-sequence K and V the all-gather keeps (2 * 512 * 32 fp32 a layer,
+    ~10% of cp=1's at this tiny width), and the memory model is within 15% per rank at both."""
+    rows = []
+    for rank, got in enumerate(measured_cp):
+        for cp in (1, 2):
+            layer = (got[cp]["layers4"] - got[cp]["layers2"]) / 2
+            layer_pred = (predicted_cp(cp, 4) - predicted_cp(cp, 2)) / 2
+            rows.append((rank, cp, "per layer", layer, layer_pred))
+            rows.append((rank, cp, "4-layer model", got[cp]["layers4"], predicted_cp(cp, 4)))
+    report = "\n".join(f"rank {r} cp={cp} {what}: measured {m:.0f} B, predicted {p:.0f} B "
+                       f"({100 * (p / m - 1):+.1f}%)" for r, cp, what, m, p in rows)
+    print("\n" + report)
+    for rank, got in enumerate(measured_cp):
+        ratio = got[2]["layers4"] / got[1]["layers4"]
+        assert 0.5 <= ratio <= 0.65, f"rank {rank}: cp2 / cp1 = {ratio:.3f}\n{report}"
+    for r, cp, what, m, p in rows:
+        assert abs(p / m - 1) <= TOLERANCE, f"rank {r} cp={cp} {what}\n{report}"

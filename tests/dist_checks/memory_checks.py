@@ -126,7 +126,7 @@ def train_and_measure(config: dict[str, Any], steps: int = 3, nvme_dir: str | No
 ACT_MODEL = dict(hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32, micro=2)
 
 
-def saved_bytes_of_forward(model, tokens: torch.Tensor) -> int:
+def saved_bytes_of_forward(model, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> int:
     """Bytes of the distinct storages autograd saves for backward during one training forward
     (loss included). Parameters are model state, not activations: they are left out."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -138,14 +138,16 @@ def saved_bytes_of_forward(model, tokens: torch.Tensor) -> int:
             saved[st.data_ptr()] = max(saved.get(st.data_ptr(), 0), st.nbytes())
         return t
 
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    if pos is None:
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens, pos, None, labels=tokens)
     loss.float().mean().backward()  # the graph (and any recompute) really runs
     return sum(saved.values())
 
 
-def _activation_model(case: dict[str, Any], num_layers: int):
+def _activation_model(case: dict[str, Any], num_layers: int, cp: int = 1,
+                      seq: int | None = None, attention: str = "auto"):
     import torch.nn.functional as F
 
     from toolkit.models import build_chunks, layer_spec, transformer_config
@@ -163,10 +165,12 @@ def _activation_model(case: dict[str, Any], num_layers: int):
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=case["dropout"], attention_dropout=case["dropout"],
         tensor_model_parallel_size=case["tp"], sequence_parallel=case["sp"],
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, **recompute,
+        context_parallel_size=cp, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        **recompute,
     )
-    (model,) = build_chunks(config, layer_spec(normalization="RMSNorm"), vocab_size=a["vocab"],
-                            max_sequence_length=a["seq"], position_embedding_type="rope",
+    (model,) = build_chunks(config, layer_spec(normalization="RMSNorm", attention=attention),
+                            vocab_size=a["vocab"], max_sequence_length=seq or a["seq"],
+                            position_embedding_type="rope",
                             share_embeddings_and_output_weights=False)
     return model.train()
 
@@ -186,6 +190,38 @@ def measure_activations(cases: list[dict[str, Any]]) -> dict[str, dict[str, int]
         try:
             out[case["name"]] = {f"layers{n}": saved_bytes_of_forward(
                 _activation_model(case, n), tokens) for n in (4, 2)}
+        finally:
+            parallel.destroy()
+    return out
+
+
+# Context parallelism: the same Llama-like layers at a long-ish sequence, cp=1 (every rank the
+# whole sequence) against cp=2 (each rank its two load-balanced chunks, megatron-core's
+# get_batch_on_this_cp_rank). Both through SDPA: the CP attention calls SDPA, so cp=1 uses the
+# SDPA core attention too (megatron-core's local path would add its s x s scores at cp=1 only).
+CP_SEQ = 512
+
+
+def measure_cp_activations(cps: list[int]) -> dict[int, dict[str, int]]:
+    """Per cp: this rank's saved bytes of a 4-layer and a 2-layer model in one forward of one
+    sequence of ``CP_SEQ`` tokens (this rank's share of it at cp > 1)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from toolkit import parallel
+    from toolkit.parallel import ParallelLayout
+
+    tokens = torch.randint(0, ACT_MODEL["vocab"], (1, CP_SEQ),
+                           generator=torch.Generator().manual_seed(SEED))
+    case = dict(tp=1, sp=False, recompute="none", dropout=0.0)
+    out = {}
+    for cp in cps:
+        parallel.initialize(ParallelLayout(cp=cp), seed=SEED)
+        try:
+            pos = torch.arange(CP_SEQ).unsqueeze(0)
+            cut = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": pos})
+            out[cp] = {f"layers{n}": saved_bytes_of_forward(
+                _activation_model(case, n, cp=cp, seq=CP_SEQ, attention="sdpa"), cut["tokens"],
+                cut["position_ids"]) for n in (4, 2)}
         finally:
             parallel.destroy()
     return out

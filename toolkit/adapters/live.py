@@ -288,7 +288,8 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
     """Logits ``[batch, seq, vocab_size]`` (padding stripped, float32) on every rank.
 
     Runs the pipeline one stage at a time (virtual stages in order), which is enough for
-    checking numerics; training uses megatron-core's schedules.
+    checking numerics; training uses megatron-core's schedules. At cp > 1 each CP rank runs its
+    two load-balanced chunks (as the trainer cuts them) and the logits are gathered back.
     """
     from megatron.core import parallel_state as ps
 
@@ -296,9 +297,17 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
     device = next(chunks[0].parameters()).device  # CPU, or the GPU the chunks were moved to
     tokens = tokens.to(device)
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        if s % (2 * cp):
+            raise LayoutError(f"sequence of {s} tokens: not divisible by 2 x cp = {2 * cp}.")
+        cut = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": pos})
+        tokens, pos = cut["tokens"], cut["position_ids"]
     coord = current_coord()
     config = chunks[0].config
-    seq = s // coord.tp if config.sequence_parallel else s
+    seq = tokens.shape[1] // coord.tp if config.sequence_parallel else tokens.shape[1]
     hidden = None
     logits = None
     for v, chunk in enumerate(chunks):
@@ -319,6 +328,12 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
         parts = [torch.empty_like(logits) for _ in range(coord.tp)]
         dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
         logits = torch.cat(parts, dim=-1)
+    if logits is not None and cp > 1:
+        from toolkit.models.cp_attention import gather_sequence
+
+        with torch.no_grad():
+            logits = gather_sequence(logits.transpose(0, 1).contiguous(),
+                                     ps.get_context_parallel_group()).transpose(0, 1)
     if logits is None:
         logits = torch.empty(b, s, vocab_size, dtype=torch.float32, device=device)
     else:

@@ -31,12 +31,19 @@ for ZeRO-0 only), and ``mp_rank_MM_model_states.pt`` is written by dp rank 0 alo
 ``module`` and ``param_shapes`` hold the local experts of *that* rank's expert-parallel rank. So
 with ep > 1 the only copy of the other ep ranks' experts is the expert group of their
 ``zero_pp_rank_D`` files. File D is dp rank D of mp rank MM; megatron-core orders the dp x tp
-block of a stage as tp-dp for dense groups and etp-ep-edp for experts (cp = 1), so block index
+block of a stage as tp-dp for dense groups and etp-ep-edp for experts, so block index
 b = tp_rank + tp * D is expert-TP rank b % etp, ep rank (b // etp) % ep and edp rank
 b // (etp * ep). An expert tensor of (ep rank, etp rank) is the concatenation, in edp order, of
 the expert groups of those files, cut at its ``param_shapes`` offset; its local name
 ``local_experts.<e>`` becomes global expert ``ep_rank * experts / ep + e`` through the
 adapter's plan (``plan_rank`` with that coordinate).
+
+Context parallelism (cp > 1): CP ranks hold the same weights, and DeepSpeed's data-parallel group
+is megatron-core's dp x cp group (the trainer's mpu), so ``dp_world_size`` and the
+``zero_pp_rank_D`` files count dp x cp ranks: ZeRO partitions over all of them, file D being cp
+rank D % cp of dp rank D // cp (tp-cp-dp order, cp inside dp). The dense partitions concatenate
+in D order as at cp = 1, and the expert position above holds with D over dp x cp (the stage's
+tp x cp x dp block is etp-ep-edp for experts: cp folds into ep x edp).
 
 Adam moments: ``open(path, state="exp_avg")`` (or ``"exp_avg_sq"``) reads the optimizer's
 moments instead of the fp32 master weights. They are elementwise, so they sit at the same offsets
@@ -47,7 +54,7 @@ resume at another layout (``toolkit.train.reshard``) reads all three through the
 
 Not supported (refused with a message): optimizer state offloaded to NVMe (the fp32 weights
 live in swap files); experts with ep > 1 under ZeRO 0 (DeepSpeed saves the weights of ep rank
-0's experts only) or ZeRO 3; cp > 1.
+0's experts only) or ZeRO 3.
 """
 
 from __future__ import annotations
@@ -145,6 +152,7 @@ class DeepSpeedCheckpoint:
     state: dict[str, Any]  # trainer_state.json (empty when absent)
     ep: int = 1
     etp: int = 1
+    cp: int = 1  # dp counts DeepSpeed's data-parallel ranks: megatron-core's dp x cp
     ranks: dict[int, _Rank] = field(default_factory=dict)
     what: str = "fp32"  # which per-parameter state the readers return (see STATES)
 
@@ -180,9 +188,10 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{first}: mp_world_size={mp}, but tp={tp} x pp={pp}.")
         ep = int(layout.get("ep") or 1)
         etp = int(layout.get("etp") or tp)
-        if int(layout.get("cp") or 1) > 1:
-            raise CheckpointError(f"{engine.parent}: saved with cp={layout.get('cp')}; only "
-                                  "cp=1 DeepSpeed checkpoints can be converted.")
+        cp = int(layout.get("cp") or 1)
+        if dp % cp:  # DeepSpeed's dp group is megatron-core's dp x cp group
+            raise CheckpointError(f"{first}: dp_world_size={dp} is not a multiple of cp={cp} "
+                                  f"({STATE_FILE} and the engine files disagree).")
         if ep > 1 and stage in (0, 3):
             raise CheckpointError(
                 f"{engine.parent}: saved with ep={ep} and ZeRO-{stage}; DeepSpeed "
@@ -198,7 +207,8 @@ class DeepSpeedCheckpoint:
                 raise CheckpointError(f"{first}: ZeRO {key} to NVMe keeps the fp32 weights in "
                                       "swap files, which this reader does not read.")
         step = state_json.get("step")
-        ckpt = cls(engine, step, stage, tp, pp, vpp, dp, state_json, ep=ep, etp=etp, what=state)
+        ckpt = cls(engine, step, stage, tp, pp, vpp, dp, state_json, ep=ep, etp=etp, cp=cp,
+                   what=state)
         for m in range(mp):
             ckpt.ranks[m] = ckpt._open_rank(m, head if first == ckpt._model_files(m)[0] else None)
         if ep > 1 and not any(r.zero12 and any(r.zero12.moe) for r in ckpt.ranks.values()):
@@ -539,7 +549,8 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
         "looked_for": [str(p) for p in hf_config_candidates(ckpt)]})
     info = {"iteration": ckpt.step, "folder": ckpt.path,
             "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
-                       "dp": ckpt.dp, "ep": ckpt.ep, "etp": ckpt.etp, "zero": ckpt.stage},
+                       "cp": ckpt.cp, "dp": ckpt.dp // ckpt.cp, "ep": ckpt.ep, "etp": ckpt.etp,
+                       "zero": ckpt.stage},
             "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files)}
     if "embedding.word_embeddings.weight" not in ckpt.ranks[0].shapes:
         return HFNamedSource(ckpt), adapter, info  # plain DeepSpeed of an HF model

@@ -18,7 +18,12 @@ With tensor parallelism the norm inputs, the inputs of the column-parallel linea
 dropout masks stay whole on each rank unless sequence parallelism splits them too. Flash attention
 and selective recompute (megatron-core's default ``core_attn``) drop the core-attention terms.
 Full recompute keeps only each layer's input and rebuilds one layer at a time. Context
-parallelism divides the sequence.
+parallelism divides the sequence, except for K and V: mdtk's CP attention all-gathers them over
+the CP group and SDPA keeps the whole-sequence copies for backward (2 * seq * kv_dim a layer on
+every CP rank); it always runs SDPA, so no s x s softmax output is kept at cp > 1 (measured with
+saved-tensor hooks at cp=1 and cp=2, tests/test_memory_activations.py). Not modelled: SDPA on
+CPU materialises the lower-right causal mask of each non-square chunk (quadratic in s; see
+docs/benchmarks.md), CUDA's kernels do not.
 
 ``fused=False`` models megatron-core's unfused path (the local spec with fusions off, as mdtk
 builds it, running on CPU): RMSNorm keeps its normalised input too (torch's CPU rms_norm is
@@ -89,8 +94,8 @@ def layer_activations(model: ModelShape, train: TrainShape, layer: int, *, cp: i
                       keep_core: bool | None = None) -> LayerActivations:
     """The per-layer terms of one micro-batch, before any TP division. ``keep_core``: the eager
     core attention's own tensors are stored (default: eager attention without recompute)."""
-    if keep_core is None:
-        keep_core = not train.flash_attention and train.recompute == "none"
+    if keep_core is None:  # the CP attention always runs SDPA: no s x s scores at cp > 1
+        keep_core = not train.flash_attention and train.recompute == "none" and cp == 1
     e, m = DTYPE_BYTES[train.dtype], train.mask_bytes
     s, b, h = train.seq_len / cp, train.micro_batch, model.hidden
     sb = s * b
@@ -116,6 +121,8 @@ def layer_activations(model: ModelShape, train: TrainShape, layer: int, *, cp: i
     else:
         split_scores = 0.0
     split = e * sb * qkv + e * sb * model.q_dim + split_scores  # ... + output projection input
+    if cp > 1:  # K and V all-gathered over the CP group: the whole sequence, kept for backward
+        split += e * train.seq_len * b * 2 * model.kv_dim
     # MLP block
     whole += norm + hidden_mask  # norm input, dropout mask
     if model.is_moe_layer(layer):
@@ -157,7 +164,7 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
     embedding / logits. Keys are breakdown lines."""
     tp, sp, cp = layout.tp, layout.sequence_parallel, layout.cp
     e = DTYPE_BYTES[train.dtype]
-    eager = not train.flash_attention
+    eager = not train.flash_attention and cp == 1  # the CP attention always runs SDPA
     sb = train.seq_len / cp * train.micro_batch
     sp_div = tp if sp else 1
     stored_layers = [layer_activations(model, train, i, cp=cp).total(tp, sp)
