@@ -275,11 +275,12 @@ def _resolve_autos(cfg: dict[str, Any], world: float = 1) -> dict[str, Any]:
 def deepspeed_world(cfg: dict[str, Any], world_size: int, layout: ParallelLayout | None = None
                     ) -> float:
     """The data-parallel world DeepSpeedConfig checks the batch keys against on WORLD_SIZE ranks:
-    with model parallelism the mpu's data-parallel size, else DeepSpeed's own rule (the world,
-    divided by ``sequence_parallel_size`` when the config sets it: a float, as DeepSpeed does)."""
+    with model parallelism the mpu's data-parallel size (dp x cp: the cp ranks of a dp rank join
+    DeepSpeed's data-parallel group), else DeepSpeed's own rule (the world, divided by
+    ``sequence_parallel_size`` when the config sets it: a float, as DeepSpeed does)."""
     if layout is not None and layout.model_parallel > 1:
         try:
-            return layout.resolve(world_size).dp
+            return layout.resolve(world_size).dp * layout.cp
         except LayoutError:
             return world_size  # reported by lint's batch check
     sp = cfg.get("sequence_parallel_size")
