@@ -242,7 +242,7 @@ def build_config(req: Request, chosen: Option, layout: ParallelLayout,
     gas = est.num_microbatches
     micro = train.micro_batch
     cfg: dict[str, Any] = {
-        "train_batch_size": AUTO if hf else micro * gas * layout.dp * layout.cp,
+        "train_batch_size": AUTO if hf else micro * gas * layout.dp_cp,
         "train_micro_batch_size_per_gpu": AUTO if hf else micro,
         "gradient_accumulation_steps": AUTO if hf else gas,
         "gradient_clipping": AUTO if hf else req.gradient_clipping,

@@ -193,8 +193,7 @@ def _check_batch(cfg: dict, world_size: int | None, layout: ParallelLayout,
     if world_size is None or any(isinstance(v, str) for v in values):
         return
     try:
-        # DeepSpeed's data-parallel group (mdtk's mpu) is dp x cp: its batch identity uses both
-        dp = layout.resolve(world_size).dp * layout.cp
+        dp = layout.resolve(world_size).dp_cp
     except LayoutError as e:
         report.errors.append(str(e))
         return
@@ -280,7 +279,7 @@ def deepspeed_world(cfg: dict[str, Any], world_size: int, layout: ParallelLayout
     ``sequence_parallel_size`` when the config sets it: a float, as DeepSpeed does)."""
     if layout is not None and layout.model_parallel > 1:
         try:
-            return layout.resolve(world_size).dp * layout.cp
+            return layout.resolve(world_size).dp_cp
         except LayoutError:
             return world_size  # reported by lint's batch check
     sp = cfg.get("sequence_parallel_size")

@@ -142,7 +142,7 @@ def rank_params(model: ModelShape, layout: ParallelLayout, stage: int = 0,
             persistent += n
         local_experts = max(1, model.experts // layout.ep)
         largest_tensor = max(largest_tensor, n // local_experts if t.split == EXPERT else n)
-    dense_dp = layout.dp * layout.cp
+    dense_dp = layout.dp_cp
     expert_dp = max(1, dense_dp * tp // (layout.ep * etp))
     return RankParams(dense=dense, expert=expert, dense_dp=dense_dp, expert_dp=expert_dp,
                       persistent=persistent, largest_layer=max(per_layer.values(), default=0),

@@ -99,6 +99,13 @@ class ParallelLayout:
         return dataclasses.replace(self, dp=dp)
 
     @property
+    def dp_cp(self) -> int:
+        """DeepSpeed's data-parallel group (mdtk's mpu): dp x cp. The cp ranks of a dp rank hold
+        the same weights, so ZeRO partitions, gradient averaging and the batch identity
+        (train_batch_size = micro x accumulation x dp_cp) span them; the sampler uses dp only."""
+        return self.dp * self.cp
+
+    @property
     def expert_dp(self) -> int:
         """Replicas of each expert: megatron-core's expert-data-parallel size."""
         return self.world_size // (self.ep * self.expert_tp * self.pp)
