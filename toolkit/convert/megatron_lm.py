@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from toolkit.adapters.registry import family_for
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import TOKENIZER_FILES
 from toolkit.checkpoint.mcore_dist import HF_CONFIG_DIR
@@ -57,11 +58,6 @@ def architecture(args: Any) -> str:
     if getattr(args, "add_qkv_bias", False):
         return "Qwen2ForCausalLM"
     return "LlamaForCausalLM"
-
-
-_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
-               "MistralForCausalLM": "mistral"}
 
 
 def tokenizer_folder(args: Any, root: Path) -> Path | None:
@@ -125,7 +121,7 @@ def hf_config_from_args(args: Any, tokenizer: dict[str, Any] | None = None) -> d
     if float(_arg(args, "rotary_percent", default=1.0)) != 1.0:
         rope["partial_rotary_factor"] = float(args.rotary_percent)
     cfg: dict[str, Any] = {
-        "architectures": [arch], "model_type": _MODEL_TYPE[arch],
+        "architectures": [arch], "model_type": family_for(arch).model_types[0],
         "hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers,
         "num_attention_heads": heads, "num_key_value_heads": groups,
         "head_dim": _arg(args, "kv_channels", default=args.hidden_size // heads),
