@@ -293,18 +293,15 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
     """
     from megatron.core import parallel_state as ps
 
+    from toolkit.models.cp_attention import context_parallel_share
+
     b, s = tokens.shape
     device = next(chunks[0].parameters()).device  # CPU, or the GPU the chunks were moved to
     tokens = tokens.to(device)
     pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
     cp = ps.get_context_parallel_world_size()
-    if cp > 1:
-        from megatron.core.utils import get_batch_on_this_cp_rank
-
-        if s % (2 * cp):
-            raise LayoutError(f"sequence of {s} tokens: not divisible by 2 x cp = {2 * cp}.")
-        cut = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": pos})
-        tokens, pos = cut["tokens"], cut["position_ids"]
+    cut = context_parallel_share({"tokens": tokens, "position_ids": pos})
+    tokens, pos = cut["tokens"], cut["position_ids"]
     coord = current_coord()
     config = chunks[0].config
     seq = tokens.shape[1] // coord.tp if config.sequence_parallel else tokens.shape[1]

@@ -88,6 +88,22 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat([g[:, 0], g[:, 1].flip(0)], dim=0).reshape(cp * x.shape[0], *x.shape[1:])
 
 
+def context_parallel_share(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This CP rank's chunks (r and 2cp-1-r of 2cp) of every [b, s] tensor of a batch:
+    megatron-core's layout, which its RoPE slicing and ``cp_attention`` expect. The trainer's
+    micro-batches and the export's logits check cut their sequences here."""
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    seq = next(iter(batch.values())).shape[1]
+    if seq % (2 * cp):
+        raise LayoutError(f"sequence length {seq} is not divisible by 2*cp = {2 * cp}: context "
+                          "parallelism splits each sequence into 2*cp chunks.")
+    return get_batch_on_this_cp_rank(dict(batch))
+
+
 def cp_chunk_bounds(cp: int, rank: int, chunk: int) -> list[tuple[int, int]]:
     """(first query position, key prefix end) of this rank's two chunks of size ``chunk``."""
     return [(i * chunk, (i + 1) * chunk) for i in (rank, 2 * cp - 1 - rank)]

@@ -45,6 +45,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from toolkit import runtime
 from toolkit.errors import UserError
+from toolkit.models.cp_attention import context_parallel_share
 from toolkit.parallel.grads import finalize_grads
 
 Batch = dict[str, torch.Tensor]
@@ -335,21 +336,6 @@ def masked_mean_loss(per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
         count = count.detach().clone()
         dist.all_reduce(count, group=ps.get_context_parallel_group())
     return (per_token * mask).sum() / count.clamp(min=1.0)
-
-
-def context_parallel_share(batch: Batch) -> Batch:
-    """This CP rank's chunks (r and 2cp-1-r of 2cp) of every [b, s] tensor of a micro-batch
-    (megatron-core's layout, which its RoPE slicing and the CP attention expect)."""
-    if ps.get_context_parallel_world_size() == 1:
-        return batch
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    seq = next(iter(batch.values())).shape[1]
-    cp = ps.get_context_parallel_world_size()
-    if seq % (2 * cp):
-        raise EngineError(f"sequence length {seq} is not divisible by 2*cp = {2 * cp}: context "
-                          "parallelism splits each sequence into 2*cp chunks.")
-    return get_batch_on_this_cp_rank(dict(batch))
 
 
 def _forward_step_func(loss_fn: LossFn):
