@@ -258,7 +258,7 @@ def test_sft_row_errors_name_file_line_keys_and_formats(word_tokenizer, tmp_path
                           "['answer', 'question'], which fit no known format.")
     for fmt in ("messages ('messages'", "prompt_response ('prompt' + 'response')",
                 "alpaca ('instruction' + 'output', optional 'input')",
-                "sharegpt ('conversations'", "data.prompt_field"):
+                "sharegpt ('conversations'", "data.prompt_field", "Rename the columns"):
         assert fmt in msg
     both = {**ALPACA[0], "prompt": "two", "response": "five"}
     msg = _sft_error(word_tokenizer, tmp_path, json.dumps(both) + "\n")
@@ -417,7 +417,7 @@ def test_sources_text_parquet_and_errors(tiny_tokenizer, tmp_path):
                         tiny_tokenizer, tmp_path / "cache")
     assert data.meta["train"]["documents"] == 22  # 20 rows + 2 paragraphs
     assert resolve_sources([str(folder / "*.txt")])[0].files == (str(folder / "a.txt"),)
-    with pytest.raises(DataError, match="no such file"):
+    with pytest.raises(DataError, match=r"missing\.jsonl.*no such file"):
         resolve_sources([str(tmp_path / "missing.jsonl")])
     with pytest.raises(DataError, match="matches no file"):
         resolve_sources([str(tmp_path / "*.json")])

@@ -1,5 +1,5 @@
 """User errors are said once: `mdtk train` on 2 real ranks (torchrun through `mdtk launch`) with a
-missing data file, a malformed JSON Lines line and an unknown row shape prints one `error:` line,
+malformed JSON Lines line prints one `error:` line,
 no traceback, and fails with the user-error status; a rank that fails alone stops every rank (no
 hang); `--debug` / MDTK_DEBUG=1 brings the traceback back.
 """
@@ -31,30 +31,25 @@ def _launch_train(model: Path, out: Path, source: Path) -> subprocess.Popen:
 
 
 def test_data_errors_on_two_ranks_are_one_line(tmp_path):
+    """One launch: the malformed line's error, raised on both ranks, is printed once.
+
+    What each data error says (missing file, malformed line, unknown row shape) is asserted
+    in-process by tests/test_train_data.py; this launch shows the multi-rank path around any of
+    them: one `error:` line from rank 0, no traceback, the user-error status from every rank."""
     from toolkit.demo import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "tiny-llama")
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text('{"prompt": "2+2?", "response": "4"}\n{"prompt": "3+3?", "response": \n')
-    unknown = tmp_path / "unknown.jsonl"
-    unknown.write_text('{"question": "2+2?", "answer": "4"}\n' * 4)
-    cases = {  # source -> words its error line must hold
-        tmp_path / "missing.jsonl": ["missing.jsonl", "no such file"],
-        malformed: [f"{malformed}:2:", "not valid JSON", "fix or remove the line"],
-        unknown: ["['answer', 'question']", "fit no known format", "alpaca", "sharegpt",
-                  "Rename the columns"],
-    }
-    # The three runs fail early (data preparation, before any engine): run them side by side.
-    procs = {src: _launch_train(model, tmp_path / f"run-{src.stem}", src) for src in cases}
-    for src, words in cases.items():
-        text, _ = procs[src].communicate(timeout=600)
-        lines = [x for x in text.splitlines() if x.startswith("error:")]
-        assert len(lines) == 1, text[-4000:]  # once, from rank 0, not once per rank
-        for w in words:
-            assert w in lines[0], (w, lines[0])
-        assert "Traceback" not in text and "[rank" not in text, text[-4000:]
-        assert "DataError" not in text, text[-4000:]
-        assert procs[src].returncode == EXIT_STATUS, text[-4000:]  # every rank: torchrun failed
+    proc = _launch_train(model, tmp_path / "run-malformed", malformed)
+    text, _ = proc.communicate(timeout=600)
+    lines = [x for x in text.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, text[-4000:]  # once, from rank 0, not once per rank
+    for w in (f"{malformed}:2:", "not valid JSON", "fix or remove the line"):
+        assert w in lines[0], (w, lines[0])
+    assert "Traceback" not in text and "[rank" not in text, text[-4000:]
+    assert "DataError" not in text, text[-4000:]
+    assert proc.returncode == EXIT_STATUS, text[-4000:]  # every rank: torchrun failed
 
 
 def test_debug_shows_the_traceback(tmp_path):
