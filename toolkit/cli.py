@@ -89,7 +89,7 @@ def report_user_error(e: errors.UserError) -> None:
     joined = dist is not None and dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if joined else int(os.environ.get("RANK", "0"))
     if rank == 0:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        errors.say(e)
     if not joined:
         sys.exit(errors.EXIT_STATUS)
     # The launcher stops the other ranks once one exits: leave after rank 0 has printed (bounded

@@ -10,6 +10,7 @@ upwards.
 from __future__ import annotations
 
 import os
+import sys
 
 #: The exit status of a reported user error, on every rank (the launcher passes it on).
 EXIT_STATUS = 2
@@ -30,3 +31,9 @@ class UserError(ValueError):
 def debug() -> bool:
     """Whether user errors should keep their traceback (``mdtk --debug`` or MDTK_DEBUG=1)."""
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def say(message: object) -> None:
+    """The one way mdtk prints a user error: an ``error: ...`` line on stderr (every command and
+    ``cli.main``'s handler go through it, so the format is the same everywhere)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from toolkit import errors
+
 
 def convert(
     src: Path = typer.Argument(..., help="Source checkpoint folder: HF (config.json + "
@@ -90,7 +92,7 @@ def convert(
                              vocab_multiple=vocab_multiple, verify=verify,
                              max_shard_bytes=int(max_shard_gb * 2**30), fsync=fsync)
     except (CheckpointError, LayoutError, ValueError, FileNotFoundError) as err:
-        typer.echo(f"error: {err}", err=True)
+        errors.say(err)
         raise typer.Exit(2) from err
     lay = "" if to == "hf" else (f" tp={layout.tp} pp={layout.pp}"
                                  + (f" vpp={layout.vpp}" if layout.vpp else "")
@@ -111,7 +113,7 @@ def _to_trainer(src: Path, dst: Path, **layout) -> None:
     try:
         out = convert_checkpoint(src, dst, **layout)
     except (UserError, RankFailure) as err:
-        typer.echo(f"error: {err}", err=True)
+        errors.say(err)
         raise typer.Exit(2) from err
     typer.echo(f"trainer checkpoint -> {out} (resume with checkpoint.dir={dst} "
                "checkpoint.resume=auto at the new layout)")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from toolkit import errors
 from toolkit.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def layout_of(tp: int, pp: int, cp: int, ep: int, vpp: int | None, sp: bool) -> 
 
 
 def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
+    errors.say(message)
     raise typer.Exit(1)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from toolkit import errors
+
 
 def verify(
     a: str = typer.Argument(..., help="Checkpoint A: a folder (format detected), or KIND:PATH "
@@ -25,7 +27,7 @@ def verify(
     try:
         result = run_verify(a, b, batch=batch, seq_len=seq_len, seed=seed)
     except (ValueError, FileNotFoundError) as err:
-        typer.echo(f"error: {err}", err=True)
+        errors.say(err)
         raise typer.Exit(2) from err
     typer.echo(f"max abs diff {result.max_abs:.3e}  max rel diff {result.max_rel:.3e}  "
                f"(tolerance {tol:g})")
