@@ -2,7 +2,9 @@
 
 `mdtk inspect` and `mdtk convert` read config.json as plain JSON and name torch_dist keys from
 the mapping, so neither transformers nor megatron-core is imported unless the command needs
-them (an HF target writes its config with transformers); `mdtk --help` imports no torch.
+them (an HF target writes its config with transformers); torch_dist's ``.metadata`` is read and
+written without ``torch.distributed.checkpoint`` (``dcp_pickle``: DTensor, sympy);
+`mdtk --help` imports no torch.
 scripts/bench_startup.py measures the times (docs/benchmarks.md).
 """
 
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch", "transformers", "megatron", "deepspeed")
+HEAVY = ("torch", "transformers", "megatron", "deepspeed", "torch.distributed.checkpoint")
 PROBE = f"""
 import json, runpy, sys
 sys.argv = ["mdtk", *json.loads(sys.argv[1])]
