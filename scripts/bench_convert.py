@@ -55,6 +55,9 @@ _LLAMA3 = dict(architectures=["LlamaForCausalLM"], num_attention_heads=32, num_k
                vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
                rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001, hidden_act="silu",
                attention_bias=False, mlp_bias=False, torch_dtype="bfloat16")
+#: Both checkpoints ship a generation_config.json like this one (a conversion copies it as is).
+GENERATION = {"bos_token_id": 128000, "do_sample": True, "eos_token_id": 128001,
+              "temperature": 0.6, "top_p": 0.9}
 CONFIGS = {
     "1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                head_dim=64, rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
@@ -71,7 +74,7 @@ def make_checkpoint(name: str) -> Path:
     import transformers
 
     from toolkit.adapters import adapter_for
-    from toolkit.checkpoint.hf import HFWriter
+    from toolkit.checkpoint.hf import GENERATION_CONFIG, HFWriter, TextFile
 
     out = CACHE / f"hf-{name}"
     if (out / ".complete").is_file():
@@ -92,7 +95,8 @@ def make_checkpoint(name: str) -> Path:
             t = 0.02 * torch.randn(shape, generator=g)
         writer.add(n, t.to(torch.bfloat16))
         del t
-    writer.finish(adapter.export_config(torch.bfloat16))
+    writer.finish(adapter.export_config(torch.bfloat16), generation_config=TextFile(
+        GENERATION_CONFIG, json.dumps(GENERATION, indent=2, sort_keys=True) + "\n"))
     (out / ".complete").write_text("")
     print(f"built {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out

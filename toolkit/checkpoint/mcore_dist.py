@@ -40,7 +40,7 @@ import torch
 
 from toolkit.checkpoint import CheckpointError, dcp_pickle, formats, torch_record
 from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
-from toolkit.checkpoint.hf import TOKENIZER_FILES
+from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, config_json
 from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_torch
 from toolkit.mapping import EXPERTS
@@ -110,23 +110,17 @@ def find_hf_config(path: Path) -> Path | None:
 def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype) -> None:
     """config.json (+ tokenizer files) of the model, so the checkpoint describes itself.
 
-    config.json is the adapter's HF config as JSON (``to_dict()`` of a transformers config or of
-    the plain config.json view) with the dtype of the weights: no transformers import.
+    config.json is the adapter's HF config as JSON with the dtype of the weights
+    (``hf.config_json``: no transformers import).
     """
     import shutil
 
     out = root / HF_CONFIG_DIR
     out.mkdir(parents=True, exist_ok=True)
-    config = adapter.hf_config.to_dict()
-    name = str(dtype).removeprefix("torch.")
-    config["dtype"] = name
-    config.pop("quantization_config", None)  # fp8 sources are dequantized: the output is not
-    if "torch_dtype" in config:  # the older name of the same key: keep the two in agreement
-        config["torch_dtype"] = name
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(config_json(adapter.hf_config, dtype))
     src = adapter.source
     if src is not None:
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
+        for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
 
