@@ -10,17 +10,21 @@ tensor by tensor (the generator never holds the model). Then, per model, in this
 4. ``mdtk convert MCORE HF2 --to hf``;
 5. (``--check``) every tensor of HF2 compared bit-exactly with the original.
 
-Each step runs as its own process; wall time and the peak RSS of the whole process tree
-(sampled every 20 ms from /proc through psutil, summed over the tree) are recorded. Ratios are
+Each step runs as its own process; wall time, user and kernel CPU seconds (``wait4``'s
+rusage of the step's process tree) and the peak RSS of the whole process tree (sampled every
+20 ms from /proc through psutil, summed over the tree) are recorded. Ratios are
 conversion / ``cp -r`` of its source. Targets: time <= 2x ``cp -r``; peak RSS <= 1.5 GiB +
 2x the largest tensor.
 
-    .venv/bin/python scripts/bench_convert.py --models 1b 8b [--repeats 3] [--cold]
-        [--workers auto] [--keep]
+    .venv/bin/python scripts/bench_convert.py --models 1b 8b [--repeats 3]
+        [--cold | --cold-source] [--workers auto] [--keep] [--cache DIR]
 
 Every timed step starts after ``sync`` (untimed), so no step pays for the writeback of the
-previous one; ``--cold`` also drops the page cache before each (root). The rounds alternate
-baseline and conversion; medians, the spread and per-round ratios are reported.
+previous one; ``--cold`` also drops the whole page cache before each (``drop_caches``, root),
+``--cold-source`` only the step's source files (``posix_fadvise(POSIX_FADV_DONTNEED)`` after
+the ``sync``: clean pages are dropped; Python, torch and the output stay as they are). The
+rounds alternate baseline and conversion; medians, the spread and per-round ratios are
+reported.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -40,7 +45,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / "build" / "bench_convert"
+CACHE = ROOT / "build" / "bench_convert"  # --cache
 MDTK = str(Path(sys.executable).parent / "mdtk")
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "original_max_position_embeddings": 8192,
@@ -50,6 +55,9 @@ _LLAMA3 = dict(architectures=["LlamaForCausalLM"], num_attention_heads=32, num_k
                vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
                rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001, hidden_act="silu",
                attention_bias=False, mlp_bias=False, torch_dtype="bfloat16")
+#: Both checkpoints ship a generation_config.json like this one (a conversion copies it as is).
+GENERATION = {"bos_token_id": 128000, "do_sample": True, "eos_token_id": 128001,
+              "temperature": 0.6, "top_p": 0.9}
 CONFIGS = {
     "1b": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                head_dim=64, rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
@@ -66,7 +74,7 @@ def make_checkpoint(name: str) -> Path:
     import transformers
 
     from toolkit.adapters import adapter_for
-    from toolkit.checkpoint.hf import HFWriter
+    from toolkit.checkpoint.hf import GENERATION_CONFIG, HFWriter, TextFile
 
     out = CACHE / f"hf-{name}"
     if (out / ".complete").is_file():
@@ -87,7 +95,8 @@ def make_checkpoint(name: str) -> Path:
             t = 0.02 * torch.randn(shape, generator=g)
         writer.add(n, t.to(torch.bfloat16))
         del t
-    writer.finish(adapter.export_config(torch.bfloat16))
+    writer.finish(adapter.export_config(torch.bfloat16), generation_config=TextFile(
+        GENERATION_CONFIG, json.dumps(GENERATION, indent=2, sort_keys=True) + "\n"))
     (out / ".complete").write_text("")
     print(f"built {out} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
@@ -105,7 +114,9 @@ def folder_bytes(path: Path) -> int:
 
 
 def measure(cmd: list[str]) -> dict:
-    """Wall time and peak RSS (summed over the process tree) of one command."""
+    """Wall time, user / kernel CPU seconds and peak RSS (summed over the process tree) of one
+    command."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = 0
@@ -136,7 +147,9 @@ def measure(cmd: list[str]) -> dict:
     th.join()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
-    return {"seconds": seconds, "peak_rss": peak}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"seconds": seconds, "peak_rss": peak, "user": after.ru_utime - before.ru_utime,
+            "kernel": after.ru_stime - before.ru_stime}
 
 
 def compare(a: Path, b: Path) -> int:
@@ -154,19 +167,37 @@ def compare(a: Path, b: Path) -> int:
         return len(ra.names)
 
 
-def settle(cold: bool) -> None:
+def settle(cold: str, source: Path) -> None:
     """Before every timed step (untimed): write back dirty pages, so no step pays for the
-    previous one's writeback; with ``cold`` also drop the page cache (root only)."""
+    previous one's writeback; ``cold="all"`` also drops the whole page cache (root only),
+    ``cold="source"`` the cached pages of the files under ``source`` only."""
     subprocess.run(["sync"], check=True)
-    if cold:
+    if cold == "all":
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    elif cold == "source":
+        for p in source.rglob("*"):
+            if p.is_file():
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def cached_fraction(folder: Path) -> float:
+    """Share of ``folder``'s bytes in the page cache (``fincore``), to check ``--cold-source``."""
+    files = [str(p) for p in folder.rglob("*") if p.is_file()]
+    out = subprocess.run(["fincore", "-b", "-n", "-o", "RES,SIZE", *files], check=True,
+                         capture_output=True, text=True).stdout.split()
+    res, size = sum(map(int, out[0::2])), sum(map(int, out[1::2]))
+    return res / max(size, 1)
 
 
 def _stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
 
 
-def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: bool) -> dict:
+def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: str) -> dict:
     """``repeats`` rounds of (cp HF, HF -> mcore, cp mcore, mcore -> HF), baseline and subject
     alternating so both see the same machine state."""
     src = make_checkpoint(name)
@@ -185,18 +216,20 @@ def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: 
         for d in ("mcore", "hf"):
             if (work / d).exists():
                 shutil.rmtree(work / d)
-        settle(cold)
+        settle(cold, src)
         runs["cp_hf"].append(measure(["cp", "-r", str(src), str(work / "cp-hf")]))
         shutil.rmtree(work / "cp-hf")
-        settle(cold)
+        settle(cold, src)
+        if cold == "source":
+            res.setdefault("source_cached", []).append(cached_fraction(src))
         runs["hf_to_mcore"].append(measure([MDTK, "convert", str(src), str(work / "mcore"),
                                             "--to", "mcore", "--tp", "2", "--pp", "2",
                                             "--workers", workers, "-q"]))
-        settle(cold)
+        settle(cold, work / "mcore")
         runs["cp_mcore"].append(measure(["cp", "-r", str(work / "mcore"),
                                          str(work / "cp-mcore")]))
         shutil.rmtree(work / "cp-mcore")
-        settle(cold)
+        settle(cold, work / "mcore")
         runs["mcore_to_hf"].append(measure([MDTK, "convert", str(work / "mcore"),
                                             str(work / "hf"), "--to", "hf", "--workers",
                                             workers, "-q"]))
@@ -204,6 +237,8 @@ def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: 
     res["mcore_bytes"] = folder_bytes(work / "mcore")
     for k, rs in runs.items():
         res[k] = {"seconds": _stats([r["seconds"] for r in rs]),
+                  "user": _stats([r["user"] for r in rs]),
+                  "kernel": _stats([r["kernel"] for r in rs]),
                   "peak_rss": max(r["peak_rss"] for r in rs)}
     if check:
         res["checked_tensors"] = compare(src, work / "hf")
@@ -222,42 +257,59 @@ def _fmt(st: dict) -> str:
     return f"{st['median']:6.2f} s (min {st['min']:.2f}, max {st['max']:.2f})"
 
 
+def _cpu(step: dict) -> str:
+    return f"user {step['user']['median']:.2f} s, kernel {step['kernel']['median']:.2f} s"
+
+
 def main() -> None:
+    global CACHE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["1b"], choices=sorted(CONFIGS))
     ap.add_argument("--workers", default="auto")
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per model")
-    ap.add_argument("--cold", action="store_true", help="drop the page cache before every "
-                    "timed step (baseline and subject alike; needs root)")
+    cold = ap.add_mutually_exclusive_group()
+    cold.add_argument("--cold", action="store_const", const="all", dest="cold", default="",
+                      help="drop the whole page cache before every timed step (baseline and "
+                      "subject alike; needs root)")
+    cold.add_argument("--cold-source", action="store_const", const="source", dest="cold",
+                      help="drop the source files' pages (posix_fadvise DONTNEED) before every "
+                      "timed step")
+    ap.add_argument("--cache", type=Path, default=CACHE, help="where the generated checkpoints "
+                    "and the runs' outputs go")
     ap.add_argument("--no-check", action="store_true", help="skip the bit-exact comparison")
     ap.add_argument("--keep", action="store_true", help="keep the converted folders")
     args = ap.parse_args()
+    CACHE = args.cache
     CACHE.mkdir(parents=True, exist_ok=True)
     results = []
     gib = 2**30
     for name in args.models:
         r = bench(name, args.workers, not args.no_check, args.keep, args.repeats, args.cold)
         results.append(r)
-        print(f"\n{name} ({'cold' if args.cold else 'warm'} cache, {args.repeats} alternating "
+        state = {"all": "cold", "source": "source-cold", "": "warm"}[args.cold]
+        print(f"\n{name} ({state} cache, {args.repeats} alternating "
               f"rounds, median (min, max)): HF {r['hf_bytes'] / gib:.2f} GiB, torch_dist "
               f"{r['mcore_bytes'] / gib:.2f} GiB, largest tensor {r['largest_tensor'] / gib:.2f}"
               f" GiB, RSS target {r['rss_target'] / gib:.2f} GiB")
-        print(f"  cp -r HF:            {_fmt(r['cp_hf']['seconds'])}")
+        print(f"  cp -r HF:            {_fmt(r['cp_hf']['seconds'])}  {_cpu(r['cp_hf'])}")
         for step, base in (("hf_to_mcore", "cp_hf"), ("mcore_to_hf", "cp_mcore")):
             s = r[step]
             if base == "cp_mcore":
-                print(f"  cp -r torch_dist:    {_fmt(r[base]['seconds'])}")
+                print(f"  cp -r torch_dist:    {_fmt(r[base]['seconds'])}  {_cpu(r[base])}")
             label = "HF -> mcore tp2 pp2" if step == "hf_to_mcore" else "mcore -> HF"
             pr = s["pair_ratios"]
             print(f"  {label + ':':20s} {_fmt(s['seconds'])}  {s['time_ratio']:.2f}x cp -r "
                   f"(per round {pr['min']:.2f}-{pr['max']:.2f}x)  peak RSS "
                   f"{s['peak_rss'] / gib:.2f} GiB ({'within' if s['rss_ok'] else 'ABOVE'} "
-                  "target)")
+                  f"target)  {_cpu(s)}")
         print(f"  load average (1, 5, 15 min) before {r['load_before']}, after "
               f"{r['load_after']}")
+        if "source_cached" in r:
+            print("  source pages cached before HF -> mcore (fincore): "
+                  + ", ".join(f"{x:.1%}" for x in r["source_cached"]))
         if "checked_tensors" in r:
             print(f"  round trip bit-exact: {r['checked_tensors']} tensors")
-    out = CACHE / f"results{'-cold' if args.cold else ''}.json"
+    out = CACHE / f"results{ {'all': '-cold', 'source': '-cold-source'}.get(args.cold, '')}.json"
     out.write_text(json.dumps(results, indent=1))
     print(f"\nresults: {out}")
     sys.stdout.flush()

@@ -4,7 +4,8 @@ Each command runs as a fresh process, alternating with the baseline (baseline, c
 command, ...) so that both see the same machine load; the figure is the median of each and their
 ratio, with the spread (min-max) of both. One unmeasured warm-up run of each fills the page cache.
 Commands on a tiny model (2 layers, built here with transformers, not timed): ``mdtk --help``,
-``mdtk inspect``, ``mdtk estimate --model llama-3.1-8b`` and ``mdtk convert --to mcore``.
+``mdtk inspect``, ``mdtk estimate --model llama-3.1-8b``, ``mdtk convert --to mcore`` and
+``mdtk convert --to hf`` of that model's torch_dist checkpoint (written once, not timed).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_startup.py [--runs 5] [--json out.json]
 """
@@ -77,18 +78,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="timed runs of each (and the baseline)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
-    ap.add_argument("--only", nargs="*", help="subset of: help inspect estimate convert")
+    ap.add_argument("--only", nargs="*", help="subset of: help inspect estimate convert "
+                    "convert-hf")
     args = ap.parse_args()
     cli = mdtk()
     with tempfile.TemporaryDirectory(prefix="mdtk-startup-") as tmp:
         tiny = make_tiny(Path(tmp) / "tiny")
-        out = Path(tmp) / "out"
+        out, back, mcore = Path(tmp) / "out", Path(tmp) / "back", Path(tmp) / "mcore"
+        run_once([*cli, "convert", str(tiny), str(mcore), "--to", "mcore", "-q"])
         subjects: dict[str, tuple[list[str], Callable[[], None] | None]] = {
             "help": ([*cli, "--help"], None),
             "inspect": ([*cli, "inspect", str(tiny)], None),
             "estimate": ([*cli, "estimate", "--model", "llama-3.1-8b"], None),
             "convert": ([*cli, "convert", str(tiny), str(out), "--to", "mcore", "-q"],
                         lambda: shutil.rmtree(out, ignore_errors=True)),
+            "convert-hf": ([*cli, "convert", str(mcore), str(back), "--to", "hf", "-q"],
+                           lambda: shutil.rmtree(back, ignore_errors=True)),
         }
         results = {}
         print(f"{'command':<10} {'median s':>9} {'spread s':>13} {'torch s':>8} "

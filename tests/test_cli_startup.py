@@ -2,7 +2,9 @@
 
 `mdtk inspect` and `mdtk convert` read config.json as plain JSON and name torch_dist keys from
 the mapping, so neither transformers nor megatron-core is imported unless the command needs
-them (an HF target writes its config with transformers); `mdtk --help` imports no torch.
+them (an HF target writes config.json as JSON and copies generation_config.json); torch_dist's
+``.metadata`` is read and written without ``torch.distributed.checkpoint`` (``dcp_pickle``:
+DTensor, sympy); `mdtk --help` imports no torch.
 scripts/bench_startup.py measures the times (docs/benchmarks.md).
 """
 
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch", "transformers", "megatron", "deepspeed")
+HEAVY = ("torch", "transformers", "megatron", "deepspeed", "torch.distributed.checkpoint")
 PROBE = f"""
 import json, runpy, sys
 sys.argv = ["mdtk", *json.loads(sys.argv[1])]
@@ -53,6 +55,6 @@ def test_inspect_and_convert_import_neither_transformers_nor_megatron(tiny_root,
     legacy = tmp_path / "legacy"
     assert _loaded("convert", str(mcore), str(legacy), "--to", "megatron-legacy", "--pp", "2",
                    "-q") == ["torch"]
-    # an HF target writes config.json with transformers' own config class; still no megatron
+    # an HF target writes config.json as JSON, copies generation_config.json: no transformers
     assert _loaded("convert", str(legacy), str(tmp_path / "hf"), "--to", "hf", "--verify",
-                   "-q") == ["torch", "transformers"]
+                   "-q") == ["torch"]

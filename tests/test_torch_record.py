@@ -91,3 +91,25 @@ def test_hf_to_mcore_copies_file_to_file(tmp_path, monkeypatch):
             got = ck16.read(key, prefix)
             assert got.dtype == torch.bfloat16, key
             assert torch.equal(ckpt.read(key, prefix).to(torch.bfloat16), got), key
+
+
+def test_hf_target_carries_the_config_through_without_transformers(tmp_path):
+    """HF -> torch_dist -> HF: config.json is the source's (dtype as the weights'), read by
+    transformers as the source's is; generation_config.json is the source's file. (That the
+    converter does not import transformers for it: test_cli_startup.py.)"""
+    from transformers import AutoConfig
+
+    from toolkit.convert import convert
+    from toolkit.parallel.layout import ParallelLayout
+
+    convert(FIXTURE, tmp_path / "m", "mcore", ParallelLayout(tp=2), progress=False)
+    convert(tmp_path / "m", tmp_path / "h", "hf", progress=False, dtype="bf16")
+    src, got = (json.loads((p / "config.json").read_text()) for p in (FIXTURE, tmp_path / "h"))
+    assert got.pop("dtype") == "bfloat16" and src.pop("dtype") == "float32"
+    assert got == src
+    a, b = (AutoConfig.from_pretrained(p).to_dict() for p in (FIXTURE, tmp_path / "h"))
+    for d in (a, b):
+        d.pop("_name_or_path")
+    assert (a.pop("dtype"), b.pop("dtype")) == ("float32", "bfloat16") and a == b
+    assert ((tmp_path / "h" / "generation_config.json").read_bytes()
+            == (FIXTURE / "generation_config.json").read_bytes())

@@ -33,6 +33,7 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -424,6 +425,32 @@ class HFWriter:
         if self._plan is not None:
             self._plan.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def config_json(hf_config: Any, dtype: torch.dtype) -> str:
+    """``config.json`` of an HF config (``to_dict()`` of the plain config.json view or of a
+    transformers config) with the weights' dtype, as plain JSON: what a conversion writes, so it
+    needs no transformers import (~2 s: its config classes pull in DTensor and torch._dynamo)
+    and carries the source's config through unchanged but for the dtype."""
+    config = hf_config.to_dict()
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    config.pop("quantization_config", None)  # fp8 sources are dequantized: the output is not
+    if "torch_dtype" in config:  # the older name of the same key: keep the two in agreement
+        config["torch_dtype"] = name
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+@dataclass(frozen=True)
+class TextFile:
+    """A side file ``HFWriter.finish`` writes as given, where it takes a transformers config
+    (both have ``save_pretrained(folder)``)."""
+
+    name: str
+    text: str
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        (Path(folder) / self.name).write_text(self.text)
 
 
 _DTYPE_NAMES = {v: k for k, v in _SAFE_DTYPES.items()}

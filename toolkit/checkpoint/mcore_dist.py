@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from toolkit.checkpoint import CheckpointError, formats, torch_record
+from toolkit.checkpoint import CheckpointError, dcp_pickle, formats, torch_record
 from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
-from toolkit.checkpoint.hf import TOKENIZER_FILES
+from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, config_json
 from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_torch
 from toolkit.mapping import EXPERTS
@@ -110,23 +110,17 @@ def find_hf_config(path: Path) -> Path | None:
 def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype) -> None:
     """config.json (+ tokenizer files) of the model, so the checkpoint describes itself.
 
-    config.json is the adapter's HF config as JSON (``to_dict()`` of a transformers config or of
-    the plain config.json view) with the dtype of the weights: no transformers import.
+    config.json is the adapter's HF config as JSON with the dtype of the weights
+    (``hf.config_json``: no transformers import).
     """
     import shutil
 
     out = root / HF_CONFIG_DIR
     out.mkdir(parents=True, exist_ok=True)
-    config = adapter.hf_config.to_dict()
-    name = str(dtype).removeprefix("torch.")
-    config["dtype"] = name
-    config.pop("quantization_config", None)  # fp8 sources are dequantized: the output is not
-    if "torch_dtype" in config:  # the older name of the same key: keep the two in agreement
-        config["torch_dtype"] = name
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(config_json(adapter.hf_config, dtype))
     src = adapter.source
     if src is not None:
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
+        for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
 
@@ -314,11 +308,9 @@ class DistCheckpoint:
             raise CheckpointError(f"{folder} has metadata.json but no .metadata (incomplete "
                                   "torch_dist checkpoint).")
         md = load_dcp_metadata(md_file)
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         tensors, objects = {}, []
         for key, value in md.state_dict_metadata.items():
-            if isinstance(value, TensorStorageMetadata):
+            if isinstance(value, dcp_pickle.TensorStorageMetadata):
                 tensors[key] = value
             else:
                 objects.append(key)
@@ -675,27 +667,11 @@ def write_data_file(path: Path, items: list[Item], table: Any, read: Callable,
     return records
 
 
-def import_metadata_classes() -> None:
-    """Import the DCP modules ``write_metadata`` pickles classes of (about 0.6 s: they pull in
-    DTensor), so a caller can do it in the background while data is written."""
-    import torch.distributed.checkpoint.filesystem  # noqa: F401
-    import torch.distributed.checkpoint.metadata  # noqa: F401
-
-
 def write_metadata(folder: Path, items: list[Item], records: list[dict], num_layers: int,
                    num_experts: int, common: dict[str, Any]) -> None:
-    """``.metadata`` (DCP), the ``_extra_state`` objects file, ``metadata.json``, ``common.pt``."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
+    """``.metadata`` (DCP; pickled from ``dcp_pickle``'s stand-ins, so torch.distributed is not
+    imported), the ``_extra_state`` objects file, ``metadata.json``, ``common.pt``."""
+    d = dcp_pickle
     state: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     chunks: dict[str, list] = {}
@@ -707,12 +683,16 @@ def write_metadata(folder: Path, items: list[Item], records: list[dict], num_lay
     for key, rs in chunks.items():
         md_chunks = []
         for i, r in enumerate(rs):
-            md_chunks.append(ChunkStorageMetadata(torch.Size(r["offsets"]),
-                                                  torch.Size(r["sizes"])))
-            storage[MetadataIndex(key, r["offsets"], i)] = _StorageInfo(
-                r["file"], r["offset"], r["length"])
-        state[key] = TensorStorageMetadata(TensorProperties(dtype=rs[0]["dtype"]),
-                                           torch.Size(shapes[key]), md_chunks)
+            md_chunks.append(d.ChunkStorageMetadata.make(offsets=d.Size(r["offsets"]),
+                                                         sizes=d.Size(r["sizes"])))
+            storage[d.MetadataIndex.make(fqn=key, index=i, offset=d.Size(r["offsets"]))] = \
+                d.StorageInfo.make(relative_path=r["file"], offset=r["offset"],
+                                   length=r["length"])
+        props = d.TensorProperties.make(dtype=d.dtype_ref(rs[0]["dtype"]), layout=d.STRIDED,
+                                        requires_grad=False, memory_format=d.CONTIGUOUS,
+                                        pin_memory=False)
+        state[key] = d.TensorStorageMetadata.make(properties=props, size=d.Size(shapes[key]),
+                                                  chunks=md_chunks)
     # _extra_state of every linear module: megatron-core's local layers store [None].
     blob = io.BytesIO()
     torch.save([None], blob)
@@ -723,19 +703,17 @@ def write_metadata(folder: Path, items: list[Item], records: list[dict], num_lay
         for key, prefix, axes in objects:
             fqn = (f"{key}/shard_{'.'.join(map(str, prefix))}_{'.'.join(map(str, axes))}"
                    if prefix else f"{key}/shard_0_1")
-            state[fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(fqn)] = _StorageInfo("__extra_0.distcp", f.tell(), len(data))
+            state[fqn] = d.BytesStorageMetadata.make()
+            storage[d.MetadataIndex.make(fqn=fqn, index=None, offset=None)] = \
+                d.StorageInfo.make(relative_path="__extra_0.distcp", offset=f.tell(),
+                                   length=len(data))
             f.write(data)
-    from torch.distributed.checkpoint import filesystem
-
-    version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
-    md = Metadata(state_dict_metadata=state, storage_data=storage,
-                  storage_meta=StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4())),
-                  version=version)
-    import pickle
-
-    with open(folder / ".metadata", "wb") as f:
-        pickle.dump(md, f)
+    md = d.Metadata.make(state_dict_metadata=state, planner_data=None, storage_data=storage,
+                         storage_meta=d.StorageMeta.make(checkpoint_id=None,
+                                                         save_id=str(uuid.uuid4()),
+                                                         load_id=None, modules=[]),
+                         version=d.DCP_VERSION)
+    (folder / ".metadata").write_bytes(d.dumps(md))
     torch.save(common, folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps(BACKEND))
 

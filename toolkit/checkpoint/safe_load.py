@@ -8,7 +8,8 @@ replaced by inert placeholders (``Opaque``) that only record their name and argu
 never execute anything, and the tensors are untouched.
 
 DCP's ``.metadata`` (torch_dist checkpoints) is a plain pickle: ``load_dcp_metadata`` reads it
-with an unpickler that resolves only DCP's metadata classes, ``torch.Size`` and dtypes.
+with an unpickler that resolves only DCP's metadata class names (to plain stand-ins:
+``dcp_pickle``), ``torch.Size`` and dtypes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint import CheckpointError, dcp_pickle
 
 #: Modules whose globals (in a checkpoint's ``args``) become inert placeholders.
 OPAQUE_PREFIXES = ("megatron.", "transformer_engine.", "apex.", "deepspeed.", "enum.")
@@ -104,45 +105,12 @@ def load_torch(path: str | Path, *, mmap: bool = True) -> Any:
             raise CheckpointError(f"{path}: cannot load ({err}).") from err
 
 
-def _dcp_allowed() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import filesystem, metadata, planner
-
-    out: dict[tuple[str, str], Any] = {("torch", "Size"): torch.Size,
-                                       ("torch.serialization", "_get_layout"):
-                                           torch.serialization._get_layout,
-                                       ("collections", "OrderedDict"): __import__(
-                                           "collections").OrderedDict}
-    for mod, names in (
-        (metadata, ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-                    "StorageMeta", "MetadataIndex")),
-        (filesystem, ("_StorageInfo",)),
-        (planner, ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan",
-                   "ReadItem", "LoadItemType")),
-    ):
-        for name in names:
-            if hasattr(mod, name):
-                out[(mod.__name__, name)] = getattr(mod, name)
-    return out
-
-
-class _DCPUnpickler(pickle.Unpickler):
-    allowed: dict[tuple[str, str], Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.allowed:
-            return self.allowed[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not a DCP metadata class")
-
-
 def load_dcp_metadata(path: str | Path) -> Any:
-    """The ``Metadata`` object of a DCP ``.metadata`` file, unpickled with an allowlist."""
+    """The ``Metadata`` of a DCP ``.metadata`` file, unpickled with an allowlist into plain
+    stand-ins (``dcp_pickle``: no DCP class is imported or constructed)."""
     path = Path(path)
-    _DCPUnpickler.allowed = _dcp_allowed()
     try:
-        return _DCPUnpickler(io.BytesIO(path.read_bytes())).load()
+        return dcp_pickle.Reader(io.BytesIO(path.read_bytes())).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
         raise CheckpointError(f"{path}: not a readable torch.distributed.checkpoint metadata "
                               f"file ({err}).") from err

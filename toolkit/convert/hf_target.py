@@ -1,20 +1,25 @@
 """The HF target: safetensors shards streamed tensor by tensor, then config and side files.
 
 The shard layout is planned up front (``HFWriter(plan=...)``), so each tensor goes to its file as
-soon as it is read and memory holds one tensor. ``config.json`` and ``generation_config.json``
-are written by transformers' own config classes (the one place the converter imports
-transformers), from the HF config folder of the source.
+soon as it is read and memory holds one tensor. A source whose HF config transformers wrote
+(it names a ``transformers_version``; carried unchanged through mdtk's Megatron formats) and
+that has a ``generation_config.json`` gets both back as they are, with the weights' dtype
+(``hf.config_json``): no transformers import, which is ~2 s of a conversion's start-up (more
+than a 1B model's data copy). Other sources (an HF config mdtk derived from Megatron-LM's args;
+no generation config) have them written by transformers' own config classes, which fill in
+transformers' defaults, imported in a thread while the data is copied.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from toolkit.checkpoint.hf import HFWriter
+from toolkit.checkpoint.hf import GENERATION_CONFIG, HFWriter, TextFile, config_json
 from toolkit.checkpoint.pipeline import background, read_ahead
 from toolkit.convert.extras import Kept
 from toolkit.convert.progress import Progress
@@ -35,7 +40,7 @@ def _write_hf(op: Opened, kept: Kept, dst: Path, dtype: torch.dtype | None, bar:
     dtype_of = op.dtype_of(dtype)
     expected = op.adapter.expected_tensors()
     out_dtype = dtype or dtype_of(next(iter(expected)))
-    configs = background(lambda: _configs(op, out_dtype))  # imports transformers meanwhile
+    configs = _configs(op, out_dtype)  # a call; transformers' import, if any, runs meanwhile
     plan = {n: (tuple(s), dtype_of(n)) for n, s in expected.items()}
     writer = HFWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                       plan={**plan, **kept.plan(dtype)})
@@ -71,11 +76,22 @@ def _write_hf(op: Opened, kept: Kept, dst: Path, dtype: torch.dtype | None, bar:
         raise
 
 
-def _configs(op: Opened, dtype: torch.dtype) -> tuple[Any, Any]:
-    """transformers' config and generation config of the source's HF config folder (so
-    config.json is written as transformers writes it), with the weights' dtype."""
-    from toolkit.adapters import adapter_for
-    from toolkit.adapters.live import generation_config
+def _configs(op: Opened, dtype: torch.dtype) -> Callable[[], tuple[Any, Any]]:
+    """A call giving the config and generation config to write: the source's as they are when
+    transformers wrote them (see the module docstring), else transformers' rendering of the
+    source's HF config folder, started now in a thread and awaited by the call."""
+    src = op.adapter.source
+    if (src is not None and (src / GENERATION_CONFIG).is_file()
+            and "transformers_version" in op.adapter.hf_config.to_dict()):
+        found = (TextFile("config.json", config_json(op.adapter.hf_config, dtype)),
+                 TextFile(GENERATION_CONFIG, (src / GENERATION_CONFIG).read_text()))
+        return lambda: found
 
-    live = adapter_for(op.adapter.source)
-    return live.export_config(dtype), generation_config(live)
+    def render() -> tuple[Any, Any]:
+        from toolkit.adapters import adapter_for
+        from toolkit.adapters.live import generation_config
+
+        live = adapter_for(src)
+        return live.export_config(dtype), generation_config(live)
+
+    return background(render)

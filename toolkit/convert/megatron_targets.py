@@ -18,7 +18,6 @@ import torch
 from toolkit.atomic import building
 from toolkit.checkpoint import CheckpointError, mcore_dist, megatron_legacy
 from toolkit.checkpoint.hf import TOKENIZER_FILES
-from toolkit.checkpoint.pipeline import background
 from toolkit.convert.extras import save_kept
 from toolkit.convert.pool import job_source, run_jobs, split
 from toolkit.convert.progress import Progress
@@ -53,8 +52,6 @@ def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLay
     adapter = op.adapter
     dtype_of = op.dtype_of(dtype)
     iteration = op.info.get("iteration")
-    # the DCP classes .metadata pickles import in ~0.6 s: meanwhile, while the data is copied
-    imported = background(mcore_dist.import_metadata_classes) if to == "mcore" else None
     with building(dst) as tmp:
         folder = mcore_dist.write_tracker(tmp, iteration)
         out_dtype = dtype or dtype_of(next(iter(adapter.expected_tensors())))
@@ -80,8 +77,6 @@ def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLay
             results = run_jobs(_mcore_job, jobs, workers, bar.advance,
                                [sum(it.nbytes for it in g) for g in groups])
             records = [r for rs in results for r in rs]
-            if imported is not None:
-                imported()
             mcore_dist.write_metadata(folder, items, records, adapter.dims.layers,
                                       adapter.dims.experts, common)
         else:
