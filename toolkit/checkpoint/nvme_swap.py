@@ -27,7 +27,6 @@ import re
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from toolkit.checkpoint import CheckpointError
@@ -71,6 +70,8 @@ def _swap_files(folder: Path) -> dict[tuple[str, int, int], Path]:
 
 
 def _read(path: Path, numel: int) -> torch.Tensor:
+    import numpy as np  # only NVMe checkpoints need it: keeps `mdtk convert` start-up lean
+
     have = path.stat().st_size // 4
     if have < numel:
         raise CheckpointError(f"{path}: holds {have} fp32 values, its sub group needs {numel} "
