@@ -82,9 +82,11 @@ def _batch(vocab: int, micro: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def train_and_measure(config: dict[str, Any], steps: int = 3, nvme_dir: str | None = None,
-                      **model_overrides: Any) -> dict[str, Any]:
+                      save_dir: str | None = None, **model_overrides: Any) -> dict[str, Any]:
     """Train ``steps`` steps on a fixed batch; return losses and the bytes held before the
-    last step's optimizer update (gradients and optimizer states both alive)."""
+    last step's optimizer update (gradients and optimizer states both alive). ``save_dir``:
+    then also ``save_checkpoint`` there (with the model's config.json beside, as HF Trainer's
+    ``checkpoint-N/`` has it) and the engine's own 16-bit export in ``save_dir/export``."""
     import deepspeed
     import torch.distributed as dist
 
@@ -115,6 +117,12 @@ def train_and_measure(config: dict[str, Any], steps: int = 3, nvme_dir: str | No
                 measured = held_bytes(engine)
             engine.step()
         losses.append(float(loss.detach()))
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
+        engine.save_16bit_model(os.path.join(save_dir, "export"))
+        if dist.get_rank() == 0:
+            model.config.architectures = [type(model).__name__]
+            model.config.save_pretrained(save_dir)
     engine.destroy()
     del engine
     return {"losses": losses, "held_bytes": measured}

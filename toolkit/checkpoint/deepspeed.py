@@ -52,9 +52,13 @@ as the fp32 partitions: ZeRO 1/2 ``base_optimizer_state`` (``state[g]`` per grou
 torch optimizer's ``state[i]`` of the i-th parameter in ``param_shapes`` order. The trainer's
 resume at another layout (``toolkit.train.reshard``) reads all three through the same mapping.
 
-Not supported (refused with a message): optimizer state offloaded to NVMe (the fp32 weights
-live in swap files); experts with ep > 1 under ZeRO 0 (DeepSpeed saves the weights of ep rank
-0's experts only) or ZeRO 3.
+Optimizer state offloaded to NVMe (ZeRO-3, tp = pp = 1): the fp32 weights and moments of the
+swapped sub groups are read from the swap files DeepSpeed copies into the checkpoint
+(``toolkit.checkpoint.nvme_swap``).
+
+Not supported (refused with a message): parameters offloaded to NVMe; optimizer NVMe offload at
+tp or pp > 1 (swap folders are filed by global rank); experts with ep > 1 under ZeRO 0
+(DeepSpeed saves the weights of ep rank 0's experts only) or ZeRO 3.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from typing import Any
 
 import torch
 
-from toolkit.checkpoint import CheckpointError, formats
+from toolkit.checkpoint import CheckpointError, formats, nvme_swap
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
 from toolkit.checkpoint.safe_load import load_torch
 from toolkit.mapping import Coord, plan_rank
@@ -202,10 +206,19 @@ class DeepSpeedCheckpoint:
         if (tp * dp) % (ep * etp):
             raise CheckpointError(f"{engine.parent}: ep={ep} x etp={etp} does not divide "
                                   f"tp={tp} x dp={dp}.")
-        for key in ("offload_optimizer", "offload_param"):
-            if ((zero.get(key) or {}).get("device")) == "nvme":
-                raise CheckpointError(f"{first}: ZeRO {key} to NVMe keeps the fp32 weights in "
-                                      "swap files, which this reader does not read.")
+        if ((zero.get("offload_param") or {}).get("device")) == "nvme":
+            raise CheckpointError(f"{first}: ZeRO offload_param to NVMe is not read (only "
+                                  "offload_optimizer to NVMe is).")
+        if nvme_swap.offloads_optimizer(zero) and stage == 3:
+            if mp > 1:
+                raise CheckpointError(
+                    f"{first}: optimizer swapped to NVMe at tp={tp} x pp={pp}: the swap files "
+                    "are filed by global rank, which is read only at tp = pp = 1.")
+            if ((head.get("ds_config") or {}).get("checkpoint") or {}).get(
+                    "use_node_local_storage"):
+                raise CheckpointError(f"{first}: optimizer swapped to NVMe with "
+                                      "use_node_local_storage: the swap files are filed by "
+                                      "local rank, ambiguous across nodes.")
         step = state_json.get("step")
         ckpt = cls(engine, step, stage, tp, pp, vpp, dp, state_json, ep=ep, etp=etp, cp=cp,
                    what=state)
@@ -270,11 +283,34 @@ class DeepSpeedCheckpoint:
                 raise CheckpointError(f"{f} has no 'optimizer_state_dict'.")
             osds.append(osd)
         if self.stage == 3:
-            return _Rank(m, files, shapes, _zero3_reader(groups, osds, optim_files, self.what))
+            fill = self._swapped_reader(model, groups, optim_files)
+            if fill is not None:
+                files += [f for d in range(self.dp) for f in
+                          sorted(nvme_swap.swap_folder(self.path, d).glob("*.swp"))]
+            return _Rank(m, files, shapes,
+                         _zero3_reader(groups, osds, optim_files, self.what, fill))
         zero = _Zero12(groups, osds, optim_files, self.dp, self.what)
         if any(zero.moe) and self.stage not in (1, 2):
             raise CheckpointError(f"{model_files[0]}: expert groups under ZeRO-{self.stage}.")
         return _Rank(m, files, shapes, zero.dense_reader(), zero)
+
+    def _swapped_reader(self, model: dict, groups: list[dict], optim_files: list[Path]
+                        ) -> Callable[[int, list[torch.Tensor]], list[torch.Tensor]] | None:
+        """ZeRO-3 with the optimizer on NVMe (mp = 1, so dp rank d is global rank d): file d's
+        sub groups with the swapped ones read from ``offloaded_tensors/rank<d>``."""
+        zero = (model.get("ds_config") or {}).get("zero_optimization") or {}
+        if not nvme_swap.offloads_optimizer(zero):
+            return None
+        listed = [n for g in groups for n in g]  # param group order; module order below
+        module = model.get("module") or {}
+        order = [n for n in module if n in set(listed)] if set(listed) <= set(module) else listed
+        size = int(zero.get("sub_group_size") or nvme_swap.DEFAULT_SUB_GROUP_SIZE)
+
+        def fill(d: int, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+            return nvme_swap.fill_swapped(
+                flats, groups=groups, order=order, dp=self.dp, sub_group_size=size,
+                folder=nvme_swap.swap_folder(self.path, d), what=self.what, file=optim_files[d])
+        return fill
 
     def expert_reader(self, m: int, ep_rank: int, etp_rank: int
                       ) -> Callable[[str], torch.Tensor]:
@@ -443,11 +479,15 @@ class _Zero12:
         return self._reader(parts, True)
 
 
-def _zero3_reader(groups: list[dict], osds: list[dict], files: list[Path], what: str = "fp32"
+def _zero3_reader(groups: list[dict], osds: list[dict], files: list[Path], what: str = "fp32",
+                  fill: Callable[[int, list[torch.Tensor]], list[torch.Tensor]] | None = None
                   ) -> Callable[[str], torch.Tensor]:
     """ZeRO 3: parameter k sits at the same offset in every rank's flat vector; rank d holds
-    elements [d * part, (d + 1) * part) of it (the last rank padded)."""
+    elements [d * part, (d + 1) * part) of it (the last rank padded). ``fill(d, flats)``: rank
+    d's sub groups completed from elsewhere (NVMe swap files)."""
     flats = [_flat(o, "fp32_flat_groups", f, what) for o, f in zip(osds, files, strict=True)]
+    if fill is not None:
+        flats = [fill(d, flat) for d, flat in enumerate(flats)]
     dp = len(flats)
     shapes = {n: s for g in groups for n, s in g.items()}
     where: dict[str, tuple[int, int]] = {}

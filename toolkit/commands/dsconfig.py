@@ -50,8 +50,9 @@ def ds_config(
     flash: bool = FLASH,
     gpu: str = typer.Option("h100", "--gpu", help="Device whose speed ranks the options with "
                             "--recompute auto (mdtk plan --gpu list)."),
-    hf_trainer: bool = typer.Option(False, "--hf-trainer", help='Write "auto" where HF Trainer '
-                                    "fills the value."),
+    hf_trainer: bool = typer.Option(False, "--hf-trainer", help='Write "auto" where both the HF '
+                                    "Trainer and accelerate's DeepSpeedPlugin fill the value "
+                                    "(AdamW betas/eps: TrainingArguments' defaults)."),
     scheduler: str = typer.Option("WarmupDecayLR", "--scheduler"),
     lr: float = typer.Option(3e-4, "--lr"),
     warmup_steps: int = typer.Option(100, "--warmup-steps"),

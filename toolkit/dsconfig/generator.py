@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.dsconfig.lint import lint
+from toolkit.dsconfig.lint import HF_ADAM_BETAS, HF_ADAM_EPS, lint
 from toolkit.errors import UserError
 from toolkit.memory import (
     CPU,
@@ -260,10 +260,11 @@ def build_config(req: Request, chosen: Option, layout: ParallelLayout,
     cfg["zero_optimization"] = _zero_block(req, zero, est, notes)
     if NVME in (zero.offload_optimizer, zero.offload_param):
         cfg["aio"] = dict(AIO_BLOCK)
+    # "auto" only where both the HF Trainer and accelerate fill it (lint.HF_ONLY_AUTO_KEYS)
     cfg["optimizer"] = {"type": "AdamW", "params": {
         "lr": AUTO if hf else req.lr,
-        "betas": AUTO if hf else list(req.betas),
-        "eps": AUTO if hf else req.eps,
+        "betas": list(HF_ADAM_BETAS if hf else req.betas),
+        "eps": HF_ADAM_EPS if hf else req.eps,
         "weight_decay": AUTO if hf else req.weight_decay,
     }}
     if zero.offload_optimizer != "none":

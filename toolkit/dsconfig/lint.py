@@ -26,6 +26,14 @@ HF_AUTO_KEYS = frozenset({
     "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold",
 })
+# accelerate's DeepSpeedPlugin (with DummyOptim / DummyScheduler) fills the rest of HF_AUTO_KEYS,
+# but not these: it takes only lr and weight_decay from DummyOptim ("optimizer.params.betas not
+# found in kwargs"). The generator writes HF_ADAM_BETAS / HF_ADAM_EPS there instead of "auto".
+HF_ONLY_AUTO_KEYS = frozenset({"optimizer.params.betas", "optimizer.params.eps"})
+# TrainingArguments' adam_beta1, adam_beta2 and adam_epsilon defaults; the HF Trainer checks the
+# config's values against TrainingArguments and names any mismatch.
+HF_ADAM_BETAS = (0.9, 0.999)
+HF_ADAM_EPS = 1e-8
 # accelerate's DeepSpeedPlugin fills these too (from its own settings), the HF Trainer does not.
 ACCELERATE_AUTO_KEYS = frozenset({"zero_optimization.stage3_gather_16bit_weights_on_model_save"})
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

@@ -12,6 +12,7 @@ from typing import Any
 
 from toolkit.atomic import write_text
 from toolkit.dsconfig.generator import Plan, Request, generate
+from toolkit.dsconfig.lint import HF_ADAM_BETAS, HF_ADAM_EPS
 from toolkit.memory import GIB, Cluster, TrainShape, load_model_shape
 
 REFERENCE_MODEL = "llama-3.2-1b"
@@ -69,9 +70,14 @@ def readme(plans: dict[str, Plan]) -> str:
         "global batch 64, bf16, selective recompute. For your own model and cluster run "
         "`mdtk ds-config --model ... --nodes ... --gpus-per-node ... --gpu-mem ...`.",
         "",
-        "`*_hf_trainer.json` variants write `\"auto\"` exactly where HF Trainer / accelerate fill "
-        "the value from `TrainingArguments` (batch sizes, clipping, lr/betas/eps/weight decay, "
-        "scheduler steps, precision, hidden-size based buckets).",
+        "`*_hf_trainer.json` variants write `\"auto\"` exactly where both the HF Trainer (from "
+        "`TrainingArguments`) and accelerate's `DeepSpeedPlugin` (from its `DummyOptim` / "
+        "`DummyScheduler`, data loader and model) fill the value: batch sizes, clipping, lr, "
+        "weight decay, scheduler steps, precision, hidden-size based buckets. accelerate does "
+        "not fill the AdamW betas and eps, so they are written as `TrainingArguments`' "
+        f"defaults ({list(HF_ADAM_BETAS)}, {HF_ADAM_EPS}); the HF Trainer names any mismatch "
+        "with `adam_beta1` / `adam_beta2` / `adam_epsilon`. With accelerate pass "
+        "`total_num_steps` to `DummyScheduler`.",
         f"`zero_infinity_nvme` uses `{NVME_PLACEHOLDER}` as `nvme_path`: point it at a local NVMe "
         "folder.",
         "",
