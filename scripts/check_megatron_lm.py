@@ -244,7 +244,7 @@ def worker(checkout: Path, spec: dict[str, Any]) -> None:
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     # A C++ thread left by the torch_dist load ("terminate called without an active exception")
-    # can abort interpreter shutdown after the result is written (seen 1 run in 5): end here.
+    # can abort interpreter shutdown after the result is written (seen once in 4 runs): end here.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
