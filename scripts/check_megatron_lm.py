@@ -269,9 +269,8 @@ def check(checkout: Path, work: Path, only: list[str] | None = None) -> list[Res
     cpu = [f for flags in CPU_FLAGS.values() for f in flags]
     results = []
     for fmt, to in (("torch", "megatron-legacy"), ("torch_dist", "mcore")):
-        ckpt = work / fmt
-        if not ckpt.exists():
-            convert(hf, ckpt, to, ParallelLayout(tp=TP), progress=False)
+        ckpt = work / fmt  # converted afresh: a reused --work must not test an old conversion
+        convert(hf, ckpt, to, ParallelLayout(tp=TP), overwrite=True, progress=False)
         for mode, model in (("explicit", model_flags(config, hf)),
                             ("checkpoint-args", ["--use-checkpoint-args"])):
             flags = [*model, "--tensor-model-parallel-size", str(TP), *cpu, *RUN_FLAGS,
