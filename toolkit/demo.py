@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from toolkit import bundled
 from toolkit.atomic import building
@@ -31,9 +32,10 @@ class DemoResult:
     export_max_abs_diff: float | None
 
 
-def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
-    """A tiny Llama (bundled:examples/tiny_llama_config.json) with random weights + the
-    tokenizer."""
+def make_tiny_checkpoint(out: Path, *, seed: int = 0,
+                         overrides: dict[str, Any] | None = None) -> Path:
+    """A tiny Llama (bundled:examples/tiny_llama_config.json, ``overrides`` on top) with random
+    weights + the tokenizer (of the config's vocab size)."""
     from toolkit import runtime
 
     runtime.select_deepspeed_accelerator()  # transformers imports DeepSpeed
@@ -47,8 +49,9 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0) -> Path:
         return out
     hf_logging.disable_progress_bar()  # "Writing model shards" for one small file
     with building(out) as tmp:  # replaces an incomplete earlier attempt
-        build_tiny_tokenizer(tmp)
-        raw = json.loads(bundled.path(bundled.TINY_LLAMA_CONFIG).read_text())
+        raw = {**json.loads(bundled.path(bundled.TINY_LLAMA_CONFIG).read_text()),
+               **(overrides or {})}
+        build_tiny_tokenizer(tmp, vocab_size=raw["vocab_size"])
         config = AutoConfig.for_model(**raw)
         torch.manual_seed(seed)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
