@@ -18,6 +18,10 @@ conversion / ``cp -r`` of its source. Targets: time <= 2x ``cp -r``; peak RSS <=
     .venv/bin/python scripts/bench_convert.py --models 1b 8b [--repeats 3] [--cold]
         [--workers auto] [--keep]
 
+``--models deepseek-v3`` benchmarks DeepSeek-V3 shapes at ep=8 instead (``bench_convert_dsv3``:
+``--case bf16`` round trip with ``--experts`` routed experts, ``--case fp8`` one full MoE layer
+from an FP8 source; data under ``--work``, deleted at the end; hold the disk lock).
+
 Every timed step starts after ``sync`` (untimed), so no step pays for the writeback of the
 previous one; ``--cold`` also drops the page cache before each (root). The rounds alternate
 baseline and conversion; medians, the spread and per-round ratios are reported.
@@ -224,18 +228,33 @@ def _fmt(st: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["1b"], choices=sorted(CONFIGS))
+    ap.add_argument("--models", nargs="+", default=["1b"],
+                    choices=[*sorted(CONFIGS), "deepseek-v3"])
     ap.add_argument("--workers", default="auto")
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per model")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before every "
                     "timed step (baseline and subject alike; needs root)")
     ap.add_argument("--no-check", action="store_true", help="skip the bit-exact comparison")
     ap.add_argument("--keep", action="store_true", help="keep the converted folders")
+    ap.add_argument("--case", choices=["bf16", "fp8"], default="bf16", help="deepseek-v3: "
+                    "bf16 round trip, or FP8 source -> bf16 mcore (256 experts)")
+    ap.add_argument("--experts", type=int, default=None, help="deepseek-v3: routed experts "
+                    "of the MoE layer (default 96 for bf16, 256 for fp8)")
+    ap.add_argument("--work", type=Path, default=Path("/work/bench/dsv3"),
+                    help="deepseek-v3: data folder (emptied at the end)")
     args = ap.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     results = []
     gib = 2**30
     for name in args.models:
+        if name == "deepseek-v3":
+            import bench_convert_dsv3 as dsv3  # the scripts folder is on sys.path
+
+            experts = args.experts or (256 if args.case == "fp8" else 96)
+            results.append(dsv3.bench(args.case, experts, 8, args.repeats, args.workers,
+                                      args.work))
+            dsv3.report(results[-1])
+            continue
         r = bench(name, args.workers, not args.no_check, args.keep, args.repeats, args.cold)
         results.append(r)
         print(f"\n{name} ({'cold' if args.cold else 'warm'} cache, {args.repeats} alternating "
@@ -257,7 +276,8 @@ def main() -> None:
               f"{r['load_after']}")
         if "checked_tensors" in r:
             print(f"  round trip bit-exact: {r['checked_tensors']} tensors")
-    out = CACHE / f"results{'-cold' if args.cold else ''}.json"
+    tag = f"-deepseek-v3-{args.case}" if "deepseek-v3" in args.models else ""
+    out = CACHE / f"results{tag}{'-cold' if args.cold else ''}.json"
     out.write_text(json.dumps(results, indent=1))
     print(f"\nresults: {out}")
     sys.stdout.flush()
