@@ -19,6 +19,10 @@ conversion / ``cp -r`` of its source. Targets: time <= 2x ``cp -r``; peak RSS <=
     .venv/bin/python scripts/bench_convert.py --models 1b 8b [--repeats 3]
         [--cold | --cold-source] [--workers auto] [--keep] [--cache DIR]
 
+``--models deepseek-v3`` benchmarks DeepSeek-V3 shapes at ep=8 instead (``bench_convert_dsv3``:
+``--case bf16`` round trip with ``--experts`` routed experts, ``--case fp8`` one full MoE layer
+from an FP8 source; data under ``--work``, deleted at the end; hold the disk lock).
+
 Every timed step starts after ``sync`` (untimed), so no step pays for the writeback of the
 previous one; ``--cold`` also drops the whole page cache before each (``drop_caches``, root),
 ``--cold-source`` only the step's source files (``posix_fadvise(POSIX_FADV_DONTNEED)`` after
@@ -264,7 +268,8 @@ def _cpu(step: dict) -> str:
 def main() -> None:
     global CACHE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["1b"], choices=sorted(CONFIGS))
+    ap.add_argument("--models", nargs="+", default=["1b"],
+                    choices=[*sorted(CONFIGS), "deepseek-v3"])
     ap.add_argument("--workers", default="auto")
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per model")
     cold = ap.add_mutually_exclusive_group()
@@ -278,12 +283,26 @@ def main() -> None:
                     "and the runs' outputs go")
     ap.add_argument("--no-check", action="store_true", help="skip the bit-exact comparison")
     ap.add_argument("--keep", action="store_true", help="keep the converted folders")
+    ap.add_argument("--case", choices=["bf16", "fp8"], default="bf16", help="deepseek-v3: "
+                    "bf16 round trip, or FP8 source -> bf16 mcore (256 experts)")
+    ap.add_argument("--experts", type=int, default=None, help="deepseek-v3: routed experts "
+                    "of the MoE layer (default 96 for bf16, 256 for fp8)")
+    ap.add_argument("--work", type=Path, default=Path("/work/bench/dsv3"),
+                    help="deepseek-v3: data folder (emptied at the end)")
     args = ap.parse_args()
     CACHE = args.cache
     CACHE.mkdir(parents=True, exist_ok=True)
     results = []
     gib = 2**30
     for name in args.models:
+        if name == "deepseek-v3":
+            import bench_convert_dsv3 as dsv3  # the scripts folder is on sys.path
+
+            experts = args.experts or (256 if args.case == "fp8" else 96)
+            results.append(dsv3.bench(args.case, experts, 8, args.repeats, args.workers,
+                                      args.work))
+            dsv3.report(results[-1])
+            continue
         r = bench(name, args.workers, not args.no_check, args.keep, args.repeats, args.cold)
         results.append(r)
         state = {"all": "cold", "source": "source-cold", "": "warm"}[args.cold]
@@ -309,7 +328,9 @@ def main() -> None:
                   + ", ".join(f"{x:.1%}" for x in r["source_cached"]))
         if "checked_tensors" in r:
             print(f"  round trip bit-exact: {r['checked_tensors']} tensors")
-    out = CACHE / f"results{ {'all': '-cold', 'source': '-cold-source'}.get(args.cold, '')}.json"
+    tag = f"-deepseek-v3-{args.case}" if "deepseek-v3" in args.models else ""
+    cold = {"all": "-cold", "source": "-cold-source"}.get(args.cold, "")
+    out = CACHE / f"results{tag}{cold}.json"
     out.write_text(json.dumps(results, indent=1))
     print(f"\nresults: {out}")
     sys.stdout.flush()

@@ -385,7 +385,12 @@ DS_CASES = [  # (name, model, tp, pp, zero, ep, cp; dp on 2 ranks)
     # and with ep=2 the CP rank is the ep rank (cp folds into ep x edp).
     ("cp2_zero2", "dense", 1, 1, 2, 1, 2),
     ("cp2_ep2_zero1", "moe", 1, 1, 1, 2, 2),
+    # DeepSeek-V3: MLA, sigmoid routing with the expert-score correction bias, a persistent
+    # buffer (in the model-states file only, no ZeRO partition) that the trainer keeps fixed
+    ("dsv3_ep2_zero1", "dsv3", 1, 1, 1, 2, 1),
 ]
+#: Stored weights the trainer does not update (buffers): equal to the initial checkpoint's.
+UNTRAINED = ("mlp.gate.e_score_correction_bias",)
 
 
 @pytest.fixture(scope="module")
@@ -428,7 +433,13 @@ def test_deepspeed_checkpoint_converts_to_the_trained_model(ds_runs, case):
     same = ac.compare_tensors(Path(run["export_dir"]), out)
     assert same["n"] > 0 and same["only_a"] == same["only_b"] == [] and same["unequal"] == [], same
     trained = ac.compare_tensors(Path(assets[model]), out)
-    assert len(trained["unequal"]) == trained["n"], "the checkpoint holds untrained weights"
+    with HFReader(out) as r:
+        fixed = {n: r.read(n, tuple((0, k) for k in r.shape(n)))
+                 for n in r.names if n.endswith(UNTRAINED)}
+    assert len(trained["unequal"]) == trained["n"] - len(fixed), "untrained weights"
+    assert not fixed.keys() & set(trained["unequal"]), "a fixed buffer changed"
+    assert bool(fixed) == (model == "dsv3"), fixed  # one per MoE layer, randomised: not zeros
+    assert all(t.abs().min() > 0 for t in fixed.values()), fixed
 
 
 def test_deepspeed_to_megatron_layouts_and_missing_partition(ds_runs, tmp_path):

@@ -88,6 +88,12 @@ def test_reader_reads_only_the_blocks_of_a_region(tmp_path):
             assert len(scales) == len(range(a // 128, -(-b // 128)))
     with open_reader(path) as r:  # default: the checkpoint's dtype
         assert torch.equal(r.read("a.weight", ((0, 300), (0, 200))), ref.to(torch.bfloat16))
+        # file-to-file copies: the stored bytes of an unquantized tensor, never of a weight
+        assert r.byte_range("a.weight", ((0, 300), (0, 200))) is None
+        file, offset, length = r.byte_range("n.weight", ((1, 3),))
+        with open(file, "rb") as f:
+            f.seek(offset)
+            assert f.read(length) == torch.ones(2).numpy().tobytes() and length == 8
 
 
 @pytest.mark.parametrize(("quant", "match"), [

@@ -85,6 +85,9 @@ def make_assets(root: Path) -> dict[str, str]:
             for pname, p in model.named_parameters():
                 if "norm" not in pname:
                     p.normal_(0.0, 0.08)
+            for bname, b in model.named_buffers():  # DeepSeek's routing bias: a stored buffer
+                if bname.endswith("e_score_correction_bias"):  # non-zero, so a loss shows
+                    b.normal_(0.0, 0.08)
         model.save_pretrained(root / name)
         out[name] = str(root / name)
     return out

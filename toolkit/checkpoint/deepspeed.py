@@ -45,6 +45,13 @@ rank D % cp of dp rank D // cp (tp-cp-dp order, cp inside dp). The dense partiti
 in D order as at cp = 1, and the expert position above holds with D over dp x cp (the stage's
 tp x cp x dp block is etp-ep-edp for experts: cp folds into ep x edp).
 
+Persistent buffers (DeepSeek's router ``expert_bias``, HF's ``e_score_correction_bias``) are
+not parameters: no optimizer group holds them, so they are in no ZeRO partition and not in
+``param_shapes``. DeepSpeed saves them only in the module state dict of the model-states file
+(``module``, listed in ``buffer_names``); they are read from there (``_Rank.buffers``). The
+trainer does not update them (no aux-loss-free bias update), so every dp / ep rank holds the
+same copy; their Adam moments are zero (they are never stepped).
+
 Adam moments: ``open(path, state="exp_avg")`` (or ``"exp_avg_sq"``) reads the optimizer's
 moments instead of the fp32 master weights. They are elementwise, so they sit at the same offsets
 as the fp32 partitions: ZeRO 1/2 ``base_optimizer_state`` (``state[g]`` per group), ZeRO 3
@@ -142,6 +149,7 @@ class _Rank:
     shapes: dict[str, torch.Size]
     read: Callable[[str], torch.Tensor]  # dense parameters (and all of them at ep = etp = 1)
     zero12: _Zero12 | None = None  # ZeRO 1/2: the partitions, for the expert reader
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # persistent, from module
 
 
 @dataclass
@@ -270,6 +278,13 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{model_files[0]} has no 'param_shapes'.")
         if model.get("frozen_param_shapes"):
             raise CheckpointError(f"{model_files[0]}: frozen parameters are not supported.")
+        rank = self._read_rank(m, model, groups, model_files, optim_files)
+        rank.buffers = _buffers(model, model_files[0], self.what)
+        return rank
+
+    def _read_rank(self, m: int, model: dict, groups: list[dict], model_files: list[Path],
+                   optim_files: list[Path]) -> _Rank:
+        """mp rank ``m``'s parameters, read from its ZeRO partitions (or, ZeRO 0, its module)."""
         shapes = {n: torch.Size(s) for g in groups for n, s in g.items()}
         files = [*model_files, *optim_files]
         if self.stage == 0:
@@ -363,6 +378,20 @@ def _flat(osd: dict, key: str, file: Path, what: str = "fp32") -> list[torch.Ten
         if moment.numel() < fp32.numel():  # lean states drop the alignment padding
             moment = torch.cat([moment.flatten(), moment.new_zeros(fp32.numel() - moment.numel())])
         out.append(moment.flatten())
+    return out
+
+
+def _buffers(model: dict, file: Path, what: str) -> dict[str, torch.Tensor]:
+    """The persistent buffers of the module state dict (``buffer_names``); as a moment
+    (``what`` != fp32), zeros: no optimizer steps a buffer."""
+    module = model.get("module") or {}
+    out = {}
+    for name in model.get("buffer_names") or []:
+        t = module.get(name)
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{file}: buffer {name} is listed in 'buffer_names' but its "
+                                  "'module' holds no tensor of that name.")
+        out[name] = t if what == "fp32" else torch.zeros_like(t)
     return out
 
 
@@ -615,10 +644,10 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
                                   f"{adapter.architecture} mapping's experts differ: "
                                   f"{', '.join(odd[:8])}.")
         unknown = [n for n in rank.shapes if n not in names]
-        missing = [n for n in names if n not in rank.shapes]
-        wrong = [f"{n}: {tuple(rank.shapes[n])}, expected {tuple(t.shape)}"
-                 for n, t in names.items() if n in rank.shapes
-                 and tuple(rank.shapes[n]) != tuple(t.shape)]
+        held = {**{n: b.shape for n, b in rank.buffers.items() if n in names}, **rank.shapes}
+        missing = [n for n in names if n not in held]
+        wrong = [f"{n}: {tuple(held[n])}, expected {tuple(t.shape)}"
+                 for n, t in names.items() if n in held and tuple(held[n]) != tuple(t.shape)]
         where = f"{rank.files[0]} (model-parallel rank {m} = tp {m % ckpt.tp}, pp {m // ckpt.tp})"
         if unknown:
             raise CheckpointError(f"{where} holds parameters the {adapter.architecture} mapping "
@@ -641,6 +670,8 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
                         holders.setdefault(t.key, {})[t.shard] = (m, n, e, et)
 
     def reader(m: int, e: int, et: int, name: str) -> Callable[[str], torch.Tensor]:
+        if name in ckpt.ranks[m].buffers:
+            return ckpt.ranks[m].buffers.__getitem__
         zero = ckpt.ranks[m].zero12
         if zero is None or name not in zero.expert_names:
             return ckpt.ranks[m].read

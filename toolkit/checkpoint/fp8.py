@@ -129,13 +129,14 @@ class DequantizingReader:
     def locate(self, name: str) -> Any:
         return self.inner.locate(name)
 
-    def segments(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """File byte ranges for a copy fast path: never for a quantized weight (its bytes are
-        not the output's), else whatever the inner reader offers."""
-        inner = getattr(self.inner, "segments", None)
+    def byte_range(self, name: str, region: tuple[tuple[int, int], ...]) -> Any:
+        """Where a region lies as stored, for the file-to-file copy path: never for a quantized
+        weight (its bytes are not the output's), else what the inner reader says (the bf16
+        embeddings, output layer and norms of an FP8 checkpoint copy as ``cp`` does)."""
+        inner = getattr(self.inner, "byte_range", None)
         if name in self.quantized or inner is None:
             return None
-        return inner(name, *args, **kwargs)
+        return inner(name, region)
 
     def read(self, name: str, region: tuple[tuple[int, int], ...]) -> torch.Tensor:
         if name not in self.quantized:

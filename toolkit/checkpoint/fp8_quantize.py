@@ -39,6 +39,17 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     return q.view(sr * br, sc * bc)[:rows, :cols].contiguous(), scale
 
 
+def quantized(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether tensor ``name`` is stored as FP8 in the published layout (a 2-D linear weight)."""
+    return len(shape) == 2 and dtype.is_floating_point and not KEEP.search(name)
+
+
+def quantization_config(block: tuple[int, int]) -> dict:
+    """The ``quantization_config`` of a config.json in DeepSeek-V3's published FP8 layout."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
+            "activation_scheme": "dynamic"}
+
+
 def tensors_of(src: Path) -> dict[str, torch.Tensor]:
     with HFReader(src) as r:
         return {n: r.read(n, tuple((0, k) for k in r.shape(n))) for n in r.names}
@@ -60,12 +71,10 @@ def quantize_folder(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -
     """``dst``: ``src`` with its 2-D linear weights in FP8 + block scales, config declaring it."""
     out = {}
     for name, t in tensors_of(src).items():
-        if t.dim() == 2 and t.is_floating_point() and not KEEP.search(name):
+        if quantized(name, tuple(t.shape), t.dtype):
             out[name], out[name + SCALE] = quantize(t, block)
         else:
             out[name] = t
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "weight_block_size": list(block),
-                                     "activation_scheme": "dynamic"}
+    config["quantization_config"] = quantization_config(block)
     return write_folder(dst, src, out, config)
