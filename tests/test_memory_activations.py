@@ -101,8 +101,9 @@ def predicted_cp(cp: int, layers: int) -> float:
 
 def test_activation_bytes_at_cp2(measured_cp):
     """At cp=2 each rank saves about half of cp=1's activations for one long sequence (its two
-    chunks), plus the whole-sequence K and V the all-gather keeps (2 * 512 * 32 fp32 a layer,
-    ~10% of cp=1's at this tiny width), and the memory model is within 15% per rank at both."""
+    chunks), plus the whole-sequence K and V the all-gather keeps (2 * 4096 * 32 fp32 a layer,
+    ~5% of cp=1's at this tiny width) and nothing quadratic in the sequence (no chunk x prefix
+    mask, no scores), and the memory model is within 15% per rank at both."""
     rows = []
     for rank, got in enumerate(measured_cp):
         for cp in (1, 2):
@@ -115,6 +116,6 @@ def test_activation_bytes_at_cp2(measured_cp):
     print("\n" + report)
     for rank, got in enumerate(measured_cp):
         ratio = got[2]["layers4"] / got[1]["layers4"]
-        assert 0.5 <= ratio <= 0.65, f"rank {rank}: cp2 / cp1 = {ratio:.3f}\n{report}"
+        assert 0.5 <= ratio <= 0.55, f"rank {rank}: cp2 / cp1 = {ratio:.3f}\n{report}"
     for r, cp, what, m, p in rows:
         assert abs(p / m - 1) <= TOLERANCE, f"rank {r} cp={cp} {what}\n{report}"
