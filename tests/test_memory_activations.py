@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from dist_checks import memory_checks as mc
 
-from toolkit.memory import TrainShape, rank_params
-from toolkit.memory.activations import activation_bytes
+from toolkit.memory import TrainShape
+from toolkit.memory.activations import forward_saved_bytes
 from toolkit.memory.model import ModelShape
 from toolkit.parallel.layout import ParallelLayout
 
@@ -32,21 +32,24 @@ CASES = [
 ] + [_case("none tp=2 dropout=0.1", 2, False, "none", 0.1)]
 
 
+def act_shape(layers: int) -> ModelShape:
+    """The memory model's view of ``ACT_MODEL`` with ``layers`` decoder layers."""
+    a = mc.ACT_MODEL
+    return ModelShape(hidden=a["hidden"], layers=layers, heads=a["heads"], kv_heads=a["kv_heads"],
+                      head_dim=a["hidden"] // a["heads"], ffn=a["ffn"], vocab=a["vocab"],
+                      gated_mlp=True, norm="rms")
+
+
 def predicted(case: dict, layers: int) -> float:
     """Activation bytes the memory model predicts for one micro-batch on one rank (the lines
     saved during forward: stored layers, embedding, final norm and loss; not the recompute
     working set, which exists only during backward)."""
     a = mc.ACT_MODEL
-    model = ModelShape(hidden=a["hidden"], layers=layers, heads=a["heads"],
-                       kv_heads=a["kv_heads"], head_dim=a["hidden"] // a["heads"], ffn=a["ffn"],
-                       vocab=a["vocab"], gated_mlp=True, norm="rms")
     train = TrainShape(seq_len=a["seq"], micro_batch=a["micro"], dtype="fp32",
                        recompute=case["recompute"], flash_attention=False,
                        dropout=case["dropout"] > 0, fused=False)
     layout = ParallelLayout(tp=case["tp"], sequence_parallel=case["sp"]).resolve(case["tp"])
-    lines = activation_bytes(model, train, layout, rank_params(model, layout), stage=0,
-                             num_microbatches=1)
-    return sum(v for k, v in lines.items() if not k.startswith("recompute"))
+    return forward_saved_bytes(act_shape(layers), train, layout)
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +90,9 @@ def measured_cp(rank_pool_2):
 
 def predicted_cp(cp: int, layers: int) -> float:
     """The memory model's activation bytes of one ``CP_SEQ``-token sequence on one rank."""
-    a = mc.ACT_MODEL
-    model = ModelShape(hidden=a["hidden"], layers=layers, heads=a["heads"],
-                       kv_heads=a["kv_heads"], head_dim=a["hidden"] // a["heads"], ffn=a["ffn"],
-                       vocab=a["vocab"], gated_mlp=True, norm="rms")
     train = TrainShape(seq_len=mc.CP_SEQ, micro_batch=1, dtype="fp32", flash_attention=True,
                        fused=False)  # SDPA: no s x s scores kept
-    layout = ParallelLayout(cp=cp).resolve(cp)
-    lines = activation_bytes(model, train, layout, rank_params(model, layout), stage=0,
-                             num_microbatches=1)
-    return sum(v for k, v in lines.items() if not k.startswith("recompute"))
+    return forward_saved_bytes(act_shape(layers), train, ParallelLayout(cp=cp).resolve(cp))
 
 
 def test_activation_bytes_at_cp2(measured_cp):

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from toolkit.memory.model import ModelShape
-from toolkit.memory.states import DTYPE_BYTES, RankParams
+from toolkit.memory.states import DTYPE_BYTES, RankParams, rank_params
 from toolkit.parallel.layout import ParallelLayout
 
 RECOMPUTE = ("none", "selective", "full")
@@ -202,3 +202,12 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
         logits = 4 + (e if train.dtype != "fp32" else 0)
         out["final norm, logits and loss"] = whole / sp_div + logits * sb * vocab / tp
     return out
+
+
+def forward_saved_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayout) -> float:
+    """What one forward of one micro-batch saves for backward on pipeline stage 0: the stored
+    lines, not the recompute working set (it exists only during backward). The number that
+    saved-tensor hooks measure, so tests and benchmarks compare against this one sum."""
+    lines = activation_bytes(model, train, layout, rank_params(model, layout), stage=0,
+                             num_microbatches=1)
+    return sum(v for k, v in lines.items() if not k.startswith("recompute"))

@@ -12,11 +12,14 @@ CP group and computes its two query chunks exactly against the keys before them:
     chunk r        vs keys [0, (r+1)*c)        causal, bottom-right aligned
     chunk 2cp-1-r  vs keys [0, (2cp-r)*c)      causal, bottom-right aligned
 
-Both are plain SDPA calls with ``causal_lower_right`` (flash / memory-efficient kernels on CUDA,
-the math kernel on CPU); every rank does (2cp+1)*c^2 score entries, the same on each rank. With
-an explicit padding mask (``attention_mask`` [b, 1|heads, sq_local, s_full], True = masked, the
-rows this rank's queries, as ``get_batch_on_this_cp_rank`` slices a full mask) both calls take
-a boolean mask instead (math / memory-efficient kernels, no flash).
+On CUDA both are SDPA calls with ``causal_lower_right`` (the flash / memory-efficient kernels
+take the lower-right mask natively). On CPU torch would materialise that c x prefix mask and keep
+it for backward, so each chunk is its square causal block plus the unmasked prefix before it,
+both through SDPA's CPU flash kernel and merged by log-sum-exp (:class:`_PrefixCausalAttention`):
+memory linear in c. Every rank does (2cp+1)*c^2 score entries, the same on each rank. With an
+explicit padding mask (``attention_mask`` [b, 1|heads, sq_local, s_full], True = masked, the
+rows this rank's queries, as ``get_batch_on_this_cp_rank`` slices a full mask) or attention
+dropout, both calls take a boolean mask instead (math / memory-efficient kernels, no flash).
 
 Backward is exact: the gather's backward sums every rank's dK/dV of the gathered keys and hands
 each owner its own rows (reduce-scatter on NCCL; all-reduce + slice on gloo, which lacks
