@@ -4,10 +4,10 @@ Two gloo ranks (one torch thread each, so both layouts use the same 2 cores). cp
 rank trains on its own whole sequence; cp2: both ranks share one sequence (each its two
 load-balanced chunks, K/V all-gathered). Tokens/s counts the tokens both ranks process per
 second (cp1: 2 x seq per step; cp2: seq per step). Per rank: the activation bytes autograd saves
-in one forward (saved-tensor hooks) and the process's peak RSS during the timed steps (VmHWM,
-reset through /proc/self/clear_refs before them), whole and above the RSS before them. Both
-layouts use SDPA core attention (the CP attention runs SDPA), a tiny-width Llama-like model,
-fp32, forward + backward, no optimizer.
+in one forward (saved-tensor hooks), the memory model's prediction of them, and the process's
+peak RSS during the timed steps (VmHWM, reset through /proc/self/clear_refs before them), whole
+and above the RSS before them. Both layouts use SDPA core attention (the CP attention runs the
+same CPU flash kernel), a tiny-width Llama-like model, fp32, forward + backward, no optimizer.
 Rounds alternate cp1 and cp2 in the same ranks, so machine load hits both alike; the median and
 the spread (min-max) over rounds are printed.
 
@@ -61,6 +61,22 @@ def _model(cp: int, seq: int, layers: int):
                             position_embedding_type="rope",
                             share_embeddings_and_output_weights=False)
     return model.train()
+
+
+def _predicted(cp: int, seq: int, layers: int) -> float:
+    """The memory model's saved bytes of one forward of this model on one rank (SDPA at cp1,
+    megatron-core's unfused CPU kernels otherwise)."""
+    from toolkit.memory import ModelShape, TrainShape
+    from toolkit.memory.activations import forward_saved_bytes
+    from toolkit.parallel import ParallelLayout
+
+    m = MODEL
+    shape = ModelShape(hidden=m["hidden"], layers=layers, heads=m["heads"],
+                       kv_heads=m["kv_heads"], head_dim=m["hidden"] // m["heads"], ffn=m["ffn"],
+                       vocab=m["vocab"], gated_mlp=True, norm="rms")
+    train = TrainShape(seq_len=seq, micro_batch=1, dtype="fp32", flash_attention=True,
+                       fused=False)
+    return forward_saved_bytes(shape, train, ParallelLayout(cp=cp).resolve(cp))
 
 
 def _run(cp: int, seq: int, steps: int, layers: int) -> dict[str, float]:
@@ -163,8 +179,10 @@ def main() -> None:
         saved = [x["saved_bytes"] for rr in per_round.values() for x in rr]
         rss = [x["peak_rss"] for rr in per_round.values() for x in rr]
         grow = [x["step_peak"] for rr in per_round.values() for x in rr]
+        model = _predicted(cp, args.seq, args.layers)
         print(f"cp{cp}: tokens/s median {statistics.median(tps):8.1f} (min {min(tps):.1f}, max "
-              f"{max(tps):.1f}); per rank: activations {max(saved) / 2**20:7.1f} MiB, peak RSS "
+              f"{max(tps):.1f}); per rank: activations {max(saved) / 2**20:7.1f} MiB (memory model "
+              f"{model / 2**20:.1f} MiB, {100 * (model / max(saved) - 1):+.1f}%), peak RSS "
               f"median {statistics.median(rss) / 2**20:7.1f} MiB (min {min(rss) / 2**20:.1f}, "
               f"max {max(rss) / 2**20:.1f}), of it above the pre-step RSS median "
               f"{statistics.median(grow) / 2**20:.1f} MiB (min {min(grow) / 2**20:.1f}, max "

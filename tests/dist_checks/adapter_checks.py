@@ -349,9 +349,10 @@ def reference_tokens() -> torch.Tensor:
     return fixed_tokens(VOCAB, 2, 16)
 
 
-def check_cuda_logits(root: str, families: list[str]) -> dict[str, float]:
+def check_cuda_logits(root: str, families: list[str], cp: int = 1) -> dict[str, float]:
     """Each family loaded through the adapter on this rank's GPU (the GPU defaults: SDPA core
-    attention) vs transformers' CPU fp32 logits saved by ``build_checkpoints``: max abs diff."""
+    attention; mdtk's CP attention at ``cp`` > 1) vs transformers' CPU fp32 logits saved by
+    ``build_checkpoints``: max abs diff."""
     from toolkit import parallel
     from toolkit.adapters import adapter_for
     from toolkit.adapters.live import build_model, fill_chunks, forward_logits
@@ -364,7 +365,7 @@ def check_cuda_logits(root: str, families: list[str]) -> dict[str, float]:
     out = {}
     for family in families:
         ref = torch.load(rootp / f"{family}.logits.pt", weights_only=True)
-        mpu = parallel.initialize(ParallelLayout())
+        mpu = parallel.initialize(ParallelLayout(cp=cp))
         adapter = adapter_for(rootp / family, dtype=torch.float32)
         with HFReader(rootp / family) as reader:
             chunks = build_model(adapter, mpu.layout)

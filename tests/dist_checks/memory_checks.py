@@ -207,7 +207,7 @@ def measure_activations(cases: list[dict[str, Any]]) -> dict[str, dict[str, int]
 # whole sequence) against cp=2 (each rank its two load-balanced chunks, megatron-core's
 # get_batch_on_this_cp_rank). Both through SDPA: the CP attention calls SDPA, so cp=1 uses the
 # SDPA core attention too (megatron-core's local path would add its s x s scores at cp=1 only).
-CP_SEQ = 512
+CP_SEQ = 4096
 
 
 def measure_cp_activations(cps: list[int]) -> dict[int, dict[str, int]]:

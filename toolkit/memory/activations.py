@@ -19,11 +19,13 @@ dropout masks stay whole on each rank unless sequence parallelism splits them to
 and selective recompute (megatron-core's default ``core_attn``) drop the core-attention terms.
 Full recompute keeps only each layer's input and rebuilds one layer at a time. Context
 parallelism divides the sequence, except for K and V: mdtk's CP attention all-gathers them over
-the CP group and SDPA keeps the whole-sequence copies for backward (2 * seq * kv_dim a layer on
-every CP rank); it always runs SDPA, so no s x s softmax output is kept at cp > 1 (measured with
-saved-tensor hooks at cp=1 and cp=2, tests/test_memory_activations.py). Not modelled: SDPA on
-CPU materialises the lower-right causal mask of each non-square chunk (quadratic in s; see
-docs/benchmarks.md), CUDA's kernels do not.
+the CP group and keeps the whole-sequence copies for backward (2 * seq * kv_dim a layer on every
+CP rank). It keeps Q, its own output and an fp32 LSE per head and token, not the local K or the
+QKV buffer (they only feed the gather), and never an s x s or chunk x prefix tensor: on CPU it
+merges a square causal flash block with an unmasked flash prefix by log-sum-exp (measured with
+saved-tensor hooks at cp=1 and cp=2, tests/test_memory_activations.py). Not modelled: the CP
+fallback for explicit padding masks or attention dropout, which keeps a boolean chunk x prefix
+mask.
 
 ``fused=False`` models megatron-core's unfused path (the local spec with fusions off, as mdtk
 builds it, running on CPU): RMSNorm keeps its normalised input too (torch's CPU rms_norm is
@@ -38,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from toolkit.memory.model import ModelShape
-from toolkit.memory.states import DTYPE_BYTES, RankParams
+from toolkit.memory.states import DTYPE_BYTES, RankParams, rank_params
 from toolkit.parallel.layout import ParallelLayout
 
 RECOMPUTE = ("none", "selective", "full")
@@ -120,9 +122,15 @@ def layer_activations(model: ModelShape, train: TrainShape, layer: int, *, cp: i
             shared += s * train.seq_len  # the boolean causal mask of the unfused softmax
     else:
         split_scores = 0.0
-    split = e * sb * qkv + e * sb * model.q_dim + split_scores  # ... + output projection input
-    if cp > 1:  # K and V all-gathered over the CP group: the whole sequence, kept for backward
-        split += e * train.seq_len * b * 2 * model.kv_dim
+    gathered_kv = 0.0
+    if cp > 1:
+        # mdtk's CP attention keeps Q (without RoPE: the QKV buffer it views), its own output,
+        # an fp32 LSE per head and the all-gathered whole-sequence K and V; the local K and the
+        # QKV buffer only feed the gather, which keeps nothing.
+        qkv = (model.q_dim if rope else mixed) + model.q_dim + 4 * model.heads / e
+        gathered_kv = e * train.seq_len * b * 2 * model.kv_dim
+    # ... + output projection input
+    split = e * sb * qkv + e * sb * model.q_dim + split_scores + gathered_kv
     # MLP block
     whole += norm + hidden_mask  # norm input, dropout mask
     if model.is_moe_layer(layer):
@@ -194,3 +202,12 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
         logits = 4 + (e if train.dtype != "fp32" else 0)
         out["final norm, logits and loss"] = whole / sp_div + logits * sb * vocab / tp
     return out
+
+
+def forward_saved_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayout) -> float:
+    """What one forward of one micro-batch saves for backward on pipeline stage 0: the stored
+    lines, not the recompute working set (it exists only during backward). The number that
+    saved-tensor hooks measure, so tests and benchmarks compare against this one sum."""
+    lines = activation_bytes(model, train, layout, rank_params(model, layout), stage=0,
+                             num_microbatches=1)
+    return sum(v for k, v in lines.items() if not k.startswith("recompute"))

@@ -12,11 +12,14 @@ CP group and computes its two query chunks exactly against the keys before them:
     chunk r        vs keys [0, (r+1)*c)        causal, bottom-right aligned
     chunk 2cp-1-r  vs keys [0, (2cp-r)*c)      causal, bottom-right aligned
 
-Both are plain SDPA calls with ``causal_lower_right`` (flash / memory-efficient kernels on CUDA,
-the math kernel on CPU); every rank does (2cp+1)*c^2 score entries, the same on each rank. With
-an explicit padding mask (``attention_mask`` [b, 1|heads, sq_local, s_full], True = masked, the
-rows this rank's queries, as ``get_batch_on_this_cp_rank`` slices a full mask) both calls take
-a boolean mask instead (math / memory-efficient kernels, no flash).
+On CUDA both are SDPA calls with ``causal_lower_right`` (the flash / memory-efficient kernels
+take the lower-right mask natively). On CPU torch would materialise that c x prefix mask and keep
+it for backward, so each chunk is its square causal block plus the unmasked prefix before it,
+both through SDPA's CPU flash kernel and merged by log-sum-exp (:class:`_PrefixCausalAttention`):
+memory linear in c. Every rank does (2cp+1)*c^2 score entries, the same on each rank. With an
+explicit padding mask (``attention_mask`` [b, 1|heads, sq_local, s_full], True = masked, the
+rows this rank's queries, as ``get_batch_on_this_cp_rank`` slices a full mask) or attention
+dropout, both calls take a boolean mask instead (math / memory-efficient kernels, no flash).
 
 Backward is exact: the gather's backward sums every rank's dK/dV of the gathered keys and hands
 each owner its own rows (reduce-scatter on NCCL; all-reduce + slice on gloo, which lacks
@@ -109,6 +112,53 @@ def cp_chunk_bounds(cp: int, rank: int, chunk: int) -> list[tuple[int, int]]:
     return [(i * chunk, (i + 1) * chunk) for i in (rank, 2 * cp - 1 - rank)]
 
 
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of CPU flash attention: SDPA's own CPU kernel, which takes GQA
+    heads and never builds the score matrix; the LSE lets two key blocks be merged exactly."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """One query chunk of ``c`` rows against keys ``[0, end)``, its own block the last ``c``:
+    no mask over the prefix ``[0, end - c)``, square causal over the block, merged by
+    log-sum-exp. On CPU this replaces SDPA's lower-right causal mask, which torch materialises
+    (c x end, kept for backward) off CUDA. Backward is exact: each block's flash backward with
+    the merged output and LSE (the softmax over all keys) gives that block's share of dq and its
+    dk, dv. Saved: q, k, v (views), the merged output and LSE; no c x end tensor."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        start = k.shape[2] - q.shape[2]
+        out, lse = _flash_cpu(q, k[:, :, start:], v[:, :, start:], True, scale)
+        if start:
+            out_p, lse_p = _flash_cpu(q, k[:, :, :start], v[:, :, :start], False, scale)
+            merged = torch.logaddexp(lse_p, lse)  # the LSE is fp32 (fp64 for fp64 inputs)
+            out = (out_p.to(lse.dtype) * (lse_p - merged).exp().unsqueeze(-1)
+                   + out.to(lse.dtype) * (lse - merged).exp().unsqueeze(-1)).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        start = k.shape[2] - q.shape[2]
+        dout = dout.contiguous()
+        blocks = [(start, k.shape[2], True)] + ([(0, start, False)] if start else [])
+        dq, dks, dvs = None, [], []
+        for lo, hi, causal in blocks:
+            dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, 0.0, causal, scale=ctx.scale)
+            dq = dq_b if dq is None else dq + dq_b
+            dks.insert(0, dk_b)
+            dvs.insert(0, dv_b)
+        return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2), None
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, scale: float,
                  mask: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Exact causal attention of this rank's query chunks over the whole sequence.
@@ -123,10 +173,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, sc
     k_full, v_full = (gather_sequence(t.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3)
                       for t in (k, v))
     gqa = q.shape[1] != k.shape[1]
+    blockwise = mask is None and dropout == 0.0 and q.device.type == "cpu"
     outs = []
     for half, (_, end) in enumerate(cp_chunk_bounds(cp, rank, c)):
         qh = q[:, :, half * c:(half + 1) * c]
         kh, vh = k_full[:, :, :end], v_full[:, :, :end]
+        if blockwise:
+            outs.append(_PrefixCausalAttention.apply(qh, kh, vh, scale))
+            continue
         if mask is None:
             bias = causal_lower_right(c, end)
         else:
