@@ -12,7 +12,9 @@ Two cases, because the disk holds at most ~45 GB of benchmark data at a time (a 
 - ``bf16``: HF bf16 -> mcore torch_dist at ep=8 -> HF, ``experts`` routed experts (96 by
   default: source, torch_dist and the converted HF folder of 13.8 GB each fit 45 GB), each
   conversion against ``cp -r`` of its source, alternating; the converted HF is compared
-  bit-exactly with the generator's tensors (regenerated, not kept on disk).
+  bit-exactly with the generator's tensors (regenerated, not kept on disk). ``--experts 256``
+  (a full MoE layer, 27.9 GB per folder) runs where the disk holds ~56 GB: the source is then
+  deleted once converted and written again for the next round (``lean_disk``).
 - ``fp8``: one full MoE layer (256 experts) as published: float8_e4m3fn linear weights with
   128 x 128 block ``weight_scale_inv`` (``toolkit.checkpoint.fp8_quantize``), embeddings, norms,
   router and bias as stored there; FP8 HF -> bf16 mcore at ep=8 against ``cp -r`` of the FP8
@@ -241,12 +243,21 @@ def bench(case: str, experts: int, ep: int, repeats: int, workers: str, root: Pa
                      "load_before": os.getloadavg()}
         keys = ("cp_hf", "hf_to_mcore") + (() if fp8 else ("cp_mcore", "mcore_to_hf"))
         runs: dict[str, list[dict]] = {k: [] for k in keys}
+        # A round needs the source, its output and one baseline copy on disk at once; where
+        # the disk holds less (a full bf16 MoE layer: 3 x 28 GB), the source is deleted once
+        # converted and written again for the next round (check_hf regenerates it anyway).
+        lean = not fp8 and shutil.disk_usage(root).free < 2 * res["hf_bytes"] + 4 * 2**30
+        res["lean_disk"] = lean
         for i in range(repeats):
             for d in ("mcore", "hf2"):
                 shutil.rmtree(root / d, ignore_errors=True)
+            if not src.is_dir():
+                make_checkpoint(src, experts, fp8)
             _copy(src, root, runs["cp_hf"])
             _timed(_convert(src, root / "mcore", "mcore", ep, workers), runs["hf_to_mcore"])
             res["mcore_bytes"] = bc.folder_bytes(root / "mcore")
+            if lean:
+                shutil.rmtree(src)
             if fp8:
                 res["out_bytes"] = res["mcore_bytes"]
                 if i == 0:
