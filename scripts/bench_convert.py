@@ -35,22 +35,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import psutil
+from bench_measure import MDTK, fmt, folder_bytes, largest_tensor_bytes, measure, settle, stats
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "build" / "bench_convert"  # --cache
-MDTK = str(Path(sys.executable).parent / "mdtk")
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "original_max_position_embeddings": 8192,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0}
@@ -106,56 +101,6 @@ def make_checkpoint(name: str) -> Path:
     return out
 
 
-def largest_tensor_bytes(path: Path) -> int:
-    from toolkit.checkpoint.hf import HFReader
-
-    with HFReader(path) as r:
-        return max(math.prod(r.shape(n)) * r.dtype(n).itemsize for n in r.names)
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def measure(cmd: list[str]) -> dict:
-    """Wall time, user / kernel CPU seconds and peak RSS (summed over the process tree) of one
-    command."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        root = psutil.Process(proc.pid)
-        while not done.is_set():
-            try:
-                procs = [root, *root.children(recursive=True)]
-                rss = 0
-                for p in procs:
-                    try:
-                        rss += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                peak = max(peak, rss)
-            except psutil.Error:
-                pass
-            time.sleep(0.02)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    out, _ = proc.communicate()
-    seconds = time.perf_counter() - t0
-    done.set()
-    th.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"seconds": seconds, "peak_rss": peak, "user": after.ru_utime - before.ru_utime,
-            "kernel": after.ru_stime - before.ru_stime}
-
-
 def compare(a: Path, b: Path) -> int:
     import torch
 
@@ -171,23 +116,6 @@ def compare(a: Path, b: Path) -> int:
         return len(ra.names)
 
 
-def settle(cold: str, source: Path) -> None:
-    """Before every timed step (untimed): write back dirty pages, so no step pays for the
-    previous one's writeback; ``cold="all"`` also drops the whole page cache (root only),
-    ``cold="source"`` the cached pages of the files under ``source`` only."""
-    subprocess.run(["sync"], check=True)
-    if cold == "all":
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    elif cold == "source":
-        for p in source.rglob("*"):
-            if p.is_file():
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-
 def cached_fraction(folder: Path) -> float:
     """Share of ``folder``'s bytes in the page cache (``fincore``), to check ``--cold-source``."""
     files = [str(p) for p in folder.rglob("*") if p.is_file()]
@@ -195,10 +123,6 @@ def cached_fraction(folder: Path) -> float:
                          capture_output=True, text=True).stdout.split()
     res, size = sum(map(int, out[0::2])), sum(map(int, out[1::2]))
     return res / max(size, 1)
-
-
-def _stats(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
 
 
 def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: str) -> dict:
@@ -240,9 +164,9 @@ def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: 
     res["load_after"] = os.getloadavg()
     res["mcore_bytes"] = folder_bytes(work / "mcore")
     for k, rs in runs.items():
-        res[k] = {"seconds": _stats([r["seconds"] for r in rs]),
-                  "user": _stats([r["user"] for r in rs]),
-                  "kernel": _stats([r["kernel"] for r in rs]),
+        res[k] = {"seconds": stats([r["seconds"] for r in rs]),
+                  "user": stats([r["user"] for r in rs]),
+                  "kernel": stats([r["kernel"] for r in rs]),
                   "peak_rss": max(r["peak_rss"] for r in rs)}
     if check:
         res["checked_tensors"] = compare(src, work / "hf")
@@ -250,15 +174,11 @@ def bench(name: str, workers: str, check: bool, keep: bool, repeats: int, cold: 
         pairs = [a["seconds"] / b["seconds"] for a, b in zip(runs[step], runs[base],
                                                               strict=True)]
         res[step]["time_ratio"] = res[step]["seconds"]["median"] / res[base]["seconds"]["median"]
-        res[step]["pair_ratios"] = _stats(pairs)
+        res[step]["pair_ratios"] = stats(pairs)
         res[step]["rss_ok"] = res[step]["peak_rss"] <= res["rss_target"]
     if not keep:
         shutil.rmtree(work)
     return res
-
-
-def _fmt(st: dict) -> str:
-    return f"{st['median']:6.2f} s (min {st['min']:.2f}, max {st['max']:.2f})"
 
 
 def _cpu(step: dict) -> str:
@@ -310,14 +230,14 @@ def main() -> None:
               f"rounds, median (min, max)): HF {r['hf_bytes'] / gib:.2f} GiB, torch_dist "
               f"{r['mcore_bytes'] / gib:.2f} GiB, largest tensor {r['largest_tensor'] / gib:.2f}"
               f" GiB, RSS target {r['rss_target'] / gib:.2f} GiB")
-        print(f"  cp -r HF:            {_fmt(r['cp_hf']['seconds'])}  {_cpu(r['cp_hf'])}")
+        print(f"  cp -r HF:            {fmt(r['cp_hf']['seconds'])}  {_cpu(r['cp_hf'])}")
         for step, base in (("hf_to_mcore", "cp_hf"), ("mcore_to_hf", "cp_mcore")):
             s = r[step]
             if base == "cp_mcore":
-                print(f"  cp -r torch_dist:    {_fmt(r[base]['seconds'])}  {_cpu(r[base])}")
+                print(f"  cp -r torch_dist:    {fmt(r[base]['seconds'])}  {_cpu(r[base])}")
             label = "HF -> mcore tp2 pp2" if step == "hf_to_mcore" else "mcore -> HF"
             pr = s["pair_ratios"]
-            print(f"  {label + ':':20s} {_fmt(s['seconds'])}  {s['time_ratio']:.2f}x cp -r "
+            print(f"  {label + ':':20s} {fmt(s['seconds'])}  {s['time_ratio']:.2f}x cp -r "
                   f"(per round {pr['min']:.2f}-{pr['max']:.2f}x)  peak RSS "
                   f"{s['peak_rss'] / gib:.2f} GiB ({'within' if s['rss_ok'] else 'ABOVE'} "
                   f"target)  {_cpu(s)}")

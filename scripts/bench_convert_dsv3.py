@@ -37,7 +37,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import bench_convert as bc
+import bench_measure as bc
 import torch
 
 #: deepseek-ai/DeepSeek-V3 config.json (layers and experts are set per case).
@@ -211,14 +211,14 @@ def _convert(src: Path, dst: Path, to: str, ep: int, workers: str) -> list[str]:
 def _summary(res: dict, runs: dict[str, list[dict]], pairs: tuple[tuple[str, str], ...]
              ) -> dict:
     for k, rs in runs.items():
-        res[k] = {"seconds": bc._stats([r["seconds"] for r in rs]),
+        res[k] = {"seconds": bc.stats([r["seconds"] for r in rs]),
                   "peak_rss": max(r["peak_rss"] for r in rs)}
     for step, base in pairs:
         ratios = [a["seconds"] / b["seconds"] for a, b in zip(runs[step], runs[base],
                                                                strict=True)]
         s = res[step]
         s["time_ratio"] = s["seconds"]["median"] / res[base]["seconds"]["median"]
-        s["pair_ratios"] = bc._stats(ratios)
+        s["pair_ratios"] = bc.stats(ratios)
         s["rss_ok"] = s["peak_rss"] <= res["rss_target"]
         src, out = (("hf_bytes", "mcore_bytes") if step == "hf_to_mcore"
                     else ("mcore_bytes", "out_bytes"))
@@ -286,7 +286,7 @@ def report(r: dict) -> None:
         if k not in r:
             continue
         s = r[k]
-        line = f"  {k:12s} {bc._fmt(s['seconds'])}  {s['gb_per_s']:.2f} GB/s of source"
+        line = f"  {k:12s} {bc.fmt(s['seconds'])}  {s['gb_per_s']:.2f} GB/s of source"
         if "time_ratio" in s:
             pr = s["pair_ratios"]
             line += (f"  {s['time_ratio']:.2f}x cp -r (per round {pr['min']:.2f}-"
