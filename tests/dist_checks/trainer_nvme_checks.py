@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 from typing import Any
 
 from dist_checks import trainer_checks as tc
 from dist_checks.trainer_checks import Case
 
-# DeepSpeed swaps only optimizer sub groups of >= 1 MiB: at vocab 4096 (h = 64) one rank's
-# fp32 partition is ~1.2 MiB, so the master weights really live in the swap files
-WIDE_VOCAB = 4096
+# DeepSpeed swaps only tensors of >= 1 MiB: at vocab 8192 (h = 64) one rank's optimizer
+# partition is ~2.2 MiB and its embedding / output partitions 1 MiB each, so both the master
+# weights and those parameters really live in swap files
+WIDE_VOCAB = 8192
 
 
 def make_wide_assets(root: Path) -> dict[str, str]:
@@ -30,16 +33,43 @@ def make_wide_assets(root: Path) -> dict[str, str]:
     return {"tokenizer": str(tok), "cache": str(root / "data_cache"), "wide": str(root / "wide")}
 
 
-def nvme_run(assets: dict[str, str], workdir: str, nvme: str, steps: int = 2) -> dict[str, Any]:
-    """``steps`` steps of the trainer at ZeRO-3 with ``offload: nvme``, a checkpoint at the last
-    step and the HF export; the ZeRO block it ran and where both went."""
+def nvme_run(assets: dict[str, str], workdir: str, nvme: str, steps: int = 2
+             ) -> dict[str, dict[str, Any]]:
+    """``steps`` steps of the trainer at ZeRO-3 with ``offload: nvme`` (the generator's config:
+    optimizer on NVMe), then the same with that config plus parameters on NVMe (a user
+    ``deepspeed.config``); each with a checkpoint at the last step and the HF export."""
+    import torch.distributed as dist
+
     from toolkit.train import trainer
 
-    out = Path(workdir) / "zero3_nvme"
-    case = Case("zero3_nvme", model="wide", zero=3, offload="nvme", steps=steps,
-                overrides=(f"deepspeed.nvme_path={nvme}", f"export.hf_dir={out / 'hf'}",
-                           "export.verify=false", f"checkpoint.interval={steps}"))
-    result = trainer.run(tc.config(case, assets, out))
-    return {"losses": result.losses, "zero": result.ds_config["zero_optimization"],
-            "checkpoint": str(out / "checkpoints" / f"step_{steps:07d}"),
-            "export": result.export_dir}
+    runs: dict[str, dict[str, Any]] = {}
+    user = Path(workdir) / "params_on_nvme.json"
+    for name in ("optimizer", "params"):
+        out = Path(workdir) / name
+        extra: tuple[str, ...] = ()
+        if name == "params":
+            extra = (f"deepspeed.config={user}",)
+        case = Case(name, model="wide", zero=3, offload="nvme", steps=steps,
+                    overrides=(f"deepspeed.nvme_path={nvme}/{name}", f"export.hf_dir={out / 'hf'}",
+                               "export.verify=false", f"checkpoint.interval={steps}", *extra))
+        result = trainer.run(tc.config(case, assets, out))
+        runs[name] = {"losses": result.losses, "zero": result.ds_config["zero_optimization"],
+                      "checkpoint": str(out / "checkpoints" / f"step_{steps:07d}"),
+                      "export": result.export_dir}
+        if name == "optimizer" and dist.get_rank() == 0:
+            _params_on_nvme(result.ds_config, f"{nvme}/params", user)
+        dist.barrier()
+    return runs
+
+
+def _params_on_nvme(config: dict[str, Any], nvme: str, path: Path) -> None:
+    """``config`` with the parameters offloaded to NVMe too. DeepSpeed 0.19.8's NVMe parameter
+    prefetch fails on the trainer's chunks ("param N already assigned swap buffer"), so
+    prefetching is off."""
+    config = copy.deepcopy(config)
+    zero = config["zero_optimization"]
+    zero["offload_optimizer"]["nvme_path"] = nvme
+    zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
+                             "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 0}
+    zero["stage3_prefetch_bucket_size"] = 0
+    path.write_text(json.dumps(config))
