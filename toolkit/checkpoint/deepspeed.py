@@ -61,11 +61,13 @@ resume at another layout (``toolkit.train.reshard``) reads all three through the
 
 Optimizer state offloaded to NVMe (ZeRO-3, tp = pp = 1): the fp32 weights and moments of the
 swapped sub groups are read from the swap files DeepSpeed copies into the checkpoint
-(``toolkit.checkpoint.nvme_swap``).
+(``toolkit.checkpoint.nvme_swap``). Parameters offloaded to NVMe need nothing more: DeepSpeed
+copies no parameter swap files, and needs none, since the optimizer's fp32 partitions (in its
+files or its swap files) are the complete master weights the parameters are copied from.
 
-Not supported (refused with a message): parameters offloaded to NVMe; optimizer NVMe offload at
-tp or pp > 1 (swap folders are filed by global rank); experts with ep > 1 under ZeRO 0
-(DeepSpeed saves the weights of ep rank 0's experts only) or ZeRO 3.
+Not supported (refused with a message): optimizer NVMe offload at tp or pp > 1 (swap folders
+are filed by global rank); experts with ep > 1 under ZeRO 0 (DeepSpeed saves the weights of
+ep rank 0's experts only) or ZeRO 3.
 """
 
 from __future__ import annotations
@@ -214,9 +216,6 @@ class DeepSpeedCheckpoint:
         if (tp * dp) % (ep * etp):
             raise CheckpointError(f"{engine.parent}: ep={ep} x etp={etp} does not divide "
                                   f"tp={tp} x dp={dp}.")
-        if ((zero.get("offload_param") or {}).get("device")) == "nvme":
-            raise CheckpointError(f"{first}: ZeRO offload_param to NVMe is not read (only "
-                                  "offload_optimizer to NVMe is).")
         if nvme_swap.offloads_optimizer(zero) and stage == 3:
             if mp > 1:
                 raise CheckpointError(
