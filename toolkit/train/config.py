@@ -75,7 +75,8 @@ class DeepSpeedSection:
     """``config: auto`` builds the DeepSpeed JSON with the project's generator from
     ``zero_stage``/``offload`` (``auto`` there lets the generator choose from its memory model);
     a path uses the user's JSON (linted by the generator's check first).
-    ``offload``: cpu/nvme moves optimizer states (ZeRO >= 1) and, at ZeRO-3, parameters."""
+    ``offload``: cpu/nvme moves optimizer states (ZeRO >= 1); at ZeRO-3 the generator also moves
+    the parameters there only when the optimizer alone does not make the run fit."""
 
     zero_stage: int | str = _opt(1, choices=(0, 1, 2, 3, "auto"))
     offload: str = _opt("none", choices=("none", "cpu", "nvme", "auto"))
