@@ -14,6 +14,8 @@ import pytest
 from toolkit.launch import LaunchSpec, network, rank_env, slurm_script, torchrun_argv
 from toolkit.launch.dslauncher import HostfileError, check_hostfile, read_hostfile
 
+pytestmark = pytest.mark.late  # see tests/conftest.py
+
 
 def test_torchrun_single_node():
     argv = torchrun_argv(LaunchSpec(2, master_port=29555), ["env", "--json"])

@@ -33,6 +33,8 @@ from toolkit import errors
 from toolkit.runtime.ports import free_port
 from toolkit.train.faults import TEST_FAULT_DIR_ENV, TEST_FAULT_ENV
 
+pytestmark = pytest.mark.late  # see tests/conftest.py
+
 STEPS, INTERVAL, HEARTBEAT_S = 6, 2, 5.0
 TIMEOUT = 420
 
