@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from toolkit.adapters.adapter import Adapter, adapter_for
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.hf import HFReader, HFWriter, open_reader
+from toolkit.checkpoint.hf import GENERATION_CONFIG, HFReader, HFWriter, open_reader
 from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
@@ -278,7 +278,7 @@ def kept_tensors(adapter: Adapter) -> Any:
 def generation_config(adapter: Adapter) -> Any:
     from transformers import GenerationConfig
 
-    if adapter.source is not None and (adapter.source / "generation_config.json").is_file():
+    if adapter.source is not None and (adapter.source / GENERATION_CONFIG).is_file():
         return GenerationConfig.from_pretrained(str(adapter.source))
     return GenerationConfig.from_model_config(adapter.hf_config)
 

@@ -317,7 +317,8 @@ class DeepSpeedCheckpoint:
             return None
         listed = [n for g in groups for n in g]  # param group order; module order below
         module = model.get("module") or {}
-        order = [n for n in module if n in set(listed)] if set(listed) <= set(module) else listed
+        names = set(listed)
+        order = [n for n in module if n in names] if names <= module.keys() else listed
         size = int(zero.get("sub_group_size") or nvme_swap.DEFAULT_SUB_GROUP_SIZE)
 
         def fill(d: int, flats: list[torch.Tensor]) -> list[torch.Tensor]:
