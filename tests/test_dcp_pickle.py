@@ -90,9 +90,9 @@ def test_dumps_is_the_pickle_of_torch_classes():
 
 
 def test_reader_builds_stand_ins_only(tmp_path):
-    """Reading gives the stand-ins (dtypes as torch dtypes, sizes as tuples); any other global
-    in the file is refused."""
-    from toolkit.checkpoint import CheckpointError, dcp_pickle
+    """Reading gives the stand-ins (dtypes as ``dtypes.DType``, equal to torch's; sizes as
+    tuples); any other global in the file is refused."""
+    from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes
     from toolkit.checkpoint.safe_load import load_dcp_metadata
 
     real, _ = _both("x")
@@ -102,7 +102,8 @@ def test_reader_builds_stand_ins_only(tmp_path):
     assert isinstance(md, dcp_pickle.Metadata)
     tsm = md.state_dict_metadata["embedding.word_embeddings.weight"]
     assert isinstance(tsm, dcp_pickle.TensorStorageMetadata)
-    assert tsm.properties.dtype is torch.float32 and tuple(tsm.size) == (256, 4)
+    assert tsm.properties.dtype is dtypes.FLOAT32 and tuple(tsm.size) == (256, 4)
+    assert tsm.properties.dtype == torch.float32 and torch.float32 == tsm.properties.dtype
     assert [tuple(c.offsets) for c in tsm.chunks] == [(0, 0), (128, 0)]
     info = {(k.fqn, k.index): v for k, v in md.storage_data.items()}
     assert (info[("embedding.word_embeddings.weight", 1)].relative_path,

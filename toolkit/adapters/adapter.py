@@ -16,12 +16,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from toolkit.adapters.family import Dims, Family
 from toolkit.adapters.hfconfig import UnsupportedModel
 from toolkit.adapters.registry import family_for
+from toolkit.checkpoint import dtypes
+from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.errors import UserError
 from toolkit.mapping import Coord, Table, TensorPlan, padded_vocab_size, plan_rank
 from toolkit.parallel.layout import ParallelLayout
@@ -37,20 +36,28 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     megatron-core's ``openai_gelu`` is the same formula but wrapped in its jit fuser
     (torch.compile), which needs a compiler toolchain on CPU.
     """
-    return F.gelu(x, approximate="tanh")
+    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_new": gelu_tanh,
-               "gelu_pytorch_tanh": gelu_tanh, "gelu_fast": gelu_tanh, "gelu": F.gelu,
-               "relu": F.relu}
+#: HF activation name -> its function in ``torch.nn.functional`` (``gelu_tanh``: above); by
+#: name, so that checking a config (every conversion does) does not import torch.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
+               "relu": "relu"}
+
+
+def check_activation(name: str) -> str:
+    """``name`` if mdtk supports that HF activation, else UnsupportedModel listing those it does."""
+    if name not in ACTIVATIONS:
+        raise UnsupportedModel(f"activation {name!r} is not supported; supported: "
+                               f"{sorted(ACTIVATIONS)}.")
+    return name
 
 
 def activation(name: str) -> Any:
     """The torch function of an HF activation name (families declare activations by name)."""
-    if name not in ACTIVATIONS:
-        raise UnsupportedModel(f"activation {name!r} is not supported; supported: "
-                               f"{sorted(ACTIVATIONS)}.")
-    return ACTIVATIONS[name]
+    fn = ACTIVATIONS[check_activation(name)]
+    return gelu_tanh if fn == "gelu_tanh" else getattr(torch.nn.functional, fn)
 
 
 @dataclass
@@ -60,7 +67,7 @@ class Adapter:
     family: Family
     hf_config: Any
     source: Path | None = None
-    params_dtype: torch.dtype = torch.float32
+    params_dtype: Any = dtypes.FLOAT32  # a torch dtype or a ``DType``
     #: Pad the vocab to a multiple of ``vocab_multiple * tp`` (1 = the least padding; set 128
     #: for GPU-friendly sizes). Padded rows are zeros and are stripped on export.
     vocab_multiple: int = 1
@@ -75,13 +82,11 @@ class Adapter:
         return self.hf_config.architectures[0]
 
     @property
-    def hf_dtype(self) -> torch.dtype:
+    def hf_dtype(self) -> dtypes.DType:
         """The dtype the HF checkpoint declares (float32 when it declares none)."""
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype",
                                                                     None)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        return dtype or torch.float32
+        return dtypes.of(dtype) if dtype else dtypes.FLOAT32
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab_size(self.dims.vocab, tp, self.vocab_multiple)
@@ -97,7 +102,7 @@ class Adapter:
         from toolkit.models import transformer_config
 
         vpp = layout.vpp if layout.vpp and layout.vpp > 1 else None
-        half = {torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
+        half = {"bfloat16": {"bf16": True}, "float16": {"fp16": True}}
         kwargs = {
             **self.family.transformer_kwargs(self.hf_config),
             "activation_func": activation(self.family.activation(self.hf_config)),
@@ -108,12 +113,12 @@ class Adapter:
             "expert_model_parallel_size": layout.ep,
             "expert_tensor_parallel_size": layout.etp,
             "sequence_parallel": layout.sequence_parallel,
-            "params_dtype": self.params_dtype,
-            "pipeline_dtype": self.params_dtype,
+            "params_dtype": to_torch(self.params_dtype),
+            "pipeline_dtype": to_torch(self.params_dtype),
             # Every weight is overwritten from the checkpoint: skip megatron-core's CPU init,
             # which builds each full master weight on every rank before splitting it.
             "perform_initialization": False,
-            **half.get(self.params_dtype, {}),
+            **half.get(dtypes.of(self.params_dtype).name, {}),
             **overrides,
         }
         return transformer_config(**kwargs)
@@ -198,7 +203,7 @@ class Adapter:
     def export_config(self, dtype: torch.dtype | None = None) -> Any:
         """The HF config to write next to exported weights (dtype updated)."""
         cfg = copy.deepcopy(self.hf_config)
-        cfg.dtype = dtype or self.hf_dtype
+        cfg.dtype = to_torch(dtype or self.hf_dtype)
         if getattr(cfg, "quantization_config", None) is not None:
             del cfg.quantization_config  # fp8 sources are dequantized: the output is not
         return cfg
@@ -233,9 +238,7 @@ def adapter_for(config_or_path: Any, *, dtype: torch.dtype | str | None = None,
         raise UnsupportedModel("config.json has no 'architectures' entry: cannot pick an adapter.")
     family = family_for(archs[0])
     family.check(hf)
-    activation(family.activation(hf))
+    check_activation(family.activation(hf))
     adapter = Adapter(family, hf, source=source, vocab_multiple=vocab_multiple)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    adapter.params_dtype = dtype or adapter.hf_dtype
+    adapter.params_dtype = dtypes.of(dtype) if dtype is not None else adapter.hf_dtype
     return adapter

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from toolkit.adapters.adapter import Adapter, adapter_for
 from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.dtypes import to_torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, HFReader, HFWriter, open_reader
 from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
 from toolkit.parallel.layout import LayoutError, ParallelLayout
@@ -202,7 +203,7 @@ def export_hf(
             owners[t.key].setdefault(t.shard, (r, t))
     table = adapter.table(coords[0].tp)
     params = _params(chunks)
-    dtype = dtype or adapter.hf_dtype
+    dtype = to_torch(dtype or adapter.hf_dtype)
     writer, problem = None, [None]
     if rank == dst:
         try:

@@ -30,13 +30,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.mapping import Column, Piece, Rule
 
 Region = tuple[tuple[int, int], ...]
-Reader = Callable[[str, Region], torch.Tensor]
+Reader = Callable[[str, Region], "torch.Tensor"]
 #: name, region -> ``(file, offset, length)`` of those whole rows as stored, or None.
 Locator = Callable[[str, Region], "tuple[Any, int, int] | None"]
 
@@ -58,7 +57,8 @@ def local_tensor(rule: Rule, rank: int, size: int, read: Reader,
     if len(pieces) == 1 and not pieces[0].transpose and pieces[0].numel == numel:
         part = read(pieces[0].source, pieces[0].src)  # the whole local tensor in one read
         if tuple(part.shape) == tuple(shape):
-            return part if part.dtype == dtype else part.to(dtype)
+            return part if part.dtype == dtype else part.to(to_torch(dtype))
+    dtype = to_torch(dtype)
     covered = sum(p.numel for p in pieces)
     out = torch.zeros(shape, dtype=dtype) if covered != numel else torch.empty(shape, dtype=dtype)
     for p in pieces:
@@ -276,7 +276,7 @@ class McoreFullSource:
             if tuple(piece.dst) == tuple((0, n) for n in full.shape) and tuple(
                     full.shape) == tuple(shape):
                 return full
-        out = torch.empty(tuple(b - a for a, b in region), dtype=self.dtype(name))
+        out = torch.empty(tuple(b - a for a, b in region), dtype=to_torch(self.dtype(name)))
         filled = 0
         for key, piece in self._by_hf[name]:
             sub = _intersect(piece.src, region)

@@ -6,8 +6,8 @@ conversion. The file is a plain pickle of a few dataclasses, so plain stand-ins 
 fields do both jobs: reading (the restricted unpickler resolves the allowed DCP names to these
 classes, so no torch class is ever constructed from the file) and writing (``dumps`` pickles the
 stand-ins under the real classes' names, field for field, so torch, megatron-core and
-Megatron-LM load the real classes). Dtypes come back as torch dtypes (the reader needs them
-anyway); ``torch.Size`` as a tuple subclass.
+Megatron-LM load the real classes). Dtypes come back as ``dtypes.DType`` (by name: reading
+imports no torch); ``torch.Size`` as a tuple subclass.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import io
 import pickle
 from typing import Any
+
+from toolkit.checkpoint import dtypes
 
 META = "torch.distributed.checkpoint.metadata"
 FILESYSTEM = "torch.distributed.checkpoint.filesystem"
@@ -170,9 +172,6 @@ class Reader(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED:
             return ALLOWED[(module, name)]
-        if module == "torch":
-            import torch
-
-            if isinstance(getattr(torch, name, None), torch.dtype):
-                return getattr(torch, name)
+        if module == "torch" and name in dtypes.BY_NAME:
+            return dtypes.BY_NAME[name]
         raise pickle.UnpicklingError(f"global {module}.{name} is not a DCP metadata class")

@@ -22,13 +22,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
-from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint import CheckpointError, dtypes
+from toolkit.checkpoint.dtypes import torch
 
 SCALE = "_scale_inv"  # suffix of a weight's scale tensor: X.weight -> X.weight_scale_inv
-FP8 = torch.float8_e4m3fn
-_OUT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8 = dtypes.FLOAT8_E4M3
+_OUT = {"bfloat16": dtypes.BFLOAT16, "float16": dtypes.FLOAT16, "float32": dtypes.FLOAT32}
 
 
 def block_size(config: dict) -> tuple[int, int] | None:
@@ -143,7 +142,7 @@ class DequantizingReader:
             return self.inner.read(name, region)
         (r0, r1), (c0, c1) = region
         br, bc = self.block
-        out = torch.empty((r1 - r0, c1 - c0), dtype=self.out_dtype)
+        out = torch.empty((r1 - r0, c1 - c0), dtype=dtypes.to_torch(self.out_dtype))
         scale_cols = (c0 // bc, -(-c1 // bc))
         a = r0
         while a < r1:  # one block row at a time: memory holds the output plus one block row
@@ -176,7 +175,7 @@ def dequantizing(reader: Any, config: dict, out_dtype: torch.dtype | None = None
         return reader
     if out_dtype is None:
         out_dtype = _OUT.get(str(config.get("dtype") or config.get("torch_dtype")),
-                             torch.bfloat16)
+                             dtypes.BFLOAT16)
     try:
         return DequantizingReader(reader, block, out_dtype)
     except BaseException:

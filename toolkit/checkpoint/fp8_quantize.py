@@ -35,7 +35,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     blocks = padded.view(sr, br, sc, bc)
     amax = blocks.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8.torch)
     return q.view(sr * br, sc * bc)[:rows, :cols].contiguous(), scale
 
 

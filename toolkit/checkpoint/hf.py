@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
 from toolkit.atomic import replace_dir, temp_dir
-from toolkit.checkpoint import CheckpointError, formats, fp8
+from toolkit.checkpoint import CheckpointError, dtypes, formats, fp8
+from toolkit.checkpoint.dtypes import torch
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -39,11 +37,6 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "vocab.txt", "spiece.model",
 )
-_SAFE_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-}
 
 
 @dataclass(frozen=True)
@@ -167,11 +160,10 @@ class SafetensorsFile:
         try:
             self._f = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
             size = os.fstat(self._f.fileno()).st_size
-            n = (int.from_bytes(self._read_at(0, 8).numpy().tobytes(), "little") if size >= 8
-                 else -1)
+            n = int.from_bytes(os.pread(self._f.fileno(), 8, 0), "little") if size >= 8 else -1
             if n < 2 or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
-            header = json.loads(self._read_at(8, n).numpy().tobytes())
+            header = json.loads(os.pread(self._f.fileno(), n, 8))
         except (OSError, ValueError) as err:
             self.close()
             raise CheckpointError(f"{self.path}: not a readable safetensors file ({err}); it is "
@@ -182,7 +174,7 @@ class SafetensorsFile:
         end_max = 0
         for name, info in header.items():
             try:
-                dtype = _SAFE_DTYPES[info["dtype"]]
+                dtype = dtypes.BY_SAFETENSORS[info["dtype"]]
                 shape = tuple(int(x) for x in info["shape"])
                 begin, end = (int(x) for x in info["data_offsets"])
             except (KeyError, TypeError, ValueError) as err:
@@ -228,9 +220,9 @@ class SafetensorsFile:
         dtype, shape, begin, _ = self._info[name]
         row = math.prod(shape[1:]) * dtype.itemsize
         if b <= a or row == 0:
-            return torch.empty((max(b - a, 0), *shape[1:]), dtype=dtype)
+            return torch.empty((max(b - a, 0), *shape[1:]), dtype=dtype.torch)
         data = self._read_at(begin + a * row, (b - a) * row)
-        return data.view(dtype).view(b - a, *shape[1:])
+        return data.view(dtype.torch).view(b - a, *shape[1:])
 
     def byte_range(self, name: str, region: tuple[tuple[int, int], ...]
                    ) -> tuple[Path, int, int] | None:
@@ -251,7 +243,7 @@ class SafetensorsFile:
              ) -> torch.Tensor:
         dtype, shape, begin, end = self._info[name]
         if not shape:
-            return self._read_at(begin, end - begin).view(dtype).view(())
+            return self._read_at(begin, end - begin).view(dtype.torch).view(())
         region = tuple(region or ())
         region = region + tuple((0, n) for n in shape[len(region):])
         for (lo, hi), n in zip(region, shape, strict=True):
@@ -266,7 +258,7 @@ class SafetensorsFile:
         step = max(1, self.block_bytes // row)
         parts = [self._rows(name, r, min(r + step, b))[index].clone() for r in range(a, b, step)]
         if not parts:
-            return torch.empty((0, *(hi - lo for lo, hi in inner)), dtype=dtype)
+            return torch.empty((0, *(hi - lo for lo, hi in inner)), dtype=dtype.torch)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def close(self) -> None:
@@ -378,6 +370,8 @@ class HFWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
+        from safetensors.torch import save_file
+
         save_file(self._pending, str(self.tmp / f"shard-{len(self._shards):05d}.safetensors"),
                   metadata={"format": "pt"})
         self._shards.append(list(self._pending))
@@ -453,9 +447,6 @@ class TextFile:
         (Path(folder) / self.name).write_text(self.text)
 
 
-_DTYPE_NAMES = {v: k for k, v in _SAFE_DTYPES.items()}
-
-
 class _StreamPlan:
     """Shard layout decided before any data: each shard file gets its header, then its tensors'
     bytes as they are added (in plan order)."""
@@ -487,7 +478,7 @@ class _StreamPlan:
         for name in self.shards[i]:
             shape, dtype = self.plan[name]
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
+            header[name] = {"dtype": dtypes.of(dtype).safetensors, "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()

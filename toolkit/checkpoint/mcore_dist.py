@@ -36,13 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from toolkit.checkpoint import CheckpointError, dcp_pickle, formats, torch_record
 from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
+from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, config_json
 from toolkit.checkpoint.pipeline import read_ahead
-from toolkit.checkpoint.safe_load import load_dcp_metadata, load_torch
+from toolkit.checkpoint.safe_load import load_dcp_metadata, load_plain, load_torch
 from toolkit.mapping import EXPERTS
 
 FORMAT = "mcore"
@@ -191,7 +190,7 @@ def megatron_args(adapter: Any, layout: Any, padded_vocab: int, iteration: int |
         expert_tensor_parallel_size=layout.etp or layout.tp,
         ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist",
         iteration=iteration or 0, no_save_rng=True, no_save_optim=True,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype, bf16=str(dtype) == "torch.bfloat16", fp16=str(dtype) == "torch.float16",
         hf_architecture=adapter.architecture,
     )
     return argparse.Namespace(**out)
@@ -334,7 +333,9 @@ class DistCheckpoint:
                                           f"{data.stat().st_size}.")
         common = {}
         if (folder / "common.pt").is_file():
-            common = load_torch(folder / "common.pt") or {}
+            common = load_plain(folder / "common.pt")  # no torch import when it can
+            if common is None:
+                common = load_torch(folder / "common.pt") or {}
         return cls(folder, iteration, tensors, storage, objects, common)
 
     def _chunk(self, key: str, offsets: tuple[int, ...],
@@ -391,7 +392,7 @@ class DistCheckpoint:
         size = tuple(md.size)
         n = len(prefix)
         want = tuple((i, i + 1) for i in prefix) + tuple((0, s) for s in size[n:])
-        out = torch.empty(size[n:], dtype=md.properties.dtype)
+        out = torch.empty(size[n:], dtype=to_torch(md.properties.dtype))
         filled = 0
         for c in md.chunks:
             offs, sizes = tuple(c.offsets), tuple(c.sizes)
@@ -481,7 +482,7 @@ def _read_saved_tensor(file: Path, offset: int, length: int, sizes: tuple[int, .
         start = _saved_tensor_start(f, offset, length, sizes, dtype)
         if start is None:
             return None
-        out = torch.empty(sizes, dtype=dtype)
+        out = torch.empty(sizes, dtype=to_torch(dtype))
         buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         f.seek(start)
         pos = 0
@@ -714,8 +715,18 @@ def write_metadata(folder: Path, items: list[Item], records: list[dict], num_lay
                                                          load_id=None, modules=[]),
                          version=d.DCP_VERSION)
     (folder / ".metadata").write_bytes(d.dumps(md))
-    torch.save(common, folder / "common.pt")
+    torch.save(torch_dtypes(common), folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps(BACKEND))
+
+
+def torch_dtypes(common: dict[str, Any]) -> dict[str, Any]:
+    """``common`` with the run arguments' dtypes pickled as torch's (``params_dtype``), as
+    Megatron-LM reads them."""
+    args = common.get("args")
+    if args is None:
+        return common
+    fixed = {k: to_torch(v) for k, v in vars(args).items()}
+    return {**common, "args": argparse.Namespace(**fixed)}
 
 
 formats.register(FORMAT, open_source, looks_like)  # see toolkit.checkpoint.formats

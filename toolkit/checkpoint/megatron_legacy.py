@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
+from toolkit.checkpoint.dtypes import torch
 from toolkit.checkpoint.mcore_dist import (
     CHECKPOINT_VERSION,
     checkpoint_dir,
     extra_state_module,
     find_hf_config,
     has_checkpoint,
+    torch_dtypes,
 )
 from toolkit.checkpoint.safe_load import load_torch
 from toolkit.mapping import Coord, Table, plan_rank
@@ -242,7 +242,7 @@ def write_rank_file(folder: Path, coord: Coord, table: Table, read: Callable,
     sub = folder / rank_dir_name(coord.tp_rank, coord.pp_rank, coord.ep_rank, coord.pp, coord.ep)
     sub.mkdir(parents=True, exist_ok=True)
     state = {**rank_state(table, coord, read, dtype_of, tick),
-             "checkpoint_version": CHECKPOINT_VERSION, **extra}
+             "checkpoint_version": CHECKPOINT_VERSION, **torch_dtypes(extra)}
     torch.save(state, sub / FILE)
     return sub / FILE
 

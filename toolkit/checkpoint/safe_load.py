@@ -22,9 +22,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from toolkit.checkpoint import CheckpointError, dcp_pickle
+from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes
+from toolkit.checkpoint.dtypes import torch
 
 #: Modules whose globals (in a checkpoint's ``args``) become inert placeholders.
 OPAQUE_PREFIXES = ("megatron.", "transformer_engine.", "apex.", "deepspeed.", "enum.")
@@ -103,6 +102,48 @@ def load_torch(path: str | Path, *, mmap: bool = True) -> Any:
                                       f"not weights ({err}); refusing to unpickle them. "
                                       "Re-save the tensors only.") from err
             raise CheckpointError(f"{path}: cannot load ({err}).") from err
+
+
+class _NotPlain(Exception):
+    """The file holds tensors or classes ``load_plain`` does not read: ``load_torch`` does."""
+
+
+class _PlainReader(pickle.Unpickler):
+    """A ``torch.save`` pickle of plain values (Megatron-LM's ``common.pt``: run arguments,
+    iteration, versions): dtypes become ``dtypes.DType``, megatron classes inert; a tensor or any
+    other class stops it (``_NotPlain``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full == "argparse.Namespace":
+            return argparse.Namespace
+        if full == "collections.OrderedDict":
+            return dict
+        if module == "torch" and name in dtypes.BY_NAME:
+            return dtypes.BY_NAME[name]
+        if full in ALLOWED_STDLIB:
+            return ALLOWED_STDLIB[full]
+        if full.startswith(OPAQUE_PREFIXES):
+            return _opaque(full)
+        raise _NotPlain(full)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NotPlain("a tensor")
+
+
+def load_plain(path: str | Path) -> Any:
+    """A ``torch.save`` file of plain values, read without importing torch (1.3 s, longer than
+    a small conversion's copy); None when it holds more (tensors, other classes) or is not a
+    zip file: then ``load_torch`` reads it with its allowlist and errors."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            pkl = [n for n in zf.namelist() if n.endswith("/data.pkl")]
+            if len(pkl) != 1:
+                return None
+            return _PlainReader(io.BytesIO(zf.read(pkl[0]))).load()
+    except (_NotPlain, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError,
+            TypeError, AttributeError, OSError):
+        return None
 
 
 def load_dcp_metadata(path: str | Path) -> Any:

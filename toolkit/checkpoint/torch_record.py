@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.dtypes import torch
 from toolkit.checkpoint.hf import copy_range
 
 #: ``(file, offset, length)``: ``length`` bytes of ``file`` from ``offset``; file None = zeros.
@@ -85,7 +84,7 @@ def save_segments(fd: int, shape: tuple[int, ...], dtype: torch.dtype,
     start = os.lseek(fd, 0, os.SEEK_CUR)
     sink = _Sink(fd, segments, nbytes)
     with torch.serialization.skip_data():
-        torch.save(torch.empty(shape, dtype=dtype), sink)  # type: ignore[arg-type]
+        torch.save(torch.empty(shape, dtype=getattr(dtype, "torch", dtype)), sink)  # type: ignore[arg-type]
     if nbytes and not sink.copied:
         raise CheckpointError("torch.save under skip_data wrote no data seek: this torch "
                               "version writes records differently.")

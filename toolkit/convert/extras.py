@@ -16,8 +16,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.checkpoint.hf import HFReader, HFWriter
 from toolkit.convert.sources import Opened, full
 
@@ -46,7 +45,7 @@ class Kept(contextlib.AbstractContextManager):
 
     def read(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
         shape = tuple(self._reader.shape(name))
-        return self._reader.read(name, full(shape)).to(self.dtype(name, dtype))
+        return self._reader.read(name, full(shape)).to(to_torch(self.dtype(name, dtype)))
 
     def __exit__(self, *exc: object) -> None:
         if self._own is not None:

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, HFWriter, TextFile, config_json
 from toolkit.checkpoint.pipeline import background, read_ahead
 from toolkit.convert.extras import Kept
@@ -55,7 +54,7 @@ def _write_hf(op: Opened, kept: Kept, dst: Path, dtype: torch.dtype | None, bar:
             found = segments(op.names[name])
             if found is not None:
                 return found  # byte ranges of the source: copied file to file, not read
-        return op.read(name, full(expected[name])).to(dtype_of(name))
+        return op.read(name, full(expected[name])).to(to_torch(dtype_of(name)))
 
     try:
         # the next tensor is read (in a thread) while this one is written: two in memory

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from toolkit.atomic import building
 from toolkit.checkpoint import CheckpointError, mcore_dist, megatron_legacy
+from toolkit.checkpoint.dtypes import torch
 from toolkit.checkpoint.hf import TOKENIZER_FILES
 from toolkit.convert.extras import save_kept
 from toolkit.convert.pool import job_source, run_jobs, split

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.convert.sources import Ctx, full, open_checkpoint, open_ctx
 
 
@@ -25,7 +24,7 @@ def verify_conversion(ctx: Ctx, dst: Path, to: str, dtype: torch.dtype | None) -
         for name, shape in a.adapter.expected_tensors().items():
             x = a.read(name, full(shape))
             if dtype is not None and x.is_floating_point():
-                x = x.to(dtype)
+                x = x.to(to_torch(dtype))
             y = b.read(name, full(shape))
             n += 1
             if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):

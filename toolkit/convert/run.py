@@ -15,9 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from toolkit.checkpoint import CheckpointError, hf, mcore_dist, megatron_legacy
+from toolkit.checkpoint import CheckpointError, dtypes, hf, mcore_dist, megatron_legacy
+from toolkit.checkpoint.dtypes import torch
 from toolkit.convert.hf_target import write_hf
 from toolkit.convert.megatron_targets import write_megatron
 from toolkit.convert.pool import sharing
@@ -28,7 +27,7 @@ from toolkit.parallel.layout import ParallelLayout
 
 #: Output formats, named as the registry's formats (the result is read back as one).
 TARGETS = (hf.FORMAT, mcore_dist.FORMAT, megatron_legacy.FORMAT)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": dtypes.BFLOAT16, "fp16": dtypes.FLOAT16, "fp32": dtypes.FLOAT32}
 
 
 @dataclass
@@ -94,6 +93,8 @@ def convert(
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
         dtype = DTYPES[dtype]
+    elif dtype is not None:
+        dtype = dtypes.of(dtype)  # a torch dtype: by name from here on
     workers = resolve_workers(workers)
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if dst == src or src in dst.parents:

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from toolkit.adapters import Adapter, CheckpointMismatch, adapter_for, read_hf_config
 from toolkit.checkpoint import CheckpointError, formats
+from toolkit.checkpoint.dtypes import torch
 from toolkit.convert.megatron_lm import derived_hf_folder
 
 Region = tuple[tuple[int, int], ...]
