@@ -110,3 +110,25 @@ def test_copy_range_fallback(tmp_path, monkeypatch):
             hf.copy_range(s.fileno(), 5, 2 * 2**20, d.fileno())
             hf.copy_range(s.fileno(), 0, 5, d.fileno())
         assert out.read_bytes() == b"head" + data[5:5 + 2 * 2**20] + data[:5]
+
+
+def test_will_need_hints_each_file_once_and_skips_what_it_cannot(tmp_path, monkeypatch):
+    """The read-ahead hint: one open per file, every range of it advised WILLNEED; zero runs
+    (file None), empty ranges and a missing file are skipped (the copy reports those)."""
+    from toolkit.checkpoint import pipeline
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(bytes(8192))
+    b.write_bytes(bytes(4096))
+    advised, opened = [], []
+    real_open = os.open
+    monkeypatch.setattr(pipeline.os, "posix_fadvise",
+                        lambda fd, off, n, how: advised.append((os.readlink(f"/proc/self/fd/{fd}"),
+                                                                off, n, how)))
+    monkeypatch.setattr(pipeline.os, "open", lambda p, flags: opened.append(str(p)) or
+                        real_open(p, flags))
+    pipeline.will_need([(a, 0, 4096), (None, 0, 100), (b, 0, 4096), (a, 4096, 4096),
+                        (b, 10, 0), (tmp_path / "missing", 0, 10)])
+    assert opened == [str(a), str(b), str(tmp_path / "missing")]
+    w = os.POSIX_FADV_WILLNEED
+    assert advised == [(str(a), 0, 4096, w), (str(a), 4096, 4096, w), (str(b), 0, 4096, w)]

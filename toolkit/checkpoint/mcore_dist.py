@@ -40,7 +40,7 @@ from toolkit.checkpoint import CheckpointError, dcp_pickle, formats, torch_recor
 from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
 from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, config_json
-from toolkit.checkpoint.pipeline import read_ahead
+from toolkit.checkpoint.pipeline import read_ahead, will_need
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_plain, load_torch
 from toolkit.mapping import EXPERTS
 
@@ -643,7 +643,9 @@ def write_data_file(path: Path, items: list[Item], table: Any, read: Callable,
             segs = local_segments(rule, 0, 1, lambda n, r: byte_range(n, r, dtype),
                                   dtype.itemsize)
             if segs is not None:
-                return torch_record.merge(segs), dtype
+                segs = torch_record.merge(segs)
+                will_need(segs)  # the disk reads them while the current chunk is copied
+                return segs, dtype
         t = local_tensor(rule, 0, 1, read, dtype)
         return t.reshape((1,) * len(it.prefix) + tuple(t.shape)).contiguous()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, HFWriter, TextFile, config_json
-from toolkit.checkpoint.pipeline import background, read_ahead
+from toolkit.checkpoint.pipeline import background, read_ahead, will_need
 from toolkit.convert.extras import Kept
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Opened, full
@@ -53,6 +53,7 @@ def _write_hf(op: Opened, kept: Kept, dst: Path, dtype: torch.dtype | None, bar:
         if segments is not None and dtype_of(name) == stored_dtype(name):
             found = segments(op.names[name])
             if found is not None:
+                will_need(found)  # the disk reads them while the current tensor is copied
                 return found  # byte ranges of the source: copied file to file, not read
         return op.read(name, full(expected[name])).to(to_torch(dtype_of(name)))
 
