@@ -193,6 +193,9 @@ def test_objects_are_torch_save_bytes(tmp_path):
     assert b"ctorch\nbfloat16\n" in ref
     for dtype in (torch.bfloat16, dcp_pickle.dtype_ref(torch.bfloat16), _DType("bfloat16", 2)):
         assert torch_record.dumps(common(dtype)) == ref, dtype
+    two = common(_DType("bfloat16", 2))  # two stand-ins of one dtype: one reference, as torch's
+    two["args"].main_grads_dtype = _DType("bfloat16", 2)
+    assert torch_record.dumps(two) == ref
     (tmp_path / "common.pt").write_bytes(torch_record.dumps(common(_DType("bfloat16", 2))))
     assert vars(load_torch(tmp_path / "common.pt")["args"]) == vars(
         common(torch.bfloat16)["args"])

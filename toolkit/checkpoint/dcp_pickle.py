@@ -158,16 +158,13 @@ class _Writer(pickle._Pickler):  # type: ignore[misc, name-defined]
     references to the real names: ``STACK_GLOBAL`` from protocol 4, ``GLOBAL`` below (what the
     C pickler writes for torch's dtypes and classes)."""
 
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) in self.dispatch:
-            return NotImplemented
-        name = dtype_name(obj)
-        return NotImplemented if name is None else name  # a str: saved by ``save_global``
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if type(obj) not in self.dispatch and (name := dtype_name(obj)) is not None:
+            obj = dtype_ref(name)  # one object per dtype (a memo reference after the first)
+        super().save(obj, save_persistent_id)
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         ref = getattr(obj, "_global", None)
-        if ref is None and (dtype := dtype_name(obj)) is not None:
-            ref = ("torch", dtype)
         if ref is None:
             super().save_global(obj, name)
             return

@@ -101,7 +101,7 @@ class _Pickler(dcp_pickle._Writer):
                                                   torch.storage.TypedStorage)):
             raise CheckpointError("an object holding torch tensors is written with torch.save, "
                                   "not torch_record.dumps.")
-        return super().reducer_override(obj)
+        return NotImplemented
 
 
 def _pickle(obj: Any) -> bytes:

@@ -110,9 +110,6 @@ def torch_save_parts(pickled: bytes, storages: Sequence[tuple[int, int]] = ()
     if len(storages) not in NAME_HASH:
         raise CheckpointError(f"{len(storages)} storages: only records of 0 or 1 storages are "
                               "written without torch; save this object with torch.save.")
-    if any(n >= _MAX for n, _ in storages[:-1]):
-        raise CheckpointError("a storage of 4 GiB or more before another storage is not "
-                              "written without torch; save this object with torch.save.")
     zf = _Archive()
     for name, data in (("data.pkl", pickled), (".format_version", b"1"),
                        (".storage_alignment", str(ALIGN).encode()),
