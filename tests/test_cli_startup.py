@@ -4,7 +4,10 @@
 the mapping, so neither transformers nor megatron-core is imported unless the command needs
 them (an HF target writes config.json as JSON and copies generation_config.json); torch_dist's
 ``.metadata`` is read and written without ``torch.distributed.checkpoint`` (``dcp_pickle``:
-DTensor, sympy); `mdtk --help` imports no torch.
+DTensor, sympy); `mdtk --help` and `mdtk inspect` import no torch, nor does a conversion
+between HF safetensors and torch_dist that copies bytes file to file (no ``--dtype`` cast):
+dtypes go by name (``toolkit.checkpoint.dtypes``) and ``torch.save``'s files are written by
+``torch_record``.
 scripts/bench_startup.py measures the times (docs/benchmarks.md).
 """
 
@@ -49,9 +52,10 @@ def test_inspect_and_convert_import_neither_transformers_nor_megatron(tiny_root,
     src = tiny_root / "qwen2_moe"  # experts and dense layers: every key-naming path
     assert _loaded("inspect", str(src)) == []
     mcore = tmp_path / "mcore"
-    assert _loaded("convert", str(src), str(mcore), "--to", "mcore", "--tp", "2", "-q") == [
-        "torch"]
+    # file to file both ways (no cast): not even torch (toolkit.checkpoint.dtypes, torch_record)
+    assert _loaded("convert", str(src), str(mcore), "--to", "mcore", "--tp", "2", "-q") == []
     assert _loaded("inspect", str(mcore)) == []
+    assert _loaded("convert", str(mcore), str(tmp_path / "back"), "--to", "hf", "-q") == []
     legacy = tmp_path / "legacy"
     assert _loaded("convert", str(mcore), str(legacy), "--to", "megatron-legacy", "--pp", "2",
                    "-q") == ["torch"]

@@ -27,7 +27,8 @@ DCP_VERSION = "1.0.0"
 
 
 class Global:
-    """A module-level name pickled as a reference (``STACK_GLOBAL``), e.g. ``torch.bfloat16``."""
+    """A module-level name pickled as a reference (``GLOBAL``, ``STACK_GLOBAL``), e.g.
+    ``torch.bfloat16``."""
 
     def __init__(self, module: str, name: str):
         self._global = (module, name)
@@ -145,17 +146,36 @@ def dtype_ref(dtype: Any) -> Global:
     return _DTYPES.setdefault(name, Global("torch", name))
 
 
+def dtype_name(obj: Any) -> str | None:
+    """``"bfloat16"`` for a torch dtype or a stand-in of one (an object with ``itemsize`` whose
+    ``str`` is ``"torch.bfloat16"``); None for anything else."""
+    if isinstance(obj, type) or not hasattr(obj, "itemsize") or hasattr(obj, "shape"):
+        return None
+    name = str(obj)
+    return name[6:] if name.startswith("torch.") else None
+
+
 class _Writer(pickle._Pickler):  # type: ignore[misc, name-defined]
-    """The pure-Python pickler, writing stand-ins as references to the real names."""
+    """The pure-Python pickler, writing stand-ins and dtypes (torch's or stand-ins) as
+    references to the real names: ``STACK_GLOBAL`` from protocol 4, ``GLOBAL`` below (what the
+    C pickler writes for torch's dtypes and classes)."""
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if type(obj) not in self.dispatch and (name := dtype_name(obj)) is not None:
+            obj = dtype_ref(name)  # one object per dtype (a memo reference after the first)
+        super().save(obj, save_persistent_id)
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         ref = getattr(obj, "_global", None)
         if ref is None:
             super().save_global(obj, name)
             return
-        self.save(ref[0])
-        self.save(ref[1])
-        self.write(pickle.STACK_GLOBAL)
+        if self.proto >= 4:
+            self.save(ref[0])
+            self.save(ref[1])
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{ref[0]}\n{ref[1]}\n".encode())
         self.memoize(obj)
 
 

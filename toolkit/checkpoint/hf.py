@@ -14,7 +14,6 @@ renames the folder into place only when everything is written.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from typing import Any
 from toolkit.atomic import replace_dir, temp_dir
 from toolkit.checkpoint import CheckpointError, dtypes, formats, fp8
 from toolkit.checkpoint.dtypes import torch
+from toolkit.checkpoint.torch_record import copy_range  # re-exported: hf.copy_range
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -541,34 +541,6 @@ class _StreamPlan:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def copy_range(src_fd: int, offset: int, n: int, dst_fd: int) -> None:
-    """Append ``n`` bytes of ``src_fd`` from ``offset`` at ``dst_fd``'s position: in the kernel
-    (``copy_file_range``, what ``cp`` does: no copy through user memory) where the system
-    allows, else with 64 MiB positioned reads and writes."""
-    done = 0
-    fast = hasattr(os, "copy_file_range")
-    while done < n:
-        if fast:
-            try:
-                got = os.copy_file_range(src_fd, dst_fd, n - done, offset + done)
-            except OSError as err:
-                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL,
-                                     errno.EBADF):
-                    raise
-                fast = False
-                continue
-        else:
-            chunk = os.pread(src_fd, min(64 * 2**20, n - done), offset + done)
-            got = len(chunk)
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(dst_fd, view):]
-        if not got:
-            raise CheckpointError(f"unexpected end of file copying {n} bytes from byte "
-                                  f"{offset} (truncated source).")
-        done += got
 
 
 # -- registration as a checkpoint format ----------------------------------------------------------

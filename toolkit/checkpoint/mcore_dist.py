@@ -697,9 +697,7 @@ def write_metadata(folder: Path, items: list[Item], records: list[dict], num_lay
         state[key] = d.TensorStorageMetadata.make(properties=props, size=d.Size(shapes[key]),
                                                   chunks=md_chunks)
     # _extra_state of every linear module: megatron-core's local layers store [None].
-    blob = io.BytesIO()
-    torch.save([None], blob)
-    data = blob.getvalue()
+    data = torch_record.dumps([None])
     objects = sorted({(f"{extra_state_module(it.key)}._extra_state", it.prefix, it.axes)
                       for it in items if extra_state_module(it.key)})
     with open(folder / "__extra_0.distcp", "wb") as f:
@@ -717,7 +715,8 @@ def write_metadata(folder: Path, items: list[Item], records: list[dict], num_lay
                                                          load_id=None, modules=[]),
                          version=d.DCP_VERSION)
     (folder / ".metadata").write_bytes(d.dumps(md))
-    torch.save(torch_dtypes(common), folder / "common.pt")
+    with open(folder / "common.pt", "wb") as f:
+        torch_record.save_bytes(f, common)  # torch.save's bytes, written without torch
     (folder / "metadata.json").write_text(json.dumps(BACKEND))
 
 

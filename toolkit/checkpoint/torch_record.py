@@ -1,61 +1,138 @@
-"""A ``torch.save`` record of one tensor whose bytes are copied file to file, never through memory.
+"""``torch.save`` records written without torch: a tensor whose bytes are copied file to file,
+never through memory (``save_segments``), and plain objects (``dumps``, ``save_bytes``).
 
 A torch_dist data file (``__R_I.distcp``) is a sequence of ``torch.save``d tensors. When an
 output tensor is a list of byte ranges of source files (whole rows of row-major tensors in the
-same dtype: a layer's tensor, ``[gate; up]``, fused QKV, a vocab slice), ``save_segments`` lets
-``torch.save`` write the record's framing itself (zip headers, pickle, alignment, central
-directory: byte for byte what ``torch.save`` writes) under ``torch.serialization.skip_data``,
-where ``torch.save`` *seeks* over the tensor's data instead of writing it; that one seek is
-turned into ``copy_file_range`` copies of the ranges (``hf.copy_range``: in the kernel, as
-``cp`` does, ``pread``/``write`` where the system refuses it). The placeholder tensor handed to
-``torch.save`` is ``torch.empty`` (never touched, so never faulted in): no tensor byte passes
-through user memory. As with any ``skip_data`` save, the zip CRC of the data entry is 0 (torch's
-reader does not check CRCs; ``set_crc32_options(False)`` writes 0 for every entry).
+same dtype: a layer's tensor, ``[gate; up]``, fused QKV, a vocab slice), ``save_segments``
+writes the record's framing (zip headers, pickle, alignment, central directory: byte for byte
+what ``torch.save`` writes, ``torch_zip``) and copies the ranges into its data entry with
+``copy_file_range`` (``copy_range``: in the kernel, as ``cp`` does; ``pread``/``write`` where the
+system refuses it): no tensor byte passes through user memory, and torch is not imported (1.3 s).
+The zip CRC32 of the copied data entry is 0, as in a ``torch.save`` under
+``torch.serialization.skip_data``: computing it would read every byte; torch's reader does not
+check CRCs. ``crc=True`` reads the bytes once more and writes the CRC: then the record is
+``torch.save``'s file of that tensor exactly.
+
+Pickles are written by the pure-Python pickler with ``dcp_pickle``'s stand-ins for torch's names
+(dtypes, storage classes, ``_rebuild_tensor_v2``), protocol 2 as ``torch.save``'s.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import sys
+import zlib
+from collections import OrderedDict
 from pathlib import Path
+from typing import IO, Any
 
-from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.dtypes import torch
-from toolkit.checkpoint.hf import copy_range
+from toolkit.checkpoint import CheckpointError, dcp_pickle, torch_zip
 
 #: ``(file, offset, length)``: ``length`` bytes of ``file`` from ``offset``; file None = zeros.
 Segment = tuple["Path | str | None", int, int]
 _ZEROS = 1 << 20
+_CHUNK = 64 * 2**20
+#: dtype -> the legacy storage class ``torch.save`` names (``torch.storage``'s
+#: ``_dtype_to_storage_type_map``): tensors rebuilt by ``_rebuild_tensor_v2``.
+STORAGE_CLASS = {"float64": "DoubleStorage", "float32": "FloatStorage",
+                 "float16": "HalfStorage", "int64": "LongStorage", "int32": "IntStorage",
+                 "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+                 "bool": "BoolStorage", "bfloat16": "BFloat16Storage",
+                 "complex128": "ComplexDoubleStorage", "complex64": "ComplexFloatStorage"}
+#: dtypes ``torch.save`` writes as an ``UntypedStorage`` plus the dtype
+#: (``torch.storage._new_dtypes``, ``_rebuild_tensor_v3``).
+UNTYPED = frozenset({"float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz",
+                     "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8",
+                     "bits2x4", "bits4x2", "complex32", "uint16", "uint32", "uint64"})
+_REBUILD_V2 = dcp_pickle.Global("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_V3 = dcp_pickle.Global("torch._utils", "_rebuild_tensor_v3")
 
 
-class _Sink:
-    """The file-like ``torch.save`` writes to: writes go to ``fd``; the one data seek of a
-    ``skip_data`` save becomes the copies of ``segments``."""
+def copy_range(src_fd: int, offset: int, n: int, dst_fd: int) -> None:
+    """Append ``n`` bytes of ``src_fd`` from ``offset`` at ``dst_fd``'s position: in the kernel
+    (``copy_file_range``, what ``cp`` does: no copy through user memory) where the system
+    allows, else with 64 MiB positioned reads and writes."""
+    done = 0
+    fast = hasattr(os, "copy_file_range")
+    while done < n:
+        if fast:
+            try:
+                got = os.copy_file_range(src_fd, dst_fd, n - done, offset + done)
+            except OSError as err:
+                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL,
+                                     errno.EBADF):
+                    raise
+                fast = False
+                continue
+        else:
+            chunk = os.pread(src_fd, min(_CHUNK, n - done), offset + done)
+            got = len(chunk)
+            _write_all(dst_fd, chunk)
+        if not got:
+            raise CheckpointError(f"unexpected end of file copying {n} bytes from byte "
+                                  f"{offset} (truncated source).")
+        done += got
 
-    def __init__(self, fd: int, segments: list[Segment], nbytes: int):
-        self.fd, self.segments, self.nbytes, self.copied = fd, segments, nbytes, False
 
-    def write(self, data: object) -> int:
-        view = memoryview(data).cast("B")  # type: ignore[arg-type]
-        n = len(view)
-        while view:
-            view = view[os.write(self.fd, view):]
-        return n
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
-    def seek(self, n: int, whence: int = os.SEEK_SET) -> int:
-        if whence != os.SEEK_CUR or n != self.nbytes or self.copied:
-            raise CheckpointError(f"torch.save under skip_data seeked ({n}, {whence}) where one "
-                                  f"data seek of {self.nbytes} bytes was expected: this torch "
-                                  "version writes records differently; convert with --dtype "
-                                  "or report it.")
-        _copy(self.segments, self.fd)
-        self.copied = True
-        return os.lseek(self.fd, 0, os.SEEK_CUR)
 
-    def tell(self) -> int:
-        return os.lseek(self.fd, 0, os.SEEK_CUR)
+class _Storage:
+    """A tensor's storage in the pickle: written as its persistent id (``BINPERSID``)."""
 
-    def flush(self) -> None:
-        pass
+    def __init__(self, pid: tuple[Any, ...]):
+        self.pid = pid
+
+
+class _Pickler(dcp_pickle._Writer):
+    """``torch.save``'s pickler (protocol 2) over stand-ins; refuses torch's own tensors."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if type(obj) is _Storage else None
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, (torch.Tensor, torch.UntypedStorage,
+                                                  torch.storage.TypedStorage)):
+            raise CheckpointError("an object holding torch tensors is written with torch.save, "
+                                  "not torch_record.dumps.")
+        return NotImplemented
+
+
+def _pickle(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+def _tensor(shape: tuple[int, ...], dtype: Any) -> dcp_pickle.Call:
+    """A contiguous CPU tensor as ``Tensor.__reduce_ex__`` describes it (its storage ``"0"``)."""
+    name = dcp_pickle.dtype_name(dtype)
+    numel = 1
+    for s in shape:
+        numel *= s
+    stride: list[int] = []
+    step = 1
+    for s in reversed(shape):
+        stride.insert(0, step)
+        step *= max(s, 1)
+    size = tuple([*shape])  # a new tuple: the pickle memoizes by identity, as torch's
+    if name in STORAGE_CLASS:
+        pid = ("storage", dcp_pickle.Global("torch", STORAGE_CLASS[name]), "0", "cpu", numel)
+        return dcp_pickle.Call(_REBUILD_V2, _Storage(pid), 0, size, tuple(stride), False,
+                               OrderedDict())
+    if name in UNTYPED:
+        pid = ("storage", dcp_pickle.Global("torch.storage", "UntypedStorage"), "0", "cpu",
+               numel * dtype.itemsize)
+        return dcp_pickle.Call(_REBUILD_V3, _Storage(pid), 0, size, tuple(stride), False,
+                               OrderedDict(), dcp_pickle.dtype_ref(dtype))
+    raise CheckpointError(f"no torch-free torch.save record for dtype {dtype}: save this "
+                          "tensor with torch.save.")
 
 
 def _copy(segments: list[Segment], fd: int) -> None:
@@ -69,10 +146,29 @@ def _copy(segments: list[Segment], fd: int) -> None:
             copy_range(src.fileno(), offset, n, fd)
 
 
-def save_segments(fd: int, shape: tuple[int, ...], dtype: torch.dtype,
-                  segments: list[Segment]) -> int:
+def _crc32(segments: list[Segment]) -> int:
+    """The zip CRC32 of the bytes of ``segments`` (read once)."""
+    crc = 0
+    for file, offset, n in segments:
+        if file is None:
+            while n > 0:
+                crc = zlib.crc32(bytes(min(n, _ZEROS)), crc)
+                n -= _ZEROS
+            continue
+        with open(file, "rb", buffering=0) as src:
+            for at in range(offset, offset + n, _CHUNK):
+                crc = zlib.crc32(os.pread(src.fileno(), min(_CHUNK, offset + n - at), at), crc)
+    return crc
+
+
+def save_segments(fd: int, shape: tuple[int, ...], dtype: Any, segments: list[Segment], *,
+                  crc: bool = False) -> int:
     """Write at ``fd``'s position the ``torch.save`` record of a contiguous ``shape`` /
-    ``dtype`` tensor whose bytes are ``segments`` in order; returns the record's length."""
+    ``dtype`` tensor whose bytes are ``segments`` in order; returns the record's length.
+
+    ``dtype``: a torch dtype or a stand-in (``itemsize``, ``str`` ``"torch.<name>"``). The data
+    entry's CRC32 is 0 unless ``crc`` (see the module docstring)."""
+    pickled = _pickle(_tensor(tuple(shape), dtype))
     numel = 1
     for s in shape:
         numel *= s
@@ -81,14 +177,31 @@ def save_segments(fd: int, shape: tuple[int, ...], dtype: torch.dtype,
     if have != nbytes:
         raise CheckpointError(f"segments hold {have} bytes, a {tuple(shape)} {dtype} tensor "
                               f"needs {nbytes}.")
-    start = os.lseek(fd, 0, os.SEEK_CUR)
-    sink = _Sink(fd, segments, nbytes)
-    with torch.serialization.skip_data():
-        torch.save(torch.empty(shape, dtype=getattr(dtype, "torch", dtype)), sink)  # type: ignore[arg-type]
-    if nbytes and not sink.copied:
-        raise CheckpointError("torch.save under skip_data wrote no data seek: this torch "
-                              "version writes records differently.")
-    return os.lseek(fd, 0, os.SEEK_CUR) - start
+    parts = torch_zip.torch_save_parts(pickled, [(nbytes, _crc32(segments) if crc else 0)])
+    for part in parts:
+        if isinstance(part, bytes):
+            _write_all(fd, part)
+        else:
+            _copy(segments, fd)
+    return sum(len(p) for p in parts if isinstance(p, bytes)) + nbytes
+
+
+def dumps(obj: Any) -> bytes:
+    """The ``torch.save`` file of ``obj``: plain Python values (dicts, lists, tuples, str,
+    numbers, None, ``argparse.Namespace``, ...) and torch dtypes or their stand-ins; no
+    tensors."""
+    return b"".join(torch_zip.torch_save_parts(_pickle(obj)))  # type: ignore[arg-type]
+
+
+def save_bytes(dest: int | IO[bytes], obj: Any) -> int:
+    """Write ``dumps(obj)`` at ``dest`` (a file descriptor, at its position, or a binary file);
+    returns the number of bytes written."""
+    data = dumps(obj)
+    if isinstance(dest, int):
+        _write_all(dest, data)
+    else:
+        dest.write(data)
+    return len(data)
 
 
 def merge(segments: list[Segment]) -> list[Segment]:
