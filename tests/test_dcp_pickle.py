@@ -133,3 +133,38 @@ def test_no_torch_distributed_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_load_plain_reads_run_arguments_and_hands_the_rest_to_torch_load(tmp_path):
+    """``common.pt`` without tensors reads without torch (dtypes by name, equal to torch's,
+    megatron classes inert); a tensor or a class outside the allowlist gives None, and then
+    ``load_torch`` reads or refuses it as before (nothing from the file is executed)."""
+    import argparse
+    import os
+
+    from toolkit.checkpoint import CheckpointError, dtypes
+    from toolkit.checkpoint.safe_load import load_plain, load_torch
+
+    args = argparse.Namespace(params_dtype=torch.bfloat16, tensor_model_parallel_size=2,
+                              rotary_base=500000, window_size=None, lr=1e-4)
+    plain = {"args": args, "checkpoint_version": 3.0, "iteration": 7}
+    torch.save(plain, tmp_path / "common.pt")
+    got = load_plain(tmp_path / "common.pt")
+    assert got["args"].params_dtype is dtypes.BFLOAT16
+    assert vars(got["args"]) == vars(args) and got == plain  # DType == torch dtype
+    assert got == load_torch(tmp_path / "common.pt")
+
+    torch.save({**plain, "rng": torch.arange(3)}, tmp_path / "tensor.pt")
+    assert load_plain(tmp_path / "tensor.pt") is None
+    assert torch.equal(load_torch(tmp_path / "tensor.pt")["rng"], torch.arange(3))
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, ("echo pwned",)
+
+    torch.save({"args": Evil()}, tmp_path / "evil.pt")
+    assert load_plain(tmp_path / "evil.pt") is None
+    with pytest.raises(CheckpointError, match="posix.system|os.system"):
+        load_torch(tmp_path / "evil.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")
+    assert load_plain(tmp_path / "junk.pt") is None
