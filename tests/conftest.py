@@ -23,8 +23,7 @@ _OPS_READY = False
 
 def _prebuild_ops() -> None:
     """Ranks must find DeepSpeed's CPU ops built: ranks building them at once queue on a lock
-    for minutes. This waits for `make install`'s background build (or builds, for a bare
-    `pytest`) before the first pool starts."""
+    for minutes (`make install` builds them; this covers a bare `pytest`)."""
     global _OPS_READY
     if not _OPS_READY:
         from toolkit.runtime import ops
@@ -33,38 +32,30 @@ def _prebuild_ops() -> None:
         _OPS_READY = True
 
 
-_POOLS = frozenset({"rank_pool_2", "rank_pool_4"})
-_GROUP: dict[str, int] = {}  # test id -> its group below
+_GROUP: dict[str, int] = {}  # test id -> 0, 1 (late) or 2 (nvme)
 _OPEN: list[_LazyPool] = []  # the session's rank pools
 
 
 def pytest_collection_modifyitems(config, items):
-    """Order for a fresh clone, where `make install` leaves DeepSpeed's ops building in the
-    background (CPU Adam, then async_io) and the suite runs meanwhile instead of waiting:
-
-    0. modules that start no rank pool (CPU Adam may still be building: pools wait for it);
-    1. modules with rank pools (whole modules move, so module fixtures are built once);
-    2. tests marked ``late`` (process launches under time limits), once the async_io build is
-       done: on a fresh CI clone the two-agent launch took 158 s beside the build, 57 s after;
-    3. tests marked ``nvme`` (they need async_io)."""
-    pooled = {item.module for item in items if _POOLS.intersection(item.fixturenames)}
-
+    """Tests marked ``nvme`` run last: `make install` builds DeepSpeed's async_io op in the
+    background, and the suite runs meanwhile instead of waiting for it. Tests marked ``late``
+    (many process starts under time limits) run just before them, once that build is done:
+    on a fresh CI clone the two-agent launch took 158 s beside the build, 57 s after it."""
     def order(item) -> int:
         if item.get_closest_marker("nvme") is not None:
-            return 3
-        if item.get_closest_marker("late") is not None:
             return 2
-        return 1 if item.module in pooled else 0
+        return 1 if item.get_closest_marker("late") is not None else 0
 
     _GROUP.update((item.nodeid, order(item)) for item in items)
     items.sort(key=order)  # stable: file order within each group
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """The rank pools close when group 1 ends: idle ranks are not free (every gloo group a job
-    made keeps a thread that wakes 100 times a second, hundreds per rank by then), and the
-    launches of group 2 need the CPU. An ``nvme`` test that needs a pool starts a fresh one."""
-    if nextitem is not None and _GROUP.get(item.nodeid, 0) <= 1 < _GROUP.get(nextitem.nodeid, 0):
+    """The rank pools close before the ``late`` and ``nvme`` tests: idle ranks are not free
+    (every gloo group a job made keeps a thread that wakes 100 times a second, hundreds per
+    rank by then), and the launches need the CPU. An ``nvme`` test that needs a pool starts a
+    fresh one."""
+    if nextitem is not None and _GROUP.get(item.nodeid, 0) < 1 <= _GROUP.get(nextitem.nodeid, 0):
         for pool in _OPEN:
             pool.close()
 

@@ -3,10 +3,10 @@
 DeepSpeed compiles CPU Adam (optimizer offload) and async_io (NVMe offload) on first use. When
 several ranks hit that at once they queue on a lock file, on a 2-core machine the build takes
 minutes, and a build killed half-way leaves a lock that makes every later build wait forever.
-``make install`` therefore starts one background process at low priority that builds CPU Adam
-(about 45 s on 2 cores) and then async_io (12 files, about 3 minutes); whoever needs an op first
-waits on its build's lock (``prebuild([...])``, or DeepSpeed's own load) instead of building it
-again. Later loads are cached in ``TORCH_EXTENSIONS_DIR`` and take about a second.
+``make install`` therefore builds CPU Adam here and starts the async_io build (12 files, about
+3 minutes on 2 cores) in the background at low priority; whoever needs async_io first waits on
+the build's lock (``prebuild(["async_io"])``) instead of building it again. Later loads are
+cached in ``TORCH_EXTENSIONS_DIR`` and take about a second.
 """
 
 from __future__ import annotations
