@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes tests/dist_checks importable
+
+from dist_checks import pool_jobs  # noqa: E402
 
 from toolkit.testing.distributed import RankPool  # noqa: E402
 
@@ -29,6 +32,10 @@ def _prebuild_ops() -> None:
         _OPS_READY = True
 
 
+_GROUP: dict[str, int] = {}  # test id -> 0, 1 (late) or 2 (nvme)
+_OPEN: list[_LazyPool] = []  # the session's rank pools
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``nvme`` run last: `make install` builds DeepSpeed's async_io op in the
     background, and the suite runs meanwhile instead of waiting for it. Tests marked ``late``
@@ -39,7 +46,18 @@ def pytest_collection_modifyitems(config, items):
             return 2
         return 1 if item.get_closest_marker("late") is not None else 0
 
-    items.sort(key=order)  # stable
+    _GROUP.update((item.nodeid, order(item)) for item in items)
+    items.sort(key=order)  # stable: file order within each group
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The rank pools close before the ``late`` and ``nvme`` tests: idle ranks are not free
+    (every gloo group a job made keeps a thread that wakes 100 times a second, hundreds per
+    rank by then), and the launches need the CPU. An ``nvme`` test that needs a pool starts a
+    fresh one."""
+    if nextitem is not None and _GROUP.get(item.nodeid, 0) < 1 <= _GROUP.get(nextitem.nodeid, 0):
+        for pool in _OPEN:
+            pool.close()
 
 
 @pytest.fixture(scope="session")
@@ -63,17 +81,20 @@ class _LazyPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.pool: RankPool | None = None
+        _OPEN.append(self)
 
     def run(self, fn, *args, timeout: float = 300.0, **kwargs):
         _prebuild_ops()
         if self.pool is None or self.pool.broken:
             self.pool = RankPool(self.world_size)
             self.pool.start()
-        return self.pool.run(fn, *args, timeout=timeout, **kwargs)
+        job = functools.partial(pool_jobs.run_then_release, fn)  # its name says fn's too
+        return self.pool.run(job, *args, timeout=timeout, **kwargs)
 
     def close(self):
         if self.pool is not None and not self.pool.broken:
             self.pool.close()
+        self.pool = None  # the next run starts a fresh pool
 
 
 @pytest.fixture(scope="session")
@@ -99,3 +120,20 @@ def tiny_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_hf")
     adapter_checks.build_checkpoints(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def trainer_models(tmp_path_factory) -> dict[str, str]:
+    """``trainer_checks.make_assets`` (a tiny tokenizer and the trainer tests' tiny HF
+    checkpoints), built once per session: tests only read them. Use ``trainer_assets``."""
+    from dist_checks import trainer_checks
+
+    return trainer_checks.make_assets(tmp_path_factory.mktemp("trainer_models"))
+
+
+@pytest.fixture(scope="module")
+def trainer_assets(trainer_models, tmp_path_factory) -> tuple[dict[str, str], Path]:
+    """The shared tiny models with this module's own data cache, and a folder for its runs."""
+    root = tmp_path_factory.mktemp("trainer_runs")
+    return {**trainer_models, "cache": str(root / "data_cache")}, root
+

@@ -394,12 +394,11 @@ UNTRAINED = ("mlp.gate.e_score_correction_bias",)
 
 
 @pytest.fixture(scope="module")
-def ds_runs(rank_pool_2, tmp_path_factory):
+def ds_runs(rank_pool_2, trainer_assets):
     from dist_checks import convert_checks as cc
     from dist_checks import trainer_checks as tc
 
-    root = tmp_path_factory.mktemp("ds_convert")
-    assets = tc.make_assets(root)
+    assets, root = trainer_assets
     assets["qwen2_moe"] = cc.make_qwen2_moe(root)
     cases = [tc.Case(name, model=model, tp=tp, pp=pp, zero=zero, ep=ep, cp=cp, steps=2,
                      overrides=(f"export.hf_dir={root / 'runs' / name / 'export'}",

@@ -19,9 +19,8 @@ LAYOUTS = 4
 
 
 @pytest.fixture(scope="module")
-def emitted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("planner")
-    assets = tc.make_assets(root)
+def emitted(trainer_assets):
+    assets, root = trainer_assets
     runner = CliRunner()
     base = ["plan", "--model", assets["dense"], "--gpu", "cpu", "--gpus-per-node", "4",
             "--gpu-mem", "4GB", "--cpu-mem", "16GB", "--seq-len", str(tc.SEQ),

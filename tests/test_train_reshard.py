@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from dist_checks import reshard_checks as rc
-from dist_checks import trainer_checks as tc
 from dist_checks.trainer_checks import Case
 
 from toolkit.testing.distributed import RankPool
@@ -61,9 +60,8 @@ def cases_1(work: str) -> list[Case]:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reshard")
-    out = tc.make_assets(root)
+def assets(trainer_assets):
+    out, root = trainer_assets
     out["work"] = str(root / "runs")
     return out
 

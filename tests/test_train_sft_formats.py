@@ -56,9 +56,8 @@ def train_formats(cases: list[Case], assets: dict[str, str], workdir: str) -> di
 
 
 @pytest.fixture(scope="module")
-def results(rank_pool_2, tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft_formats")
-    assets = tc.make_assets(root)
+def results(rank_pool_2, trainer_assets):
+    assets, root = trainer_assets
     files = write_format_files(root)
     common = ("data.validation_split=0.1", f"train.eval_interval={STEPS}", "train.seq_len=64")
     alpaca, sharegpt = (f"data.sources={json.dumps([files[k]])}" for k in ("alpaca", "sharegpt"))

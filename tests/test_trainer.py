@@ -60,9 +60,8 @@ GRAD_ATOL = 1e-5  # relative to the largest gradient entry of the parameter
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trainer")
-    out = tc.make_assets(root)
+def assets(trainer_assets):
+    out, root = trainer_assets
     bad = root / "bad_ds.json"  # accepted by DeepSpeed, but offload_param does nothing at stage 2
     bad.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 2,

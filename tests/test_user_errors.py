@@ -30,6 +30,7 @@ def _launch_train(model: Path, out: Path, source: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.late  # a torchrun launch: runs after the background async_io build (conftest)
 def test_data_errors_on_two_ranks_are_one_line(tmp_path):
     """One launch: the malformed line's error, raised on both ranks, is printed once.
 
