@@ -64,6 +64,7 @@ def _files(folder: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.late  # a venv install and the demo: after the background async_io build
 def test_wheel_install_runs_the_demo_from_any_folder(tmp_path):
     venv = _fresh_venv(tmp_path, _build_wheel(tmp_path))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no checkout on the path
