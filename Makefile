@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	@# Leave an existing torch (e.g. a CUDA build) alone; otherwise CUDA machines get the default
 	@# wheel and CPU machines the CPU build. pip compiles the bytecode here (~40 s): with
-	@#, a machine that sets PYTHONDONTWRITEBYTECODE would compile torch at every
+	@# --no-compile, a machine that sets PYTHONDONTWRITEBYTECODE would compile torch at every
 	@# process start (import torch 3.2 s instead of 1.4 s), and the tests start hundreds.
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 	    echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \

@@ -96,7 +96,7 @@ def test_mcore_to_hf_copies_file_to_file(tmp_path, monkeypatch):
 
 def test_copy_range_fallback(tmp_path, monkeypatch):
     """Without copy_file_range (another OS, a file system refusing it) the bytes are the same."""
-    from toolkit.checkpoint import hf
+    from toolkit.checkpoint.segments import copy_range
 
     data = os.urandom(3 * 2**20 + 17)
     (tmp_path / "src").write_bytes(data)
@@ -107,27 +107,27 @@ def test_copy_range_fallback(tmp_path, monkeypatch):
         with open(tmp_path / "src", "rb") as s, open(out, "wb") as d:
             d.write(b"head")
             d.flush()
-            hf.copy_range(s.fileno(), 5, 2 * 2**20, d.fileno())
-            hf.copy_range(s.fileno(), 0, 5, d.fileno())
+            copy_range(s.fileno(), 5, 2 * 2**20, d.fileno())
+            copy_range(s.fileno(), 0, 5, d.fileno())
         assert out.read_bytes() == b"head" + data[5:5 + 2 * 2**20] + data[:5]
 
 
 def test_will_need_hints_each_file_once_and_skips_what_it_cannot(tmp_path, monkeypatch):
     """The read-ahead hint: one open per file, every range of it advised WILLNEED; zero runs
     (file None), empty ranges and a missing file are skipped (the copy reports those)."""
-    from toolkit.checkpoint import pipeline
+    from toolkit.checkpoint import segments
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(bytes(8192))
     b.write_bytes(bytes(4096))
     advised, opened = [], []
     real_open = os.open
-    monkeypatch.setattr(pipeline.os, "posix_fadvise",
+    monkeypatch.setattr(segments.os, "posix_fadvise",
                         lambda fd, off, n, how: advised.append((os.readlink(f"/proc/self/fd/{fd}"),
                                                                 off, n, how)))
-    monkeypatch.setattr(pipeline.os, "open", lambda p, flags: opened.append(str(p)) or
+    monkeypatch.setattr(segments.os, "open", lambda p, flags: opened.append(str(p)) or
                         real_open(p, flags))
-    pipeline.will_need([(a, 0, 4096), (None, 0, 100), (b, 0, 4096), (a, 4096, 4096),
+    segments.will_need([(a, 0, 4096), (None, 0, 100), (b, 0, 4096), (a, 4096, 4096),
                         (b, 10, 0), (tmp_path / "missing", 0, 10)])
     assert opened == [str(a), str(b), str(tmp_path / "missing")]
     w = os.POSIX_FADV_WILLNEED

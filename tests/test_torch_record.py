@@ -119,7 +119,7 @@ def test_records_are_torch_save_bytes(tmp_path):
 def test_record_of_segments_and_zeros(tmp_path):
     """A 1 MiB bf16 tensor from ranges of two files and a zero run, written after other
     bytes of the file: torch.save's bytes (crc=True), and its data where torch.save puts it."""
-    from toolkit.checkpoint import mcore_dist, torch_record
+    from toolkit.checkpoint import mcore_dist, segments
 
     t = torch.randn(512, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     t[300:400] = 0
@@ -130,7 +130,7 @@ def test_record_of_segments_and_zeros(tmp_path):
     segs = [(tmp_path / "a", 10, 60 * row), (tmp_path / "a", 10 + 60 * row, 40 * row),
             (tmp_path / "b", 0, 200 * row), (None, 0, 100 * row),
             (tmp_path / "b", 200 * row, 112 * row)]
-    merged = torch_record.merge(segs)
+    merged = segments.merge(segs)
     assert len(merged) == 4
     data = _record(tmp_path, (512, 1024), torch.bfloat16, merged, crc=True)
     assert data == _torch_save(t)
@@ -157,14 +157,12 @@ def test_zip64_framing_is_torch_saves():
         assert mine == [theirs[0], 0, *theirs[2:]], (dtype, n)  # 0: storage 0's data here
 
 
-class _DType:
-    """A dtype stand-in as the converter's torch-free path has them."""
+def _DType(name: str, itemsize: int):
+    """A dtype as the converter's torch-free path has it: a ``dtypes.DType`` (a new object each
+    call, equal to the one of ``dtypes.BY_NAME``)."""
+    from toolkit.checkpoint import dtypes
 
-    def __init__(self, name: str, itemsize: int):
-        self.name, self.itemsize = name, itemsize
-
-    def __str__(self) -> str:
-        return f"torch.{self.name}"
+    return dtypes.DType(name, itemsize, True, dtypes.BY_NAME[name].safetensors)
 
 
 def test_objects_are_torch_save_bytes(tmp_path):
@@ -227,7 +225,7 @@ def test_save_segments_is_torch_save(tmp_path, monkeypatch, fast):
     """The record is torch.save's own framing around the copied bytes (zero runs included):
     same entries at the same offsets, same length, loads bit-exactly, and the reader finds
     its data where torch.save puts it; also without copy_file_range."""
-    from toolkit.checkpoint import mcore_dist, torch_record
+    from toolkit.checkpoint import mcore_dist, segments, torch_record
 
     if not fast:
         monkeypatch.delattr(os, "copy_file_range", raising=False)
@@ -236,7 +234,7 @@ def test_save_segments_is_torch_save(tmp_path, monkeypatch, fast):
     raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
     src = tmp_path / "src"
     src.write_bytes(b"x" * 100 + raw[: 30 * 48] + b"y" * 7)
-    segs = torch_record.merge([(src, 100, 10 * 48), (src, 100 + 10 * 48, 20 * 48),
+    segs = segments.merge([(src, 100, 10 * 48), (src, 100 + 10 * 48, 20 * 48),
                                (None, 0, 3 * 48), (None, 0, 4 * 48)])
     assert segs == [(src, 100, 30 * 48), (None, 0, 7 * 48)]
     out = tmp_path / "out"

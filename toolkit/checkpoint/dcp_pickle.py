@@ -141,18 +141,10 @@ _DTYPES: dict[str, Global] = {}
 
 
 def dtype_ref(dtype: Any) -> Global:
-    """``torch.<dtype>`` as a pickled reference (one object per dtype, as torch's are)."""
-    name = str(dtype).removeprefix("torch.")
+    """``torch.<dtype>`` (a torch dtype, a ``DType`` or a name) as a pickled reference (one
+    object per dtype, as torch's are)."""
+    name = dtypes.name_of(dtype) or str(dtype).removeprefix("torch.")
     return _DTYPES.setdefault(name, Global("torch", name))
-
-
-def dtype_name(obj: Any) -> str | None:
-    """``"bfloat16"`` for a torch dtype or a stand-in of one (an object with ``itemsize`` whose
-    ``str`` is ``"torch.bfloat16"``); None for anything else."""
-    if isinstance(obj, type) or not hasattr(obj, "itemsize") or hasattr(obj, "shape"):
-        return None
-    name = str(obj)
-    return name[6:] if name.startswith("torch.") else None
 
 
 class _Writer(pickle._Pickler):  # type: ignore[misc, name-defined]
@@ -161,7 +153,7 @@ class _Writer(pickle._Pickler):  # type: ignore[misc, name-defined]
     C pickler writes for torch's dtypes and classes)."""
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if type(obj) not in self.dispatch and (name := dtype_name(obj)) is not None:
+        if type(obj) not in self.dispatch and (name := dtypes.name_of(obj)) is not None:
             obj = dtype_ref(name)  # one object per dtype (a memo reference after the first)
         super().save(obj, save_persistent_id)
 

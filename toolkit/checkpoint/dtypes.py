@@ -43,9 +43,7 @@ class DType:
     __repr__ = __str__
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, DType):
-            return other.name == self.name
-        return type(other).__name__ == "dtype" and str(other) == str(self)
+        return name_of(other) == self.name
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -67,11 +65,23 @@ FLOAT32, BFLOAT16, FLOAT16 = BY_NAME["float32"], BY_NAME["bfloat16"], BY_NAME["f
 UINT8, FLOAT8_E4M3 = BY_NAME["uint8"], BY_NAME["float8_e4m3fn"]
 
 
+def name_of(obj: Any) -> str | None:
+    """``"bfloat16"`` for ``torch.bfloat16`` or its ``DType`` (any torch dtype, also those no
+    checkpoint here stores); None for anything else. Recognises torch's dtypes by their class
+    (``torch.dtype``), so torch need not be imported."""
+    if isinstance(obj, DType):
+        return obj.name
+    cls = type(obj)
+    if cls.__module__ == "torch" and cls.__name__ == "dtype":
+        return str(obj).removeprefix("torch.")
+    return None
+
+
 def of(dtype: Any) -> DType:
     """The ``DType`` of a torch dtype, a ``DType`` or a name (``bfloat16``, ``torch.bfloat16``)."""
     if isinstance(dtype, DType):
         return dtype
-    name = str(dtype).removeprefix("torch.")
+    name = name_of(dtype) or str(dtype).removeprefix("torch.")
     if name not in BY_NAME:
         raise ValueError(f"dtype {dtype!r} is not one a checkpoint stores here; "
                          f"use one of {', '.join(BY_NAME)}.")

@@ -25,7 +25,7 @@ from typing import Any
 from toolkit.atomic import replace_dir, temp_dir
 from toolkit.checkpoint import CheckpointError, dtypes, formats, fp8
 from toolkit.checkpoint.dtypes import torch
-from toolkit.checkpoint.torch_record import copy_range  # re-exported: hf.copy_range
+from toolkit.checkpoint.segments import copy_segments
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -506,9 +506,7 @@ class _StreamPlan:
                                   f"bytes, the plan says {need}.")
         out = self._open_for(folder, name)
         out.flush()
-        for file, offset, n in segments:
-            with open(file, "rb", buffering=0) as src:
-                copy_range(src.fileno(), offset, n, out.fileno())
+        copy_segments(segments, out.fileno())
         self._done(name)
 
     def _check_next(self, name: str) -> None:

@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint import CheckpointError, dcp_pickle, formats, torch_record
+from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes, formats, torch_record
 from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
 from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, config_json
-from toolkit.checkpoint.pipeline import read_ahead, will_need
+from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_plain, load_torch
+from toolkit.checkpoint.segments import merge, will_need
 from toolkit.mapping import EXPERTS
 
 FORMAT = "mcore"
@@ -190,7 +191,8 @@ def megatron_args(adapter: Any, layout: Any, padded_vocab: int, iteration: int |
         expert_tensor_parallel_size=layout.etp or layout.tp,
         ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist",
         iteration=iteration or 0, no_save_rng=True, no_save_optim=True,
-        params_dtype=dtype, bf16=str(dtype) == "torch.bfloat16", fp16=str(dtype) == "torch.float16",
+        params_dtype=dtype, bf16=dtypes.name_of(dtype) == "bfloat16",
+        fp16=dtypes.name_of(dtype) == "float16",
         hf_architecture=adapter.architecture,
     )
     return argparse.Namespace(**out)
@@ -643,7 +645,7 @@ def write_data_file(path: Path, items: list[Item], table: Any, read: Callable,
             segs = local_segments(rule, 0, 1, lambda n, r: byte_range(n, r, dtype),
                                   dtype.itemsize)
             if segs is not None:
-                segs = torch_record.merge(segs)
+                segs = merge(segs)
                 will_need(segs)  # the disk reads them while the current chunk is copied
                 return segs, dtype
         t = local_tensor(rule, 0, 1, read, dtype)
@@ -718,16 +720,6 @@ def write_metadata(folder: Path, items: list[Item], records: list[dict], num_lay
     with open(folder / "common.pt", "wb") as f:
         torch_record.save_bytes(f, common)  # torch.save's bytes, written without torch
     (folder / "metadata.json").write_text(json.dumps(BACKEND))
-
-
-def torch_dtypes(common: dict[str, Any]) -> dict[str, Any]:
-    """``common`` with the run arguments' dtypes pickled as torch's (``params_dtype``), as
-    Megatron-LM reads them."""
-    args = common.get("args")
-    if args is None:
-        return common
-    fixed = {k: to_torch(v) for k, v in vars(args).items()}
-    return {**common, "args": argparse.Namespace(**fixed)}
 
 
 formats.register(FORMAT, open_source, looks_like)  # see toolkit.checkpoint.formats

@@ -14,6 +14,7 @@ inverts them (shards -> HF tensors -> the full tp=1 megatron tensor) for ``Mcore
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,14 +23,13 @@ from typing import Any
 
 from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
-from toolkit.checkpoint.dtypes import torch
+from toolkit.checkpoint.dtypes import to_torch, torch
 from toolkit.checkpoint.mcore_dist import (
     CHECKPOINT_VERSION,
     checkpoint_dir,
     extra_state_module,
     find_hf_config,
     has_checkpoint,
-    torch_dtypes,
 )
 from toolkit.checkpoint.safe_load import load_torch
 from toolkit.mapping import Coord, Table, plan_rank
@@ -242,9 +242,21 @@ def write_rank_file(folder: Path, coord: Coord, table: Table, read: Callable,
     sub = folder / rank_dir_name(coord.tp_rank, coord.pp_rank, coord.ep_rank, coord.pp, coord.ep)
     sub.mkdir(parents=True, exist_ok=True)
     state = {**rank_state(table, coord, read, dtype_of, tick),
-             "checkpoint_version": CHECKPOINT_VERSION, **torch_dtypes(extra)}
+             "checkpoint_version": CHECKPOINT_VERSION, **_torch_dtypes(extra)}
     torch.save(state, sub / FILE)
     return sub / FILE
+
+
+def _torch_dtypes(common: dict[str, Any]) -> dict[str, Any]:
+    """``common`` with the run arguments' dtypes as torch's (``params_dtype`` is a ``DType``):
+    rank files hold tensors, so ``torch.save`` writes them, and it pickles only torch's dtypes
+    as the names Megatron-LM reads (torch_dist's ``common.pt`` is written by ``torch_record``,
+    which pickles either)."""
+    args = common.get("args")
+    if args is None:
+        return common
+    fixed = {k: to_torch(v) for k, v in vars(args).items()}
+    return {**common, "args": argparse.Namespace(**fixed)}
 
 
 formats.register(FORMAT, open_source, looks_like)  # see toolkit.checkpoint.formats

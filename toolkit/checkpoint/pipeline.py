@@ -10,7 +10,6 @@ ones read ahead), which is what the converter's memory bound counts (two tensors
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -89,30 +88,3 @@ def background(fn: Callable[[], T]) -> Callable[[], T]:
         return value
 
     return wait
-
-
-def will_need(segments: Iterable[tuple[Any, int, int]]) -> None:
-    """Ask the kernel to start reading these ``(file, offset, length)`` ranges now
-    (``POSIX_FADV_WILLNEED``; a hint, no data moves through this process).
-
-    Why: a conversion's reads follow the output's order, not the source file's (mcore -> HF cuts
-    q, k and v out of each layer's fused QKV), so the kernel's own read-ahead, which follows
-    sequential reads, misses; hinting the next tensor's ranges from the read-ahead thread makes
-    the disk read them while the current tensor is copied. Pages already cached cost nothing.
-    """
-    if not hasattr(os, "posix_fadvise"):
-        return
-    by_file: dict[Any, list[tuple[int, int]]] = {}
-    for file, offset, n in segments:
-        if file is not None and n > 0:
-            by_file.setdefault(file, []).append((offset, n))
-    for file, ranges in by_file.items():
-        try:
-            fd = os.open(file, os.O_RDONLY)
-        except OSError:
-            continue  # a hint only: the copy reports a missing file
-        try:
-            for offset, n in ranges:
-                os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)

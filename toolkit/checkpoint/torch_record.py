@@ -6,8 +6,9 @@ output tensor is a list of byte ranges of source files (whole rows of row-major 
 same dtype: a layer's tensor, ``[gate; up]``, fused QKV, a vocab slice), ``save_segments``
 writes the record's framing (zip headers, pickle, alignment, central directory: byte for byte
 what ``torch.save`` writes, ``torch_zip``) and copies the ranges into its data entry with
-``copy_file_range`` (``copy_range``: in the kernel, as ``cp`` does; ``pread``/``write`` where the
-system refuses it): no tensor byte passes through user memory, and torch is not imported (1.3 s).
+``copy_file_range`` (``segments.copy_range``: in the kernel, as ``cp`` does; ``pread``/``write``
+where the system refuses it): no tensor byte passes through user memory, and torch is not
+imported (1.3 s).
 The zip CRC32 of the copied data entry is 0, as in a ``torch.save`` under
 ``torch.serialization.skip_data``: computing it would read every byte; torch's reader does not
 check CRCs. ``crc=True`` reads the bytes once more and writes the CRC: then the record is
@@ -19,21 +20,15 @@ Pickles are written by the pure-Python pickler with ``dcp_pickle``'s stand-ins f
 
 from __future__ import annotations
 
-import errno
 import io
-import os
 import sys
-import zlib
 from collections import OrderedDict
-from pathlib import Path
 from typing import IO, Any
 
-from toolkit.checkpoint import CheckpointError, dcp_pickle, torch_zip
+from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes, torch_zip
+from toolkit.checkpoint import segments as seg
+from toolkit.checkpoint.segments import Segment
 
-#: ``(file, offset, length)``: ``length`` bytes of ``file`` from ``offset``; file None = zeros.
-Segment = tuple["Path | str | None", int, int]
-_ZEROS = 1 << 20
-_CHUNK = 64 * 2**20
 #: dtype -> the legacy storage class ``torch.save`` names (``torch.storage``'s
 #: ``_dtype_to_storage_type_map``): tensors rebuilt by ``_rebuild_tensor_v2``.
 STORAGE_CLASS = {"float64": "DoubleStorage", "float32": "FloatStorage",
@@ -48,38 +43,6 @@ UNTYPED = frozenset({"float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_
                      "bits2x4", "bits4x2", "complex32", "uint16", "uint32", "uint64"})
 _REBUILD_V2 = dcp_pickle.Global("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_V3 = dcp_pickle.Global("torch._utils", "_rebuild_tensor_v3")
-
-
-def copy_range(src_fd: int, offset: int, n: int, dst_fd: int) -> None:
-    """Append ``n`` bytes of ``src_fd`` from ``offset`` at ``dst_fd``'s position: in the kernel
-    (``copy_file_range``, what ``cp`` does: no copy through user memory) where the system
-    allows, else with 64 MiB positioned reads and writes."""
-    done = 0
-    fast = hasattr(os, "copy_file_range")
-    while done < n:
-        if fast:
-            try:
-                got = os.copy_file_range(src_fd, dst_fd, n - done, offset + done)
-            except OSError as err:
-                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL,
-                                     errno.EBADF):
-                    raise
-                fast = False
-                continue
-        else:
-            chunk = os.pread(src_fd, min(_CHUNK, n - done), offset + done)
-            got = len(chunk)
-            _write_all(dst_fd, chunk)
-        if not got:
-            raise CheckpointError(f"unexpected end of file copying {n} bytes from byte "
-                                  f"{offset} (truncated source).")
-        done += got
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 class _Storage:
@@ -112,7 +75,7 @@ def _pickle(obj: Any) -> bytes:
 
 def _tensor(shape: tuple[int, ...], dtype: Any) -> dcp_pickle.Call:
     """A contiguous CPU tensor as ``Tensor.__reduce_ex__`` describes it (its storage ``"0"``)."""
-    name = dcp_pickle.dtype_name(dtype)
+    name = dtypes.name_of(dtype)
     numel = 1
     for s in shape:
         numel *= s
@@ -135,32 +98,6 @@ def _tensor(shape: tuple[int, ...], dtype: Any) -> dcp_pickle.Call:
                           "tensor with torch.save.")
 
 
-def _copy(segments: list[Segment], fd: int) -> None:
-    """Append the bytes of ``segments`` at ``fd``'s position."""
-    for file, offset, n in segments:
-        if file is None:
-            while n > 0:
-                n -= os.write(fd, bytes(min(n, _ZEROS)))
-            continue
-        with open(file, "rb", buffering=0) as src:
-            copy_range(src.fileno(), offset, n, fd)
-
-
-def _crc32(segments: list[Segment]) -> int:
-    """The zip CRC32 of the bytes of ``segments`` (read once)."""
-    crc = 0
-    for file, offset, n in segments:
-        if file is None:
-            while n > 0:
-                crc = zlib.crc32(bytes(min(n, _ZEROS)), crc)
-                n -= _ZEROS
-            continue
-        with open(file, "rb", buffering=0) as src:
-            for at in range(offset, offset + n, _CHUNK):
-                crc = zlib.crc32(os.pread(src.fileno(), min(_CHUNK, offset + n - at), at), crc)
-    return crc
-
-
 def save_segments(fd: int, shape: tuple[int, ...], dtype: Any, segments: list[Segment], *,
                   crc: bool = False) -> int:
     """Write at ``fd``'s position the ``torch.save`` record of a contiguous ``shape`` /
@@ -177,12 +114,12 @@ def save_segments(fd: int, shape: tuple[int, ...], dtype: Any, segments: list[Se
     if have != nbytes:
         raise CheckpointError(f"segments hold {have} bytes, a {tuple(shape)} {dtype} tensor "
                               f"needs {nbytes}.")
-    parts = torch_zip.torch_save_parts(pickled, [(nbytes, _crc32(segments) if crc else 0)])
+    parts = torch_zip.torch_save_parts(pickled, [(nbytes, seg.crc32(segments) if crc else 0)])
     for part in parts:
         if isinstance(part, bytes):
-            _write_all(fd, part)
+            seg.write_all(fd, part)
         else:
-            _copy(segments, fd)
+            seg.copy_segments(segments, fd)
     return sum(len(p) for p in parts if isinstance(p, bytes)) + nbytes
 
 
@@ -198,21 +135,7 @@ def save_bytes(dest: int | IO[bytes], obj: Any) -> int:
     returns the number of bytes written."""
     data = dumps(obj)
     if isinstance(dest, int):
-        _write_all(dest, data)
+        seg.write_all(dest, data)
     else:
         dest.write(data)
     return len(data)
-
-
-def merge(segments: list[Segment]) -> list[Segment]:
-    """Adjacent ranges of the same file (or adjacent zero runs) joined into one."""
-    out: list[Segment] = []
-    for seg in segments:
-        if seg[2] == 0:
-            continue
-        if out and out[-1][0] == seg[0] and (seg[0] is None or out[-1][1] + out[-1][2] == seg[1]):
-            last = out[-1]
-            out[-1] = (last[0], last[1], last[2] + seg[2])
-        else:
-            out.append(seg)
-    return out
