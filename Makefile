@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.mdtk-installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -44,6 +44,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
+
+# On a GPU machine (one H100 / H200): every GPU claim measured in one run of under 8 minutes
+# (docs/benchmarks.md, "GPU check"); `make gpu-check ARGS=--dry-run` plans it on a CPU. A GPU
+# machine without a package index gets the lock's wheels from `make gpu-wheels`, run where pip
+# works (the folder .whl travels with the checkout).
+GPU_PY        ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_OUT ?= build/gpu-check
+gpu-check:
+	$(GPU_PY) scripts/gpu_check.py $(GPU_CHECK_OUT) $(if $(wildcard .whl/*.whl),--wheels .whl) $(ARGS)
+
+gpu-wheels: $(STAMP)
+	$(PY) scripts/gpu_check.py --prepare-wheels .whl
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -272,7 +272,12 @@ def gpu_part(args) -> dict | str:
                                            precision="bf16")}
         if args.profile:
             print(profile_trainer(assets, opts))
-        return summarize(compare(assets, opts))
+        torch.cuda.reset_peak_memory_stats()
+        out = summarize(compare(assets, opts))
+        out.update(device=torch.cuda.get_device_name(), model=GPU_MODEL, seq=args.gpu_seq,
+                   micro_batch=args.gpu_micro, accumulation=args.gpu_accum,
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        return out
 
 
 def main() -> int:
@@ -289,17 +294,21 @@ def main() -> int:
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of a trainer run first (rank 0)")
+    p.add_argument("--json", type=Path, help="also write the figures here (scripts/gpu_check.py)")
     args = p.parse_args()
+    figures: dict = {}
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
     if not args.skip_cpu:
-        cpu = cpu_part(args)
+        cpu = figures["cpu"] = cpu_part(args)
         print(f"CPU, 2 gloo ranks, {args.layout}, Llama h={CPU_MODEL['hidden_size']} "
               f"L={CPU_MODEL['num_hidden_layers']} seq 128, global batch 8, fp32: "
               f"bare megatron-core {cpu['bare_s'] * 1e3:.1f} ms/step, trainer "
               f"{cpu['trainer_s'] * 1e3:.1f} ms/step (of which train_step "
               f"{cpu['train_step_s'] * 1e3:.1f} ms), overhead {cpu['overhead_pct']:+.1f}% "
               f"(goal <= 5%; medians of {cpu['samples'][0]} / {cpu['samples'][1]} steps)")
-    gpu = gpu_part(args)
+    gpu = figures["gpu"] = gpu_part(args)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
     if isinstance(gpu, str):
         print(f"GPU part {gpu}")
     else:

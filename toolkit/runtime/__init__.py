@@ -44,8 +44,10 @@ def select_deepspeed_accelerator() -> None:
 def enable_cpu_mode() -> bool:
     """Make megatron-core and DeepSpeed run on CPU when CUDA is not used. Idempotent.
 
-    Returns True when the CPU redirects are active.
+    Returns True when the CPU redirects are active. megatron-core's machine-independent bugs are
+    fixed either way (``cpu_compat.fix_megatron_core``).
     """
+    cpu_compat.fix_megatron_core()
     if use_cuda():
         return False
     select_deepspeed_accelerator()

@@ -6,7 +6,10 @@ RNG tracker, ``torch.cuda.synchronize()`` in the pipeline schedules, and a ``te_
 name that is undefined without Transformer Engine. On a machine without CUDA none of these calls
 can do anything useful (they raise), so redirecting them to their CPU equivalents changes no
 behaviour a GPU user could observe. ``enable()`` is explicit, idempotent, and refuses to run when
-CUDA is available: GPU runs never go through this module.
+CUDA is available: GPU runs never go through its redirects. The one exception is
+``fix_megatron_core()``: the missing ``te_general_gemm`` breaks every MoE router without
+Transformer Engine, on GPUs too (seen on an H100 with megatron-core 0.16.1), so it applies on
+every machine.
 
 What is patched is recorded in ``PATCHED`` so ``mdtk env`` can show it.
 """
@@ -21,6 +24,7 @@ import torch
 import torch.utils._device
 
 PATCHED: list[str] = []
+_ENABLED = False  # the CPU redirects are in place
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
               "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like")
 
@@ -90,10 +94,12 @@ def _patch(obj: Any, name: str, value: Any, label: str) -> None:
 
 def enable() -> bool:
     """Apply the CPU redirects once. Returns True when active, False when CUDA is present."""
+    global _ENABLED
     if torch.cuda.is_available():
         return False
-    if PATCHED:
+    if _ENABLED:
         return True
+    _ENABLED = True
 
     cpu_gen = torch.default_generator
     cuda = torch.cuda
@@ -135,8 +141,14 @@ def _patch_megatron() -> None:
            lambda state, *a, **k: torch.default_generator.set_state(state),
            "megatron tensor_parallel.random._set_cuda_rng_state -> CPU generator")
 
+    fix_megatron_core()
+
+
+def fix_megatron_core() -> None:
+    """megatron-core bugs that are not about CPUs (idempotent; any machine)."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
-        # megatron-core 0.16.1 references this name without defining it when TE is absent.
+        # megatron-core 0.16.1 references this name without defining it when TE is absent:
+        # NameError in every MoE router's gating on CPU and GPU alike.
         _patch(moe_utils, "te_general_gemm", None, "megatron moe_utils.te_general_gemm = None")
