@@ -8,7 +8,8 @@ can do anything useful (they raise), so redirecting them to their CPU equivalent
 behaviour a GPU user could observe. ``enable()`` is explicit, idempotent, and refuses to run when
 CUDA is available: GPU runs never go through this module.
 
-What is patched is recorded in ``PATCHED`` so ``mdtk env`` can show it.
+DeepSpeed gets one fix on such a machine (``patch_deepspeed``, see there). What is patched is
+recorded in ``PATCHED`` so ``mdtk env`` can show it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.utils._device
 
 PATCHED: list[str] = []
+_ENABLED = False
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
               "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like")
 
@@ -90,10 +92,12 @@ def _patch(obj: Any, name: str, value: Any, label: str) -> None:
 
 def enable() -> bool:
     """Apply the CPU redirects once. Returns True when active, False when CUDA is present."""
+    global _ENABLED
     if torch.cuda.is_available():
         return False
-    if PATCHED:
+    if _ENABLED:
         return True
+    _ENABLED = True
 
     cpu_gen = torch.default_generator
     cuda = torch.cuda
@@ -140,3 +144,29 @@ def _patch_megatron() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         # megatron-core 0.16.1 references this name without defining it when TE is absent.
         _patch(moe_utils, "te_general_gemm", None, "megatron moe_utils.te_general_gemm = None")
+
+
+def patch_deepspeed() -> None:
+    """ZeRO-3 keeps the model's dtype for its parameter partitions. Idempotent.
+
+    DeepSpeed 0.19.8's ``zero.Init._set_dtype`` reads ``dtype or float16 if fp16_supported else
+    bfloat16 ...``: where the accelerator lacks fp16 (CPUs without AVX512-FP16) the dtype the
+    engine passes (the model's) is dropped for bfloat16. NVMe parameter offload then sizes and
+    writes its swap files in bfloat16: an fp32 partition under 2 MiB is never swapped (DeepSpeed
+    swaps from 1 MiB) and a larger one is rounded to bfloat16 on its way to disk. DeepSpeed PR
+    8428 fixes a neighbouring typo on that line, not this.
+    """
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._set_dtype
+    if getattr(original, "mdtk_patched", False):
+        return
+
+    @functools.wraps(original)
+    def set_dtype(self, ds_config, dtype):
+        original(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    set_dtype.mdtk_patched = True
+    _patch(Init, "_set_dtype", set_dtype, "deepspeed zero.Init keeps an explicit dtype")
