@@ -148,16 +148,18 @@ def check(lock: Path) -> int:
     return 0
 
 
-def _failures(junit: Path) -> tuple[list[str], int]:
-    failed, total = [], 0
+def _failures(junit: Path) -> tuple[list[str], int, int]:
+    """The failed tests (with the first line of their message), how many ran, how many skipped."""
+    failed, total, skipped = [], 0, 0
     for case in ET.parse(junit).iter("testcase") if junit.exists() else ():
         total += 1
+        skipped += any(e.tag == "skipped" for e in case)
         bad = next((e for e in case if e.tag in ("failure", "error")), None)
         if bad is not None:
             reason = (bad.get("message") or "").strip().splitlines()[:1]
             failed.append(f"  {case.get('classname')}::{case.get('name')}"
                           + (f": {reason[0][:150]}" if reason else ""))
-    return failed, total
+    return failed, total, skipped
 
 
 def report(lock: Path, junit: Path) -> int:
@@ -167,10 +169,10 @@ def report(lock: Path, junit: Path) -> int:
               if n in have and _public(have[n]) != v]
     differ += [f"  {n}: not in the lock -> {have[n]}"
                for n in sorted(set(have) - set(want) - NOT_LOCKED)]
-    failed, total = _failures(junit)
+    failed, total, skipped = _failures(junit)
     print(f"== make test-latest: {len(differ)} version(s) differ from {lock.name}")
     print("\n".join(differ) or "  none")
-    print(f"== tests failing with them: {len(failed)} of {total}")
+    print(f"== tests failing with them: {len(failed)} of {total} ({skipped} skipped)")
     print("\n".join(failed) or ("  none" if total else "  no results: the suite did not run"))
     return 0
 
