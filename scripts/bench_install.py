@@ -2,6 +2,7 @@
 with pip and with uv (both from requirements.lock), alternating, several rounds.
 
     python scripts/bench_install.py --baseline 4ea1b45 --rounds 2 [--cache cold|warm]
+    python scripts/bench_install.py --packages --rounds 3   # only the step after torch
 
 Each round clones the repository three times into a temporary folder (committed files only)
 and times `make install` there. ``--cache cold`` gives every install empty pip and uv caches
@@ -45,6 +46,29 @@ def _running_in(folder: Path) -> bool:
     return False
 
 
+PACKAGES = {  # --packages: the step that differs, after torch (pip, from this machine's disk)
+    "pip": "{py} -m pip install -q -c requirements.lock -e .[test]",
+    "uv": "{py} -m pip install -q -c requirements.lock uv && .venv/bin/uv pip install -q "
+          "--python {py} --compile-bytecode -c requirements.lock -e .[test]",
+}
+
+
+def packages(variant: str, tmp: Path, cache: Path) -> float:
+    """A fresh clone and venv with torch; then only the timed install of everything else."""
+    clone = tmp / f"clone-{variant}"
+    shutil.rmtree(clone, ignore_errors=True)
+    _run(["git", "clone", "-q", str(ROOT), str(clone)], tmp)
+    env = {**os.environ, "PIP_CACHE_DIR": str(cache / "pip"), "UV_CACHE_DIR": str(cache / "uv")}
+    _run([sys.executable, "-m", "venv", ".venv"], clone)
+    _run([".venv/bin/python", "-m", "pip", "install", "-q", "-c", "requirements.lock",
+          "torch==2.13.0"], clone, env)
+    start = time.perf_counter()
+    _run(["bash", "-c", PACKAGES[variant].format(py=".venv/bin/python")], clone, env)
+    took = time.perf_counter() - start
+    shutil.rmtree(clone, ignore_errors=True)
+    return took
+
+
 def install(variant: str, baseline: str, tmp: Path, ops: Path, cache: Path) -> float:
     clone = tmp / f"clone-{variant}"
     shutil.rmtree(clone, ignore_errors=True)
@@ -67,23 +91,29 @@ def install(variant: str, baseline: str, tmp: Path, ops: Path, cache: Path) -> f
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", required=True, help="the commit before the lock (pip only)")
+    p.add_argument("--baseline", default="", help="the commit before the lock (pip, no lock)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--cache", choices=("cold", "warm"), default="cold")
     p.add_argument("--ops", type=Path, default=ROOT / "build" / "torch_extensions",
                    help="built DeepSpeed ops to copy (cpu_adam, async_io)")
+    p.add_argument("--packages", action="store_true",
+                   help="time only the install after torch, pip against uv (no baseline)")
     a = p.parse_args()
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    if not (a.packages or a.baseline):
+        p.error("--baseline COMMIT is needed unless --packages")
+    variants = tuple(PACKAGES) if a.packages else VARIANTS
+    times: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="bench_install_") as t:
         tmp = Path(t)
         ops = tmp / "ops"
-        for name in ("cpu_adam", "async_io"):
+        for name in () if a.packages else ("cpu_adam", "async_io"):
             shutil.copytree(a.ops / name, ops / name, ignore=shutil.ignore_patterns("lock"))
         for r in range(a.rounds):
-            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+            order = variants if r % 2 == 0 else variants[::-1]
             for v in order:
                 cache = tmp / ("cache-" + v if a.cache == "warm" else f"cache-{v}-{r}")
-                took = install(v, a.baseline, tmp, ops, cache)
+                took = (packages(v, tmp, cache) if a.packages
+                        else install(v, a.baseline, tmp, ops, cache))
                 if a.cache == "cold":
                     shutil.rmtree(cache, ignore_errors=True)
                 times[v].append(took)
@@ -92,8 +122,9 @@ def main() -> int:
     med = {v: statistics.median(ts[skip:]) for v, ts in times.items()}
     print(f"\n{a.cache} caches, {a.rounds} rounds" + (" (round 1 not counted)" if skip else ""))
     for v, ts in times.items():
+        vs_base = f"  vs baseline x{med[v] / med['baseline']:.2f}" if "baseline" in med else ""
         print(f"{v:8s} median {med[v]:6.1f} s  spread {min(ts[skip:]):.1f}-{max(ts[skip:]):.1f} s"
-              f"  vs baseline x{med[v] / med['baseline']:.2f}  vs pip x{med[v] / med['pip']:.2f}")
+              f"{vs_base}  vs pip x{med[v] / med['pip']:.2f}")
     return 0
 
 
