@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 LOCK   := requirements.lock
-# uv installs the locked set faster than pip (docs/benchmarks.md: install x0.82); it comes from the
+# uv installs the locked set in 0.39x pip's time (docs/benchmarks.md); it comes from the
 # lock into the venv by pip, and pip does the work where it cannot (or with INSTALLER=pip).
 INSTALLER ?= uv
 # CPU machines get the CPU build (pip finds torch==2.13.0 on this workplace's disk; elsewhere set
