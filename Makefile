@@ -1,8 +1,13 @@
 # Two entry points for a fresh machine: `make demo` and `make test`. Both create .venv and
-# install everything they need (torch, the package, test tools) on first use.
+# install everything they need (torch, the package, test tools) on first use, at the versions
+# of requirements.lock (`make lock` regenerates it; `make test-latest` tries the newest).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+LOCK   := requirements.lock
+# uv installs the locked set in 0.39x pip's time (docs/benchmarks.md); it comes from the
+# lock into the venv by pip, and pip does the work where it cannot (or with INSTALLER=pip).
+INSTALLER ?= uv
 # CPU machines get the CPU build (pip finds torch==2.13.0 on this workplace's disk; elsewhere set
 # TORCH_SPEC or TORCH_INDEX, e.g. TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cpu).
 TORCH_SPEC  ?= torch==2.13.0
@@ -12,25 +17,33 @@ STAMP  := $(VENV)/.mdtk-installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test lint install clean gpu-check gpu-wheels
+.PHONY: demo test lint install clean lock test-latest gpu-check gpu-wheels
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-	@# Leave an existing torch (e.g. a CUDA build) alone; otherwise CUDA machines get the default
-	@# wheel and CPU machines the CPU build. pip compiles the bytecode here (~40 s): with
-	@# --no-compile, a machine that sets PYTHONDONTWRITEBYTECODE would compile torch at every
-	@# process start (import torch 3.2 s instead of 1.4 s), and the tests start hundreds.
+	@# Leave an existing torch (e.g. a CUDA build) alone; otherwise CUDA machines get the lock's
+	@# default wheel and CPU machines the CPU build, by pip (uv does not look on this machine's
+	@# disk). The bytecode is compiled here (~40 s): with --no-compile, a machine that sets
+	@# PYTHONDONTWRITEBYTECODE would compile torch at every process start (import torch 3.2 s
+	@# instead of 1.4 s), and the tests start hundreds.
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 	    echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
-	    $(PY) -m pip install -q torch; \
+	    $(PY) -m pip install -q -c $(LOCK) torch; \
 	else \
-	    $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"; \
+	    $(PY) -m pip install -q -c $(LOCK) $(TORCH_INDEX) "$(TORCH_SPEC)"; \
 	fi
-	@$(PY) -m pip install -q -e ".[test]"
+	@$(PY) scripts/lockfile.py constraints $(LOCK) build/constraints.txt
+	@if [ "$(INSTALLER)" = uv ] && $(PY) -m pip install -q -c build/constraints.txt uv \
+	    && $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -c build/constraints.txt -e ".[test]"; then \
+	    :; \
+	else \
+	    $(PY) -m pip install -q -c build/constraints.txt -e ".[test]"; \
+	fi
+	@$(PY) scripts/lockfile.py check $(LOCK)
 	@bash scripts/install_libaio.sh || true
 	@# DeepSpeed's CPU ops, built once in one process, not by racing ranks: CPU Adam now; async_io
 	@# (NVMe offload, ~3 min on 2 cores) in the background at low priority, so that the tests or
@@ -60,5 +73,34 @@ gpu-wheels: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# requirements.lock again from pyproject.toml (its versions kept where the ranges still allow
+# them; UPGRADE=1: the newest allowed); prints what changed. torch stays at TORCH_SPEC.
+lock:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(VENV)/bin/uv || $(PY) -m pip install -q -c $(LOCK) uv
+	@$(PY) scripts/lockfile.py lock $(LOCK) --uv $(VENV)/bin/uv --pin "$(TORCH_SPEC)" $(if $(UPGRADE),--upgrade)
+
+# The whole suite in a fresh $(LATEST) with the newest versions pyproject.toml allows, then a
+# report: the versions that differ from the lock and the tests that fail. torch stays at
+# TORCH_SPEC (here pip is capped at 2.14.1, a 5.5 GB CUDA build) unless TORCH_LATEST=1; then
+# DeepSpeed's ops are built for it in their own folder.
+LATEST ?= .venv-latest
+test-latest: export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions$(if $(TORCH_LATEST),-latest)
+test-latest:
+	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST) && mkdir -p build
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q $(if $(TORCH_LATEST),torch,$(TORCH_INDEX) "$(TORCH_SPEC)")
+	$(LATEST)/bin/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >build/latest-torch.txt
+	@if [ "$(INSTALLER)" = uv ] && $(LATEST)/bin/python -m pip install -q uv \
+	    && $(LATEST)/bin/uv pip install -q --python $(LATEST)/bin/python --compile-bytecode -c build/latest-torch.txt -e ".[test]"; then \
+	    :; \
+	else \
+	    $(LATEST)/bin/python -m pip install -q -c build/latest-torch.txt -e ".[test]"; \
+	fi
+	$(LATEST)/bin/python -m toolkit.runtime.ops
+	$(LATEST)/bin/python -m pytest -q -ra -p no:cacheprovider --junitxml=build/test-latest.xml; \
+	status=$$?; $(LATEST)/bin/python scripts/lockfile.py report $(LOCK) build/test-latest.xml \
+	    | tee build/test-latest-report.txt; exit $$status
+
 clean:
-	rm -rf $(VENV) build .pytest_cache
+	rm -rf $(VENV) $(LATEST) build .pytest_cache

@@ -39,8 +39,7 @@ def test_trainer_nvme_checkpoint_converts_to_its_export(rank_pool_2, async_io_re
     assert (zero["stage"], zero["offload_optimizer"]["device"]) == (3, "nvme")
     assert "offload_param" not in zero
     assert r0["params"]["zero"]["offload_param"]["device"] == "nvme"
-    # the parameters really were swapped (embedding and output: 1 MiB per rank each)
-    assert len(list((tmp_path / "nvme" / "params").rglob("*_param.tensor.swp"))) == 4
+    _check_param_swaps(tmp_path / "nvme" / "params", Path(r0["params"]["export"]))
     start = load_file(Path(assets["wide"]) / "model.safetensors")["model.embed_tokens.weight"]
     for name in ("optimizer", "params"):
         run = r0[name]
@@ -50,6 +49,26 @@ def test_trainer_nvme_checkpoint_converts_to_its_export(rank_pool_2, async_io_re
         mine = _check_checkpoint(Path(run["checkpoint"]), tmp_path / f"converted_{name}",
                                  Path(run["export"]))
         assert not torch.equal(start, mine["model.embed_tokens.weight"])  # trained
+
+
+def _check_param_swaps(nvme: Path, export: Path) -> None:
+    """The parameters really were swapped to NVMe, in fp32: DeepSpeed swaps partitions from
+    1 MiB, here the embedding's and the output's (8192 x 64 fp32, 1 MiB per rank each), and
+    writes them back from the fp32 masters after every step, so each rank's two files hold its
+    halves of the exported tensors bit for bit. (DeepSpeed 0.19.8 on a CPU without fp16 sizes
+    and writes them in bf16, where 512 KiB halves are never swapped, unless mdtk's CPU mode
+    corrects the dtype: toolkit/runtime/cpu_compat.patch_deepspeed.)"""
+    weights = _weights(export)
+    halves = {(rank, name): weights[name].flatten().chunk(2)[rank]
+              for rank in (0, 1) for name in ("model.embed_tokens.weight", "lm_head.weight")}
+    for rank in (0, 1):
+        files = sorted((nvme / "zero_stage_3" / "float32params" / f"rank{rank}")
+                       .glob("*_param.tensor.swp"))
+        assert [f.stat().st_size for f in files] == [2**20, 2**20], files
+        found = sorted(name for f in files for (r, name), half in halves.items()
+                       if r == rank and torch.equal(
+                           torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.float32), half))
+        assert found == ["lm_head.weight", "model.embed_tokens.weight"], (rank, found)
 
 
 def _check_checkpoint(step: Path, out: Path, export: Path) -> dict[str, torch.Tensor]:

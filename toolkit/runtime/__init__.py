@@ -153,13 +153,15 @@ def _first_slurm_host(nodelist: str) -> str:
 def prepare_deepspeed() -> None:
     """Set DeepSpeed up for this device before ``deepspeed.initialize``.
 
-    On CPU: the CPU accelerator, gloo, and no shared-memory comm op (it is JIT-compiled at every
-    ``initialize`` on CPU, ~30 s on a cold machine, and gloo does the same job for mdtk's sizes).
+    On CPU: the CPU accelerator, gloo, no shared-memory comm op (it is JIT-compiled at every
+    ``initialize`` on CPU, ~30 s on a cold machine, and gloo does the same job for mdtk's sizes),
+    and ZeRO-3 partitions in the model's dtype (``cpu_compat.patch_deepspeed``).
     """
     enable_cpu_mode()
     import deepspeed
 
     if not use_cuda():
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        cpu_compat.patch_deepspeed()
     init_distributed()
     deepspeed.init_distributed(dist_backend=backend())

@@ -11,7 +11,8 @@ CUDA is available: GPU runs never go through its redirects. The one exception is
 Transformer Engine, on GPUs too (seen on an H100 with megatron-core 0.16.1), so it applies on
 every machine.
 
-What is patched is recorded in ``PATCHED`` so ``mdtk env`` can show it.
+DeepSpeed gets one fix on such a machine (``patch_deepspeed``, see there). What is patched is
+recorded in ``PATCHED`` so ``mdtk env`` can show it.
 """
 
 from __future__ import annotations
@@ -152,3 +153,29 @@ def fix_megatron_core() -> None:
         # megatron-core 0.16.1 references this name without defining it when TE is absent:
         # NameError in every MoE router's gating on CPU and GPU alike.
         _patch(moe_utils, "te_general_gemm", None, "megatron moe_utils.te_general_gemm = None")
+
+
+def patch_deepspeed() -> None:
+    """ZeRO-3 keeps the model's dtype for its parameter partitions. Idempotent.
+
+    DeepSpeed 0.19.8's ``zero.Init._set_dtype`` reads ``dtype or float16 if fp16_supported else
+    bfloat16 ...``: where the accelerator lacks fp16 (CPUs without AVX512-FP16) the dtype the
+    engine passes (the model's) is dropped for bfloat16. NVMe parameter offload then sizes and
+    writes its swap files in bfloat16: an fp32 partition under 2 MiB is never swapped (DeepSpeed
+    swaps from 1 MiB) and a larger one is rounded to bfloat16 on its way to disk. DeepSpeed PR
+    8428 fixes a neighbouring typo on that line, not this.
+    """
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._set_dtype
+    if getattr(original, "mdtk_patched", False):
+        return
+
+    @functools.wraps(original)
+    def set_dtype(self, ds_config, dtype):
+        original(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    set_dtype.mdtk_patched = True
+    _patch(Init, "_set_dtype", set_dtype, "deepspeed zero.Init keeps an explicit dtype")
