@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.dtypes import to_torch, torch
+from toolkit.checkpoint.dtypes import to_torch
+from toolkit.lazy import torch
 from toolkit.mapping import Column, Piece, Rule
 
 Region = tuple[tuple[int, int], ...]

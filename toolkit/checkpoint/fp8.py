@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from toolkit.checkpoint import CheckpointError, dtypes
-from toolkit.checkpoint.dtypes import torch
+from toolkit.lazy import torch
 
 SCALE = "_scale_inv"  # suffix of a weight's scale tensor: X.weight -> X.weight_scale_inv
 FP8 = dtypes.FLOAT8_E4M3

@@ -24,8 +24,8 @@ from typing import Any
 
 from toolkit.atomic import replace_dir, temp_dir
 from toolkit.checkpoint import CheckpointError, dtypes, formats, fp8
-from toolkit.checkpoint.dtypes import torch
 from toolkit.checkpoint.segments import copy_segments
+from toolkit.lazy import torch
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"

@@ -38,11 +38,12 @@ from typing import Any
 
 from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes, formats, torch_record
 from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
-from toolkit.checkpoint.dtypes import to_torch, torch
+from toolkit.checkpoint.dtypes import to_torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, config_json
 from toolkit.checkpoint.pipeline import read_ahead
 from toolkit.checkpoint.safe_load import load_dcp_metadata, load_plain, load_torch
 from toolkit.checkpoint.segments import merge, will_need
+from toolkit.lazy import torch
 from toolkit.mapping import EXPERTS
 
 FORMAT = "mcore"

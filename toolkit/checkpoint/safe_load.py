@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes
-from toolkit.checkpoint.dtypes import torch
+from toolkit.lazy import torch
 
 #: Modules whose globals (in a checkpoint's ``args``) become inert placeholders.
 OPAQUE_PREFIXES = ("megatron.", "transformer_engine.", "apex.", "deepspeed.", "enum.")

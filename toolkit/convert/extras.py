@@ -16,9 +16,10 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint.dtypes import to_torch, torch
+from toolkit.checkpoint.dtypes import to_torch
 from toolkit.checkpoint.hf import HFReader, HFWriter
 from toolkit.convert.sources import Opened, full
+from toolkit.lazy import torch
 
 EXTRAS_DIR = "extras"
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from toolkit.atomic import building
 from toolkit.checkpoint import CheckpointError, mcore_dist, megatron_legacy
-from toolkit.checkpoint.dtypes import torch
 from toolkit.checkpoint.hf import TOKENIZER_FILES
 from toolkit.convert.extras import save_kept
 from toolkit.convert.pool import job_source, run_jobs, split
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Ctx, Opened
+from toolkit.lazy import torch
 from toolkit.parallel.layout import ParallelLayout
 
 

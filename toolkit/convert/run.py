@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.checkpoint import CheckpointError, dtypes, hf, mcore_dist, megatron_legacy
-from toolkit.checkpoint.dtypes import torch
 from toolkit.convert.hf_target import write_hf
 from toolkit.convert.megatron_targets import write_megatron
 from toolkit.convert.pool import sharing
 from toolkit.convert.progress import Progress
 from toolkit.convert.readback import verify_conversion
 from toolkit.convert.sources import Ctx, detect, open_ctx
+from toolkit.lazy import torch
 from toolkit.parallel.layout import ParallelLayout
 
 #: Output formats, named as the registry's formats (the result is read back as one).

@@ -17,8 +17,8 @@ from typing import Any
 
 from toolkit.adapters import Adapter, CheckpointMismatch, adapter_for, read_hf_config
 from toolkit.checkpoint import CheckpointError, formats
-from toolkit.checkpoint.dtypes import torch
 from toolkit.convert.megatron_lm import derived_hf_folder
+from toolkit.lazy import torch
 
 Region = tuple[tuple[int, int], ...]
 
