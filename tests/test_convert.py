@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import HFReader
-from toolkit.checkpoint.safe_load import load_torch
+from toolkit.checkpoint.torchfree.safe_load import load_torch
 from toolkit.convert import convert, inspect
 from toolkit.parallel.layout import ParallelLayout as L
 

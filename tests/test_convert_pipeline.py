@@ -96,7 +96,7 @@ def test_mcore_to_hf_copies_file_to_file(tmp_path, monkeypatch):
 
 def test_copy_range_fallback(tmp_path, monkeypatch):
     """Without copy_file_range (another OS, a file system refusing it) the bytes are the same."""
-    from toolkit.checkpoint.segments import copy_range
+    from toolkit.checkpoint.torchfree.segments import copy_range
 
     data = os.urandom(3 * 2**20 + 17)
     (tmp_path / "src").write_bytes(data)
@@ -115,7 +115,7 @@ def test_copy_range_fallback(tmp_path, monkeypatch):
 def test_will_need_hints_each_file_once_and_skips_what_it_cannot(tmp_path, monkeypatch):
     """The read-ahead hint: one open per file, every range of it advised WILLNEED; zero runs
     (file None), empty ranges and a missing file are skipped (the copy reports those)."""
-    from toolkit.checkpoint import segments
+    from toolkit.checkpoint.torchfree import segments
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(bytes(8192))

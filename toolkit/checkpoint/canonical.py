@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.dtypes import to_torch
+from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.lazy import torch
 from toolkit.mapping import Column, Piece, Rule
 

@@ -82,7 +82,7 @@ from typing import Any
 
 from toolkit.checkpoint import CheckpointError, formats, nvme_swap
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
-from toolkit.checkpoint.safe_load import load_torch
+from toolkit.checkpoint.torchfree.safe_load import load_torch
 from toolkit.lazy import torch
 from toolkit.mapping import Coord, plan_rank
 from toolkit.mapping.plan import EXPERTS

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from toolkit.checkpoint import CheckpointError, dtypes
+from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.torchfree import dtypes
 from toolkit.lazy import torch
 
 SCALE = "_scale_inv"  # suffix of a weight's scale tensor: X.weight -> X.weight_scale_inv

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.atomic import replace_dir, temp_dir
-from toolkit.checkpoint import CheckpointError, dtypes, formats, fp8
-from toolkit.checkpoint.segments import copy_segments
+from toolkit.checkpoint import CheckpointError, formats, fp8
+from toolkit.checkpoint.torchfree import dtypes
+from toolkit.checkpoint.torchfree.segments import copy_segments
 from toolkit.lazy import torch
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -298,7 +299,7 @@ def _weight_map(path: Path) -> dict[str, str]:
 
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     """A ``pytorch_model.bin`` shard: ``torch.load(weights_only=True)`` (no code runs)."""
-    from toolkit.checkpoint.safe_load import load_torch
+    from toolkit.checkpoint.torchfree.safe_load import load_torch
 
     state = load_torch(file)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)

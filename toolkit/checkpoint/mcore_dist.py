@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import io
 import json
-import pickle
 import re
 import uuid
 from collections.abc import Callable
@@ -36,13 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes, formats, torch_record
+from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
-from toolkit.checkpoint.dtypes import to_torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, config_json
 from toolkit.checkpoint.pipeline import read_ahead
-from toolkit.checkpoint.safe_load import load_dcp_metadata, load_plain, load_torch
-from toolkit.checkpoint.segments import merge, will_need
+from toolkit.checkpoint.torchfree import dcp_pickle, dtypes, torch_record
+from toolkit.checkpoint.torchfree.dtypes import to_torch
+from toolkit.checkpoint.torchfree.safe_load import load_dcp_metadata, load_plain, load_torch
+from toolkit.checkpoint.torchfree.segments import merge, will_need
 from toolkit.lazy import torch
 from toolkit.mapping import EXPERTS
 
@@ -346,7 +346,7 @@ class DistCheckpoint:
         info = self.storage[(key, offsets)]
         file = self.path / info.relative_path
         if sizes is not None:
-            fast = _read_saved_tensor(file, info.offset, info.length, sizes,
+            fast = torch_record.read_tensor(file, info.offset, info.length, sizes,
                                       self.tensors[key].properties.dtype)
             if fast is not None:
                 return fast
@@ -377,7 +377,7 @@ class DistCheckpoint:
             info = self.storage[(key, offs)]
             file = self.path / info.relative_path
             with open(file, "rb") as f:
-                start = _saved_tensor_start(f, info.offset, info.length, sizes,
+                start = torch_record.tensor_start(f, info.offset, info.length, sizes,
                                             md.properties.dtype)
             if start is None:
                 return None
@@ -415,116 +415,6 @@ class DistCheckpoint:
             raise CheckpointError(f"{self.path}: chunks of {key}{list(prefix)} cover {filled} of "
                                   f"{out.numel()} elements.")
         return out
-
-
-class _ProbeUnpickler(pickle.Unpickler):
-    """Reads a torch.save pickle of one tensor without building it: records its layout."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size),
-                                                                 tuple(stride))
-        if module == "torch" and name.endswith("Storage"):
-            return name
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        return tuple(pid)
-
-
-def _saved_tensor_start(f: Any, offset: int, length: int, sizes: tuple[int, ...],
-                        dtype: torch.dtype) -> int | None:
-    """Where the data of a contiguous tensor ``torch.save``d at ``f[offset:offset+length]``
-    starts in the file (its bytes are stored there as they are, row-major); None when the
-    record is anything else."""
-    import zipfile
-
-    numel = 1
-    for s in sizes:
-        numel *= s
-    window = _Window(f, offset, length)
-    try:
-        zf = zipfile.ZipFile(window)
-        names = zf.namelist()
-        data = [x for x in names if re.search(r"/data/\d+$", x)]
-        pkl = [x for x in names if x.endswith("/data.pkl")]
-        if len(data) != 1 or len(pkl) != 1:
-            return None
-        zi = zf.getinfo(data[0])
-        if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != numel * dtype.itemsize:
-            return None
-        storage, off, size, stride = _ProbeUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError,
-            EOFError):
-        return None
-    want = []
-    acc = 1
-    for s in reversed(sizes):
-        want.append(acc)
-        acc *= s
-    if off != 0 or size != tuple(sizes) or (numel > 1 and stride != tuple(reversed(want))):
-        return None
-    if not (isinstance(storage, tuple) and len(storage) >= 5 and storage[4] == numel):
-        return None
-    window.seek(zi.header_offset)
-    head = window.read(30)
-    if len(head) != 30 or head[:4] != b"PK\x03\x04":
-        return None
-    return offset + zi.header_offset + 30 + int.from_bytes(head[26:28], "little") + \
-        int.from_bytes(head[28:30], "little")
-
-
-def _read_saved_tensor(file: Path, offset: int, length: int, sizes: tuple[int, ...],
-                       dtype: torch.dtype) -> torch.Tensor | None:
-    """A contiguous tensor ``torch.save``d at ``file[offset:offset+length]``, read with one copy
-    straight into its storage; None when the record is anything else (the caller then uses
-    ``torch.load``)."""
-    with open(file, "rb") as f:
-        start = _saved_tensor_start(f, offset, length, sizes, dtype)
-        if start is None:
-            return None
-        out = torch.empty(sizes, dtype=to_torch(dtype))
-        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        f.seek(start)
-        pos = 0
-        while pos < len(buf):
-            got = f.readinto(buf[pos:])
-            if not got:
-                return None
-            pos += got
-        return out
-
-
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes of an open file from ``offset``."""
-
-    def __init__(self, f: Any, offset: int, length: int):
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        if n == 0:
-            return 0
-        self.f.seek(self.offset + self.pos)
-        got = self.f.readinto(memoryview(b)[:n]) or 0
-        self.pos += got
-        return got
 
 
 def full_names(ckpt: DistCheckpoint, adapter: Any) -> dict[str, tuple[str, tuple[int, ...]]]:

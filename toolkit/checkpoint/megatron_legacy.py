@@ -23,7 +23,6 @@ from typing import Any
 
 from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
-from toolkit.checkpoint.dtypes import to_torch
 from toolkit.checkpoint.mcore_dist import (
     CHECKPOINT_VERSION,
     checkpoint_dir,
@@ -31,7 +30,8 @@ from toolkit.checkpoint.mcore_dist import (
     find_hf_config,
     has_checkpoint,
 )
-from toolkit.checkpoint.safe_load import load_torch
+from toolkit.checkpoint.torchfree.dtypes import to_torch
+from toolkit.checkpoint.torchfree.safe_load import load_torch
 from toolkit.lazy import torch
 from toolkit.mapping import Coord, Table, plan_rank
 

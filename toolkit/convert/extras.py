@@ -16,8 +16,8 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint.dtypes import to_torch
 from toolkit.checkpoint.hf import HFReader, HFWriter
+from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.convert.sources import Opened, full
 from toolkit.lazy import torch
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint.dtypes import to_torch
 from toolkit.checkpoint.hf import GENERATION_CONFIG, HFWriter, TextFile, config_json
 from toolkit.checkpoint.pipeline import background, read_ahead
-from toolkit.checkpoint.segments import will_need
+from toolkit.checkpoint.torchfree.dtypes import to_torch
+from toolkit.checkpoint.torchfree.segments import will_need
 from toolkit.convert.extras import Kept
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Opened, full

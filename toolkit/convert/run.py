@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.checkpoint import CheckpointError, dtypes, hf, mcore_dist, megatron_legacy
+from toolkit.checkpoint import CheckpointError, hf, mcore_dist, megatron_legacy
+from toolkit.checkpoint.torchfree import dtypes
 from toolkit.convert.hf_target import write_hf
 from toolkit.convert.megatron_targets import write_megatron
 from toolkit.convert.pool import sharing
