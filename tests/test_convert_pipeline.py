@@ -74,14 +74,14 @@ def test_mcore_to_hf_copies_file_to_file(tmp_path, monkeypatch):
     copies every tensor as byte ranges (no read through memory) and is bit-exact."""
     import torch
 
-    from toolkit.checkpoint import hf
+    from toolkit.checkpoint import hf_writer
     from toolkit.checkpoint.hf import HFReader
     from toolkit.convert import convert
     from toolkit.parallel.layout import ParallelLayout
 
     copied = []
-    orig = hf.HFWriter.add_segments
-    monkeypatch.setattr(hf.HFWriter, "add_segments",
+    orig = hf_writer.HFWriter.add_segments
+    monkeypatch.setattr(hf_writer.HFWriter, "add_segments",
                         lambda self, name, segs: (copied.append(name), orig(self, name, segs)))
     convert(FIXTURE, tmp_path / "m", "mcore", ParallelLayout(tp=2), progress=False)
     report = convert(tmp_path / "m", tmp_path / "h", "hf", progress=False, verify=True,

@@ -12,7 +12,7 @@ import torch
 
 def _both(save_id: str) -> tuple[object, object]:
     """The same metadata (two tensors in two chunks, bf16 and fp32, one bytes object) built
-    from torch's classes and from the stand-ins, in mcore_dist.write_metadata's way."""
+    from torch's classes and from the stand-ins, in mcore_dist_writer.write_metadata's way."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

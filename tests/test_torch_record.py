@@ -169,7 +169,7 @@ def test_objects_are_torch_save_bytes(tmp_path):
     """common.pt (Megatron-LM's args with a dtype among them) and the _extra_state [None]:
     dumps writes torch.save's bytes, with torch's dtypes or stand-ins of them, and they load
     back as the object; tensors and dtypes torch writes otherwise are refused."""
-    from toolkit.checkpoint import CheckpointError, mcore_dist
+    from toolkit.checkpoint import CheckpointError, megatron_meta
     from toolkit.checkpoint.torchfree import dcp_pickle, torch_record
     from toolkit.checkpoint.torchfree.safe_load import load_torch
     from toolkit.convert.sources import adapter_from_folder
@@ -178,15 +178,15 @@ def test_objects_are_torch_save_bytes(tmp_path):
     adapter = adapter_from_folder(FIXTURE)
 
     def common(dtype):
-        args = mcore_dist.megatron_args(adapter, ParallelLayout(tp=2), adapter.padded_vocab(2),
+        args = megatron_meta.megatron_args(adapter, ParallelLayout(tp=2), adapter.padded_vocab(2),
                                         None, "torch_dist", torch.bfloat16,
                                         tokenizer_model="/ckpt/hf_config")
         args.params_dtype = dtype
         args.main_grads_dtype = dtype  # the same dtype twice: a memo reference the second time
         args.extra = [1.5, -2, 2**40, None, True, "x" * 300, (1, 2), {"k": dtype}]
-        return {"args": args, "checkpoint_version": mcore_dist.CHECKPOINT_VERSION,
+        return {"args": args, "checkpoint_version": megatron_meta.CHECKPOINT_VERSION,
                 "iteration": 0, "num_floating_point_operations_so_far": 0,
-                "content_metadata": dict(mcore_dist.CONTENT_METADATA)}
+                "content_metadata": dict(megatron_meta.CONTENT_METADATA)}
 
     ref = _torch_save(common(torch.bfloat16))
     assert b"ctorch\nbfloat16\n" in ref

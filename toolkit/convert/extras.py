@@ -16,7 +16,8 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint.hf import HFReader, HFWriter
+from toolkit.checkpoint.hf import HFReader
+from toolkit.checkpoint.hf_writer import HFWriter
 from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.convert.sources import Opened, full
 from toolkit.lazy import torch
