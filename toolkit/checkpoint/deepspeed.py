@@ -20,6 +20,7 @@ from typing import Any
 from toolkit.checkpoint import CheckpointError, formats, nvme_swap
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
 from toolkit.checkpoint.deepspeed_zero import Zero12, module_buffers, zero0_reader, zero3_reader
+from toolkit.checkpoint.source import Opening
 from toolkit.checkpoint.torchfree.safe_load import load_torch
 from toolkit.lazy import torch
 from toolkit.mapping import Coord, plan_rank
@@ -348,7 +349,7 @@ class HFNamedSource:
 
 
 def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "fp32"
-                ) -> tuple[McoreFullSource | HFNamedSource, Any, dict]:
+                ) -> Opening:
     """A DeepSpeed checkpoint (of mdtk's trainer, or plain DeepSpeed of an HF model, as HF
     Trainer writes it) as an HF-named source, its adapter
     (``make_adapter(hf_dir, common)``) and info (the ``formats`` opener); ``state`` picks the
@@ -363,7 +364,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
                        "zero": ckpt.stage},
             "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files)}
     if "embedding.word_embeddings.weight" not in ckpt.ranks[0].shapes:
-        return HFNamedSource(ckpt), adapter, info  # plain DeepSpeed of an HF model
+        return Opening(HFNamedSource(ckpt), adapter, info)  # plain DeepSpeed of an HF model
     if ckpt.ep > 1 and not adapter.dims.experts:
         raise CheckpointError(f"{ckpt.path}: saved with ep={ckpt.ep}, but "
                               f"{adapter.architecture} has no experts.")
@@ -425,7 +426,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
             slice(a, b) for a, b in r)], torch.float32)
 
     shapes = {key: (full_rules[key].local_shape(1), torch.float32) for key in holders}
-    return McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info
+    return Opening(McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info)
 
 
 def _param_name(chunk: int, name: str, vpp: int) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 from toolkit.checkpoint import CheckpointError, formats, fp8
 from toolkit.checkpoint.safetensors_file import SafetensorsFile
+from toolkit.checkpoint.source import Opening
 from toolkit.lazy import torch
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -186,7 +187,8 @@ def looks_like(path: Path) -> bool:
         (path / f).is_file() for f in (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE))
 
 
-def open_reader(path: str | Path, out_dtype: torch.dtype | None = None) -> Any:
+def open_reader(path: str | Path, out_dtype: torch.dtype | None = None
+                ) -> HFReader | fp8.DequantizingReader:
     """The slice reader of an HF folder: ``HFReader``, wrapped in ``fp8.DequantizingReader``
     when config.json declares fp8 block quantization (weights then come out in ``out_dtype``,
     default the checkpoint's dtype)."""
@@ -200,8 +202,7 @@ def open_reader(path: str | Path, out_dtype: torch.dtype | None = None) -> Any:
     return fp8.dequantizing(reader, data, out_dtype)
 
 
-def open_source(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[Any, Any, dict]:
+def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
     """An HF folder as a source (``formats`` opener): its reader (dequantizing fp8 weights),
     adapter and weight files."""
     reader = open_reader(path)
@@ -214,7 +215,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
     if isinstance(reader, fp8.DequantizingReader):
         info["quantization"] = (f"fp8 e4m3, {reader.block[0]}x{reader.block[1]} block scales "
                                 f"({len(reader.quantized)} weights, dequantized on read)")
-    return reader, adapter, info
+    return Opening(reader, adapter, info)
 
 
 formats.register(FORMAT, open_source, looks_like)

@@ -34,6 +34,7 @@ from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource
 from toolkit.checkpoint.megatron_layout import checkpoint_dir, find_hf_config, has_checkpoint
 from toolkit.checkpoint.megatron_meta import layout_of
+from toolkit.checkpoint.source import ModelAdapter, Opening
 from toolkit.checkpoint.torchfree import dcp_pickle, torch_record
 from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.checkpoint.torchfree.safe_load import load_dcp_metadata, load_plain, load_torch
@@ -58,7 +59,7 @@ KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-def non_homogeneous(adapter: Any) -> bool:
+def non_homogeneous(adapter: ModelAdapter) -> bool:
     """Whether megatron-core stores this model's layers under per-layer keys.
 
     ``TransformerBlock.sharded_state_dict`` stacks layers along a leading axis only when every
@@ -246,7 +247,8 @@ class DistCheckpoint:
         return out
 
 
-def full_names(ckpt: DistCheckpoint, adapter: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+def full_names(ckpt: DistCheckpoint, adapter: ModelAdapter
+               ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Global megatron-core name -> (sharded key, stacked-axis indices) of every stored tensor.
 
     Stored keys the adapter's mapping does not know come back under their own name (with a
@@ -282,8 +284,7 @@ def _indices(shape: tuple[int, ...], start: tuple[int, ...] = ()) -> list[tuple[
     return out
 
 
-def open_source(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[McoreFullSource, Any, dict]:
+def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
     """A torch_dist checkpoint as an HF-named source, its adapter (``make_adapter(hf_dir,
     common)``) and info (the ``formats`` opener)."""
     ckpt = DistCheckpoint.open(path)
@@ -296,9 +297,9 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
     source = McoreFullSource(adapter, adapter.hf_config, shapes,
                              lambda name: ckpt.read(*names[name]),
                              locate=lambda name: ckpt.locate(*names[name]))
-    return source, adapter, {"iteration": ckpt.iteration, "folder": ckpt.path,
-                             "layout": layout_of(ckpt.common.get("args")),
-                             "files": sorted(p.name for p in ckpt.path.iterdir())}
+    return Opening(source, adapter, {"iteration": ckpt.iteration, "folder": ckpt.path,
+                                     "layout": layout_of(ckpt.common.get("args")),
+                                     "files": sorted(p.name for p in ckpt.path.iterdir())})
 
 
 formats.register(FORMAT, open_source, looks_like)  # see toolkit.checkpoint.formats

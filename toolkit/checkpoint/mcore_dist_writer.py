@@ -21,6 +21,7 @@ from toolkit.checkpoint.canonical import local_segments, local_tensor
 from toolkit.checkpoint.mcore_dist import BACKEND, KEYS_MAP, dist_key, non_homogeneous
 from toolkit.checkpoint.megatron_meta import extra_state_module
 from toolkit.checkpoint.pipeline import read_ahead
+from toolkit.checkpoint.source import ModelAdapter
 from toolkit.checkpoint.torchfree import dcp_pickle, torch_record
 from toolkit.checkpoint.torchfree.segments import merge, will_need
 from toolkit.lazy import torch
@@ -38,7 +39,8 @@ class Item:
     axes: tuple[int, ...] = ()  # sizes of the stacked axes ``prefix`` indexes
 
 
-def plan_items(adapter: Any, tp: int, dtype_of: Callable[[str], torch.dtype]) -> list[Item]:
+def plan_items(adapter: ModelAdapter, tp: int, dtype_of: Callable[[str], torch.dtype]
+               ) -> list[Item]:
     """Every tensor chunk of the checkpoint (one per layer / expert), in table order."""
     renames = KEYS_MAP
     flat = non_homogeneous(adapter)

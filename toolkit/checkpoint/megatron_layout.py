@@ -13,11 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES
 from toolkit.checkpoint.hf_writer import config_json
+from toolkit.checkpoint.source import ModelAdapter
 from toolkit.lazy import torch
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -81,7 +81,7 @@ def find_hf_config(path: Path) -> Path | None:
     return None
 
 
-def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype) -> None:
+def save_hf_config(adapter: ModelAdapter, root: Path, dtype: torch.dtype) -> None:
     """config.json (+ tokenizer files) of the model, so the checkpoint describes itself.
 
     config.json is the adapter's HF config as JSON with the dtype of the weights

@@ -32,6 +32,7 @@ from toolkit.checkpoint.megatron_layout import (
     rank_of_dir,
 )
 from toolkit.checkpoint.megatron_meta import CHECKPOINT_VERSION, extra_state_module
+from toolkit.checkpoint.source import ModelAdapter, Opening
 from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.checkpoint.torchfree.safe_load import load_torch
 from toolkit.lazy import torch
@@ -111,7 +112,7 @@ class LegacyCheckpoint:
                 for r in sorted(self.files)]
 
 
-def _padded_vocab(ckpt: LegacyCheckpoint, adapter: Any) -> int:
+def _padded_vocab(ckpt: LegacyCheckpoint, adapter: ModelAdapter) -> int:
     rows = ckpt.chunk((0, 0, 0), 0).get("embedding.word_embeddings.weight")
     if rows is None:
         raise CheckpointError(f"{ckpt.files[(0, 0, 0)]} has no embedding.word_embeddings.weight "
@@ -119,8 +120,7 @@ def _padded_vocab(ckpt: LegacyCheckpoint, adapter: Any) -> int:
     return rows.shape[0] * ckpt.tp
 
 
-def open_source(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[McoreFullSource, Any, dict]:
+def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
     """A legacy checkpoint as an HF-named source, its adapter (``make_adapter(hf_dir, common)``)
     and info (the ``formats`` opener)."""
     ckpt = LegacyCheckpoint.open(path)
@@ -174,7 +174,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
             "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
                        "ep": ckpt.ep},
             "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files.values())}
-    return McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info
+    return Opening(McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info)
 
 
 # -- writer ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import argparse
 import re
 from typing import Any
 
+from toolkit.checkpoint.source import ModelAdapter
 from toolkit.checkpoint.torchfree import dtypes
 from toolkit.lazy import torch
 
@@ -49,7 +50,7 @@ _ARG_NAMES = {"num_moe_experts": "num_experts", "gated_linear_unit": "swiglu",
               "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor"}
 
 
-def megatron_args(adapter: Any, layout: Any, padded_vocab: int, iteration: int | None,
+def megatron_args(adapter: ModelAdapter, layout: Any, padded_vocab: int, iteration: int | None,
                   ckpt_format: str, dtype: torch.dtype, tokenizer_model: str | None = None
                   ) -> argparse.Namespace:
     """The run arguments Megatron-LM writes for this model, so that its ``--load`` (with or
