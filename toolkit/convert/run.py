@@ -42,7 +42,21 @@ class Report:
     bytes: int
     seconds: float
     files: list[str] = field(default_factory=list)
+    verify: bool = False  # --verify: the result was read back
     verified: int = 0  # tensors read back from dst and compared bit-exactly (--verify)
+
+    def summary(self) -> list[str]:
+        """What ``mdtk convert`` prints: the conversion, and the read-back when verified."""
+        lay = "" if self.target == hf.FORMAT else (
+            f" tp={self.layout.tp} pp={self.layout.pp}"
+            + (f" vpp={self.layout.vpp}" if self.layout.vpp else "")
+            + (f" ep={self.layout.ep}" if self.layout.ep > 1 else ""))
+        lines = [f"{self.source_format} -> {self.target}{lay}: {self.tensors} tensors, "
+                 f"{self.bytes / 2**20:.1f} MiB, {len(self.files)} files in "
+                 f"{self.seconds:.1f} s -> {self.dst}"]
+        if self.verify:
+            lines.append(f"verified: {self.verified} tensors read back bit-exactly equal")
+        return lines
 
 
 def resolve_workers(workers: int | str) -> int:
@@ -126,6 +140,7 @@ def convert(
     report = Report(src, dst, fmt, to, layout, len(expected), total,
                     0.0, sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()))
     if verify:
+        report.verify = True
         report.verified = verify_conversion(ctx, dst, to, dtype)
     report.seconds = time.perf_counter() - start
     return report
