@@ -215,10 +215,8 @@ def test_objects_are_torch_save_bytes(tmp_path):
 def test_torch_record_imports_no_torch():
     """The file-to-file path writes records without importing torch (1.3 s); nor does any
     module of the byte layer it stands on import torch at import time."""
-    code = ("import sys, toolkit.checkpoint.torchfree.torch_record, "
-            "toolkit.checkpoint.torchfree.torch_zip, toolkit.checkpoint.torchfree.dtypes, "
-            "toolkit.checkpoint.torchfree.segments, toolkit.checkpoint.torchfree.dcp_pickle, "
-            "toolkit.checkpoint.torchfree.safe_load; "
+    code = ("import sys; from toolkit.checkpoint.torchfree import dcp_pickle, dtypes, safe_load, "
+            "segments, torch_record, torch_zip; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout

@@ -56,22 +56,14 @@ class TensorSource(Protocol):
 class ModelDims(Protocol):
     """The sizes of a model the readers and writers use (``toolkit.adapters.Dims``)."""
 
-    @property
-    def layers(self) -> int: ...
-    @property
-    def hidden(self) -> int: ...
-    @property
-    def heads(self) -> int: ...
-    @property
-    def groups(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def vocab(self) -> int: ...
-    @property
-    def tied(self) -> bool: ...
-    @property
-    def experts(self) -> int: ...
+    layers: int
+    hidden: int
+    heads: int
+    groups: int  # key/value heads
+    head_dim: int
+    vocab: int
+    tied: bool  # the output layer is the embedding
+    experts: int  # routed experts (0: a dense model)
 
 
 class ModelFamily(Protocol):
@@ -86,19 +78,18 @@ class ModelFamily(Protocol):
 
 class ModelAdapter(Protocol):
     """What the readers and writers ask of the model's adapter (``toolkit.adapters.Adapter``):
-    its HF config, sizes, family, the mapping table at a tensor-parallel size, and the folder
+    its HF config, family and sizes, the mapping table at a tensor-parallel size, and the folder
     its config came from (tokenizer files are copied from there)."""
 
-    @property
-    def hf_config(self) -> Any: ...
+    hf_config: Any
+    family: ModelFamily
+    source: Path | None
+
     @property
     def dims(self) -> ModelDims: ...
-    @property
-    def family(self) -> ModelFamily: ...
+
     @property
     def architecture(self) -> str: ...
-    @property
-    def source(self) -> Path | None: ...
 
     def table(self, tp: int) -> Table: ...
 
