@@ -1,4 +1,5 @@
-"""The converter's read-ahead (reads overlap writes, two tensors in memory) and --workers auto."""
+"""The converter's pipeline: read-ahead (reads overlap writes, two tensors in memory), --workers
+auto, file-to-file copies, and the source interface every reader implements."""
 
 from __future__ import annotations
 
@@ -132,3 +133,22 @@ def test_will_need_hints_each_file_once_and_skips_what_it_cannot(tmp_path, monke
     assert opened == [str(a), str(b), str(tmp_path / "missing")]
     w = os.POSIX_FADV_WILLNEED
     assert advised == [(str(a), 0, 4096, w), (str(a), 4096, 4096, w), (str(b), 0, 4096, w)]
+
+
+def test_every_reader_is_a_tensor_source():
+    """The converter types its sources as ``TensorSource``: every reader has its members, and
+    ``read`` takes (name, region)."""
+    import inspect
+
+    from toolkit.checkpoint.canonical import McoreFullSource
+    from toolkit.checkpoint.deepspeed import HFNamedSource
+    from toolkit.checkpoint.fp8 import DequantizingReader
+    from toolkit.checkpoint.hf import HFReader
+    from toolkit.checkpoint.source import TensorSource
+
+    members = sorted(n for n in vars(TensorSource) if not n.startswith("_"))
+    assert members == ["close", "dtype", "names", "read", "shape"]
+    for cls in (HFReader, DequantizingReader, McoreFullSource, HFNamedSource):
+        assert [m for m in members if not hasattr(cls, m)] == [], cls
+        assert isinstance(inspect.getattr_static(cls, "names"), property), cls
+        assert list(inspect.signature(cls.read).parameters)[:3] == ["self", "name", "region"]
