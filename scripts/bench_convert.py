@@ -73,7 +73,8 @@ def make_checkpoint(name: str) -> Path:
     import transformers
 
     from toolkit.adapters import adapter_for
-    from toolkit.checkpoint.hf import GENERATION_CONFIG, HFWriter, TextFile
+    from toolkit.checkpoint.hf import GENERATION_CONFIG
+    from toolkit.checkpoint.hf_writer import HFWriter, TextFile
 
     out = CACHE / f"hf-{name}"
     if (out / ".complete").is_file():

@@ -119,7 +119,7 @@ def make_checkpoint(out: Path, experts: int, fp8: bool) -> Path:
     from toolkit.adapters import adapter_for
     from toolkit.checkpoint.fp8 import FP8, SCALE
     from toolkit.checkpoint.fp8_quantize import quantization_config, quantized
-    from toolkit.checkpoint.hf import HFWriter
+    from toolkit.checkpoint.hf_writer import HFWriter
 
     cfg = config(experts)
     shapes = adapter_for(cfg).expected_tensors()

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from toolkit.adapters import CheckpointMismatch, UnsupportedModel, adapter_for
 from toolkit.adapters.live import load_hf
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.hf import HFReader, HFWriter
+from toolkit.checkpoint.hf import HFReader
+from toolkit.checkpoint.hf_writer import HFWriter
 from toolkit.mapping import QKV, Coord, GateUp, MappingError, Part, coalesce, plan_rank
 from toolkit.parallel import LayoutError, ParallelLayout
 

@@ -34,7 +34,7 @@ def _script():
 def test_llama_flags_are_the_ones_megatron_lm_ran_with():
     import json
 
-    from toolkit.checkpoint.safe_load import load_torch
+    from toolkit.checkpoint.torchfree.safe_load import load_torch
 
     config = json.loads((MLM / "hf-llama-tiny" / "config.json").read_text())
     flags = _script().model_flags(config, MLM / "hf-llama-tiny")

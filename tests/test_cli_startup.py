@@ -6,8 +6,8 @@ them (an HF target writes config.json as JSON and copies generation_config.json)
 ``.metadata`` is read and written without ``torch.distributed.checkpoint`` (``dcp_pickle``:
 DTensor, sympy); `mdtk --help` and `mdtk inspect` import no torch, nor does a conversion
 between HF safetensors and torch_dist that copies bytes file to file (no ``--dtype`` cast):
-dtypes go by name (``toolkit.checkpoint.dtypes``) and ``torch.save``'s files are written by
-``torch_record``.
+dtypes go by name and ``torch.save``'s files are written by ``torch_record`` (both in
+``toolkit.checkpoint.torchfree``).
 scripts/bench_startup.py measures the times (docs/benchmarks.md).
 """
 
@@ -52,7 +52,7 @@ def test_inspect_and_convert_import_neither_transformers_nor_megatron(tiny_root,
     src = tiny_root / "qwen2_moe"  # experts and dense layers: every key-naming path
     assert _loaded("inspect", str(src)) == []
     mcore = tmp_path / "mcore"
-    # file to file both ways (no cast): not even torch (toolkit.checkpoint.dtypes, torch_record)
+    # file to file both ways (no cast): not even torch (checkpoint.torchfree: dtypes, torch_record)
     assert _loaded("convert", str(src), str(mcore), "--to", "mcore", "--tp", "2", "-q") == []
     assert _loaded("inspect", str(mcore)) == []
     assert _loaded("convert", str(mcore), str(tmp_path / "back"), "--to", "hf", "-q") == []

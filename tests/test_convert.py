@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import HFReader
-from toolkit.checkpoint.safe_load import load_torch
+from toolkit.checkpoint.torchfree.safe_load import load_torch
 from toolkit.convert import convert, inspect
 from toolkit.parallel.layout import ParallelLayout as L
 
@@ -200,7 +200,7 @@ def test_converter_reads_config_json_as_transformers_does(tiny_root):
     arguments and the Megatron-LM args stored in the checkpoint equal those built from
     transformers' own config class."""
     from toolkit.adapters import adapter_for, supported
-    from toolkit.checkpoint.mcore_dist import megatron_args
+    from toolkit.checkpoint.megatron_meta import megatron_args
     from toolkit.convert.sources import adapter_from_folder
 
     seen = set()
@@ -475,7 +475,8 @@ def test_safetensors_reader_and_streaming_writer(tmp_path, monkeypatch):
     column and block-wise regions; the streaming writer's shards load with the library."""
     from safetensors.torch import load_file, save_file
 
-    from toolkit.checkpoint.hf import HFWriter, SafetensorsFile
+    from toolkit.checkpoint.hf_writer import HFWriter
+    from toolkit.checkpoint.safetensors_file import SafetensorsFile
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": torch.randn(37, 19, generator=g).to(torch.bfloat16),

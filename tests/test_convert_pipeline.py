@@ -1,4 +1,5 @@
-"""The converter's read-ahead (reads overlap writes, two tensors in memory) and --workers auto."""
+"""The converter's pipeline: read-ahead (reads overlap writes, two tensors in memory), --workers
+auto, file-to-file copies, and the source interface every reader implements."""
 
 from __future__ import annotations
 
@@ -74,14 +75,14 @@ def test_mcore_to_hf_copies_file_to_file(tmp_path, monkeypatch):
     copies every tensor as byte ranges (no read through memory) and is bit-exact."""
     import torch
 
-    from toolkit.checkpoint import hf
+    from toolkit.checkpoint import hf_writer
     from toolkit.checkpoint.hf import HFReader
     from toolkit.convert import convert
     from toolkit.parallel.layout import ParallelLayout
 
     copied = []
-    orig = hf.HFWriter.add_segments
-    monkeypatch.setattr(hf.HFWriter, "add_segments",
+    orig = hf_writer.HFWriter.add_segments
+    monkeypatch.setattr(hf_writer.HFWriter, "add_segments",
                         lambda self, name, segs: (copied.append(name), orig(self, name, segs)))
     convert(FIXTURE, tmp_path / "m", "mcore", ParallelLayout(tp=2), progress=False)
     report = convert(tmp_path / "m", tmp_path / "h", "hf", progress=False, verify=True,
@@ -96,7 +97,7 @@ def test_mcore_to_hf_copies_file_to_file(tmp_path, monkeypatch):
 
 def test_copy_range_fallback(tmp_path, monkeypatch):
     """Without copy_file_range (another OS, a file system refusing it) the bytes are the same."""
-    from toolkit.checkpoint.segments import copy_range
+    from toolkit.checkpoint.torchfree.segments import copy_range
 
     data = os.urandom(3 * 2**20 + 17)
     (tmp_path / "src").write_bytes(data)
@@ -115,7 +116,7 @@ def test_copy_range_fallback(tmp_path, monkeypatch):
 def test_will_need_hints_each_file_once_and_skips_what_it_cannot(tmp_path, monkeypatch):
     """The read-ahead hint: one open per file, every range of it advised WILLNEED; zero runs
     (file None), empty ranges and a missing file are skipped (the copy reports those)."""
-    from toolkit.checkpoint import segments
+    from toolkit.checkpoint.torchfree import segments
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(bytes(8192))
@@ -132,3 +133,22 @@ def test_will_need_hints_each_file_once_and_skips_what_it_cannot(tmp_path, monke
     assert opened == [str(a), str(b), str(tmp_path / "missing")]
     w = os.POSIX_FADV_WILLNEED
     assert advised == [(str(a), 0, 4096, w), (str(a), 4096, 4096, w), (str(b), 0, 4096, w)]
+
+
+def test_every_reader_is_a_tensor_source():
+    """The converter types its sources as ``TensorSource``: every reader has its members, and
+    ``read`` takes (name, region)."""
+    import inspect
+
+    from toolkit.checkpoint.canonical import McoreFullSource
+    from toolkit.checkpoint.deepspeed import HFNamedSource
+    from toolkit.checkpoint.fp8 import DequantizingReader
+    from toolkit.checkpoint.hf import HFReader
+    from toolkit.checkpoint.source import TensorSource
+
+    members = sorted(n for n in vars(TensorSource) if not n.startswith("_"))
+    assert members == ["close", "dtype", "names", "read", "shape"]
+    for cls in (HFReader, DequantizingReader, McoreFullSource, HFNamedSource):
+        assert [m for m in members if not hasattr(cls, m)] == [], cls
+        assert isinstance(inspect.getattr_static(cls, "names"), property), cls
+        assert list(inspect.signature(cls.read).parameters)[:3] == ["self", "name", "region"]

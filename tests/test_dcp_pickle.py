@@ -12,7 +12,7 @@ import torch
 
 def _both(save_id: str) -> tuple[object, object]:
     """The same metadata (two tensors in two chunks, bf16 and fp32, one bytes object) built
-    from torch's classes and from the stand-ins, in mcore_dist.write_metadata's way."""
+    from torch's classes and from the stand-ins, in mcore_dist_writer.write_metadata's way."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -24,7 +24,7 @@ def _both(save_id: str) -> tuple[object, object]:
         TensorStorageMetadata,
     )
 
-    from toolkit.checkpoint import dcp_pickle as d
+    from toolkit.checkpoint.torchfree import dcp_pickle as d
 
     tensors = {"decoder.layers.mlp.linear_fc1.weight": (torch.bfloat16, (2, 6, 4)),
                "embedding.word_embeddings.weight": (torch.float32, (256, 4))}
@@ -80,7 +80,7 @@ def test_dumps_is_the_pickle_of_torch_classes():
     """Loads (plain pickle, torch's classes) equal to the Metadata of torch's classes that
     write_metadata pickled before, naming the same globals (the bytes differ by one memo hit:
     torch's pickle spells the module name of ``torch.Size`` and of dtypes as two strings)."""
-    from toolkit.checkpoint import dcp_pickle
+    from toolkit.checkpoint.torchfree import dcp_pickle
 
     real, ours = _both("0f1e2d3c")
     data, ref = dcp_pickle.dumps(ours), pickle.dumps(real)
@@ -92,8 +92,9 @@ def test_dumps_is_the_pickle_of_torch_classes():
 def test_reader_builds_stand_ins_only(tmp_path):
     """Reading gives the stand-ins (dtypes as ``dtypes.DType``, equal to torch's; sizes as
     tuples); any other global in the file is refused."""
-    from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes
-    from toolkit.checkpoint.safe_load import load_dcp_metadata
+    from toolkit.checkpoint import CheckpointError
+    from toolkit.checkpoint.torchfree import dcp_pickle, dtypes
+    from toolkit.checkpoint.torchfree.safe_load import load_dcp_metadata
 
     real, _ = _both("x")
     path = tmp_path / ".metadata"
@@ -125,7 +126,7 @@ def test_no_torch_distributed_import():
     import subprocess
     import sys
 
-    code = ("import sys, io, pickle; from toolkit.checkpoint import dcp_pickle as d; "
+    code = ("import sys, io, pickle; from toolkit.checkpoint.torchfree import dcp_pickle as d; "
             "m = d.Metadata.make(state_dict_metadata={}, planner_data=None, storage_data={}, "
             "storage_meta=None, version=d.DCP_VERSION); "
             "d.Reader(io.BytesIO(d.dumps(m))).load(); "
@@ -142,8 +143,9 @@ def test_load_plain_reads_run_arguments_and_hands_the_rest_to_torch_load(tmp_pat
     import argparse
     import os
 
-    from toolkit.checkpoint import CheckpointError, dtypes
-    from toolkit.checkpoint.safe_load import load_plain, load_torch
+    from toolkit.checkpoint import CheckpointError
+    from toolkit.checkpoint.torchfree import dtypes
+    from toolkit.checkpoint.torchfree.safe_load import load_plain, load_torch
 
     args = argparse.Namespace(params_dtype=torch.bfloat16, tensor_model_parallel_size=2,
                               rotary_base=500000, window_size=None, lr=1e-4)

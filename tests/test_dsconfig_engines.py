@@ -63,7 +63,7 @@ def _assert_nvme_checkpoint_converts_to_its_export(ckpt: Path, tmp_path: Path) -
     and cast to bf16 they equal bit for bit the engine's own 16-bit export (``save_16bit_model``,
     what HF Trainer writes at ZeRO-3): DeepSpeed's bf16 weights are those fp32 values rounded."""
     from toolkit.checkpoint.deepspeed import DeepSpeedCheckpoint
-    from toolkit.checkpoint.safe_load import load_torch
+    from toolkit.checkpoint.torchfree.safe_load import load_torch
     from toolkit.convert import convert
 
     engine = ckpt / (ckpt / "latest").read_text().strip()

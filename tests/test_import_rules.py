@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top; a module may import its own package and the packages of lower layers.
 LAYERS: list[tuple[str, ...]] = [
     ("toolkit.errors",),
-    ("toolkit.atomic", "toolkit.bundled", "toolkit.mapping", "toolkit.runtime"),
+    ("toolkit.atomic", "toolkit.bundled", "toolkit.lazy", "toolkit.mapping", "toolkit.runtime"),
     ("toolkit.parallel",),
     ("toolkit.checkpoint", "toolkit.models", "toolkit.testing"),
     ("toolkit.adapters",),
@@ -39,6 +39,11 @@ TORCH_FREE_ADAPTERS = ("toolkit.adapters", "toolkit.adapters.family", "toolkit.a
 TORCH_FREE_USERS = ("model_adapters", "toolkit.memory", "toolkit.dsconfig")
 #: A family file declares; it may import only these (and its sibling families).
 FAMILY_IMPORTS = TORCH_FREE_ADAPTERS + ("toolkit.mapping", "model_adapters")
+#: The byte layer of checkpoints: besides the standard library it imports only itself,
+#: ``toolkit.checkpoint`` (for CheckpointError) and the lazy torch proxy, so no path through it
+#: imports torch, a format module or a third-party package.
+BYTE_LAYER = "toolkit.checkpoint.torchfree"
+BYTE_LAYER_IMPORTS = (BYTE_LAYER, "toolkit.lazy")
 
 
 def package_of(module: str) -> str | None:
@@ -130,6 +135,24 @@ def test_layers_only_import_downwards():
                     wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} (a family "
                                  f"file may import only {', '.join(FAMILY_IMPORTS)})")
     assert not wrong, "import rules of docs/architecture.md broken:\n" + "\n".join(wrong)
+
+
+def test_byte_layer_imports_only_itself():
+    wrong = []
+    for path in sources():
+        if not (module_name(path) + ".").startswith(BYTE_LAYER + "."):
+            continue
+        for line, target in imports(path):
+            parent = target.rpartition(".")[0]
+            inside = any(target == m or target.startswith(m + ".") for m in BYTE_LAYER_IMPORTS)
+            package = target == "toolkit.checkpoint" or (
+                parent == "toolkit.checkpoint" and not is_module(target))  # CheckpointError
+            stdlib = target.split(".")[0] in sys.stdlib_module_names
+            if not (inside or package or stdlib):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, ("checkpoint/torchfree/ may import only itself, toolkit.checkpoint's "
+                       "CheckpointError, toolkit.lazy and the standard library:\n"
+                       + "\n".join(wrong))
 
 
 def test_no_module_import_circles():

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.safe_load import Opaque, load_torch
+from toolkit.checkpoint.torchfree.safe_load import Opaque, load_torch
 from toolkit.convert import convert
 from toolkit.parallel.layout import ParallelLayout as L
 

@@ -71,7 +71,7 @@ def _torch_save(obj) -> bytes:
 
 
 def _record(tmp_path, shape, dtype, segments, crc) -> bytes:
-    from toolkit.checkpoint import torch_record
+    from toolkit.checkpoint.torchfree import torch_record
 
     out = tmp_path / "record"
     with open(out, "wb") as f:
@@ -88,7 +88,7 @@ def test_records_are_torch_save_bytes(tmp_path):
     torch.save's file byte for byte; by default the same but for the data entry's CRC32 (0,
     in the descriptor, the central directory and serialization_id's CRC part), i.e. what
     torch.save writes under skip_data; torch.load(weights_only=True) reads both back."""
-    from toolkit.checkpoint import torch_zip
+    from toolkit.checkpoint.torchfree import torch_zip
 
     gen = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
@@ -119,7 +119,7 @@ def test_records_are_torch_save_bytes(tmp_path):
 def test_record_of_segments_and_zeros(tmp_path):
     """A 1 MiB bf16 tensor from ranges of two files and a zero run, written after other
     bytes of the file: torch.save's bytes (crc=True), and its data where torch.save puts it."""
-    from toolkit.checkpoint import mcore_dist, segments
+    from toolkit.checkpoint.torchfree import segments, torch_record
 
     t = torch.randn(512, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     t[300:400] = 0
@@ -137,14 +137,14 @@ def test_record_of_segments_and_zeros(tmp_path):
     plain = _record(tmp_path, (512, 1024), torch.bfloat16, merged, crc=False)
     assert plain == b"".join(p if isinstance(p, bytes) else raw for p in _skip_data_save(t))
     with open(tmp_path / "record", "rb") as f:
-        start = mcore_dist._saved_tensor_start(f, 4, len(plain), (512, 1024), torch.bfloat16)
+        start = torch_record.tensor_start(f, 4, len(plain), (512, 1024), torch.bfloat16)
     assert (tmp_path / "record").read_bytes()[start:start + len(raw)] == raw
 
 
 def test_zip64_framing_is_torch_saves():
     """Records of 4 GiB and more (zip64 sizes, then zip64 header offsets) and around the
     limits: the framing is torch.save's (compared under skip_data: no data is written)."""
-    from toolkit.checkpoint import torch_record, torch_zip
+    from toolkit.checkpoint.torchfree import torch_record, torch_zip
 
     limit = 0xFFFFFFFF
     for dtype, n in [(torch.uint8, limit - 849), (torch.uint8, limit - 721),
@@ -160,7 +160,7 @@ def test_zip64_framing_is_torch_saves():
 def _DType(name: str, itemsize: int):
     """A dtype as the converter's torch-free path has it: a ``dtypes.DType`` (a new object each
     call, equal to the one of ``dtypes.BY_NAME``)."""
-    from toolkit.checkpoint import dtypes
+    from toolkit.checkpoint.torchfree import dtypes
 
     return dtypes.DType(name, itemsize, True, dtypes.BY_NAME[name].safetensors)
 
@@ -169,23 +169,24 @@ def test_objects_are_torch_save_bytes(tmp_path):
     """common.pt (Megatron-LM's args with a dtype among them) and the _extra_state [None]:
     dumps writes torch.save's bytes, with torch's dtypes or stand-ins of them, and they load
     back as the object; tensors and dtypes torch writes otherwise are refused."""
-    from toolkit.checkpoint import CheckpointError, dcp_pickle, mcore_dist, torch_record
-    from toolkit.checkpoint.safe_load import load_torch
+    from toolkit.checkpoint import CheckpointError, megatron_meta
+    from toolkit.checkpoint.torchfree import dcp_pickle, torch_record
+    from toolkit.checkpoint.torchfree.safe_load import load_torch
     from toolkit.convert.sources import adapter_from_folder
     from toolkit.parallel.layout import ParallelLayout
 
     adapter = adapter_from_folder(FIXTURE)
 
     def common(dtype):
-        args = mcore_dist.megatron_args(adapter, ParallelLayout(tp=2), adapter.padded_vocab(2),
+        args = megatron_meta.megatron_args(adapter, ParallelLayout(tp=2), adapter.padded_vocab(2),
                                         None, "torch_dist", torch.bfloat16,
                                         tokenizer_model="/ckpt/hf_config")
         args.params_dtype = dtype
         args.main_grads_dtype = dtype  # the same dtype twice: a memo reference the second time
         args.extra = [1.5, -2, 2**40, None, True, "x" * 300, (1, 2), {"k": dtype}]
-        return {"args": args, "checkpoint_version": mcore_dist.CHECKPOINT_VERSION,
+        return {"args": args, "checkpoint_version": megatron_meta.CHECKPOINT_VERSION,
                 "iteration": 0, "num_floating_point_operations_so_far": 0,
-                "content_metadata": dict(mcore_dist.CONTENT_METADATA)}
+                "content_metadata": dict(megatron_meta.CONTENT_METADATA)}
 
     ref = _torch_save(common(torch.bfloat16))
     assert b"ctorch\nbfloat16\n" in ref
@@ -212,8 +213,10 @@ def test_objects_are_torch_save_bytes(tmp_path):
 
 
 def test_torch_record_imports_no_torch():
-    """The file-to-file path writes records without importing torch (1.3 s)."""
-    code = ("import sys, toolkit.checkpoint.torch_record, toolkit.checkpoint.torch_zip; "
+    """The file-to-file path writes records without importing torch (1.3 s); nor does any
+    module of the byte layer it stands on import torch at import time."""
+    code = ("import sys; from toolkit.checkpoint.torchfree import dcp_pickle, dtypes, safe_load, "
+            "segments, torch_record, torch_zip; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout
@@ -225,7 +228,7 @@ def test_save_segments_is_torch_save(tmp_path, monkeypatch, fast):
     """The record is torch.save's own framing around the copied bytes (zero runs included):
     same entries at the same offsets, same length, loads bit-exactly, and the reader finds
     its data where torch.save puts it; also without copy_file_range."""
-    from toolkit.checkpoint import mcore_dist, segments, torch_record
+    from toolkit.checkpoint.torchfree import segments, torch_record
 
     if not fast:
         monkeypatch.delattr(os, "copy_file_range", raising=False)
@@ -253,7 +256,7 @@ def test_save_segments_is_torch_save(tmp_path, monkeypatch, fast):
     assert [(i.filename, i.header_offset, i.file_size) for i in za.infolist()] == [
         (i.filename, i.header_offset, i.file_size) for i in zb.infolist()]
     with open(out, "rb") as f:
-        start = mcore_dist._saved_tensor_start(f, 4, n, (37, 24), torch.bfloat16)
+        start = torch_record.tensor_start(f, 4, n, (37, 24), torch.bfloat16)
     assert out.read_bytes()[start:start + len(raw)] == raw
     with pytest.raises(Exception, match="segments hold"):
         with open(tmp_path / "bad", "wb") as f:
@@ -265,7 +268,8 @@ def test_hf_to_mcore_copies_file_to_file(tmp_path, monkeypatch):
     copied as byte ranges, the result reads back bit-exactly (--verify; megatron-core's own
     dist_checkpointing.load of these outputs is checked in test_convert.py); a --dtype bf16 cast
     takes the memory path and holds the same numbers."""
-    from toolkit.checkpoint import mcore_dist, torch_record
+    from toolkit.checkpoint import mcore_dist
+    from toolkit.checkpoint.torchfree import torch_record
     from toolkit.convert import convert
     from toolkit.parallel.layout import ParallelLayout
 

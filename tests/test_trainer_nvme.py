@@ -74,7 +74,7 @@ def _check_param_swaps(nvme: Path, export: Path) -> None:
 def _check_checkpoint(step: Path, out: Path, export: Path) -> dict[str, torch.Tensor]:
     """Master weights only in the checkpoint's optimizer swap files (the .pt groups are empty);
     converted to HF they equal the run's export bit for bit."""
-    from toolkit.checkpoint.safe_load import load_torch
+    from toolkit.checkpoint.torchfree.safe_load import load_torch
     from toolkit.convert import convert
 
     engine = step / "engine"

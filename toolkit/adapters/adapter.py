@@ -19,9 +19,10 @@ from typing import Any
 from toolkit.adapters.family import Dims, Family
 from toolkit.adapters.hfconfig import UnsupportedModel
 from toolkit.adapters.registry import family_for
-from toolkit.checkpoint import dtypes
-from toolkit.checkpoint.dtypes import to_torch, torch
+from toolkit.checkpoint.torchfree import dtypes
+from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.errors import UserError
+from toolkit.lazy import torch
 from toolkit.mapping import Coord, Table, TensorPlan, padded_vocab_size, plan_rank
 from toolkit.parallel.layout import ParallelLayout
 

@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from toolkit.adapters.adapter import Adapter, adapter_for
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.dtypes import to_torch
-from toolkit.checkpoint.hf import GENERATION_CONFIG, HFReader, HFWriter, open_reader
+from toolkit.checkpoint.hf import GENERATION_CONFIG, HFReader, open_reader
+from toolkit.checkpoint.hf_writer import HFWriter
+from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 

@@ -31,10 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.dtypes import to_torch, torch
+from toolkit.checkpoint.source import ModelAdapter, Region
+from toolkit.checkpoint.torchfree.dtypes import to_torch
+from toolkit.lazy import torch
 from toolkit.mapping import Column, Piece, Rule
 
-Region = tuple[tuple[int, int], ...]
 Reader = Callable[[str, Region], "torch.Tensor"]
 #: name, region -> ``(file, offset, length)`` of those whole rows as stored, or None.
 Locator = Callable[[str, Region], "tuple[Any, int, int] | None"]
@@ -143,7 +144,7 @@ def _src_to_dst(piece: Piece, sub: Region) -> Region:
 class McoreFullSource:
     """Full (tp=1, global-numbered) megatron-core tensors exposed under their HF names."""
 
-    def __init__(self, adapter: Any, hf_config: Any,
+    def __init__(self, adapter: ModelAdapter, hf_config: Any,
                  names_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  get: Callable[[str], torch.Tensor], *, cache: int = 2,
                  locate: Callable[[str], tuple[Any, int] | None] | None = None):

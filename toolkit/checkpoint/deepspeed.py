@@ -1,79 +1,16 @@
-"""DeepSpeed checkpoints written by mdtk's trainer, read offline as a converter source.
+"""DeepSpeed checkpoints (mdtk's trainer, or plain DeepSpeed of an HF model), read offline as a
+converter source: the engine folder found, its model-parallel ranks opened, their parameters
+reassembled through the adapter's mapping.
 
-Layout (``toolkit.train.checkpointing``): ``checkpoints/latest`` names ``step_XXXXXXX/``, which
-holds ``trainer_state.json`` (step, layout, the resolved train config) and ``engine/``, written by
-``engine.save_checkpoint(step_dir, tag="engine")``:
-
-- ZeRO 1/2: ``mp_rank_MM_model_states.pt`` per model-parallel rank (``module`` = the rank's
-  GPTModel state dict, ``param_shapes`` = parameter names and shapes per optimizer group) and
-  ``zero_pp_rank_D_mp_rank_MM_optim_states.pt`` per data-parallel rank D: the fp32 master
-  weights of each group flattened in ``param_shapes`` order and cut into dp equal partitions
-  (``single_partition_of_fp32_groups``; ``bf16_`` prefix with DeepSpeed's bf16 optimizer).
-- ZeRO 3: ``zero_pp_rank_D_mp_rank_MM_model_states.pt`` and ``..._optim_states.pt`` per dp rank;
-  every parameter is split on its own into dp partitions of ceil(numel / dp) elements, which
-  follow one another in each rank's ``fp32_flat_groups`` (``param_shapes`` order).
-
-The model-parallel rank MM is megatron-core's rank in its tp x pp group (pp_rank * tp +
-tp_rank); its parameters carry the chunk's local names (``<chunk>.`` prefixed with virtual
-pipeline stages). DeepSpeed's own ``zero_to_fp32`` merges the dp partitions of mp rank 00 only;
-here every mp rank is merged and the shards are reassembled through the adapter's mapping (the
-same plans the trainer loaded the model with), so tp/pp > 1 convert to any format. Files are
-loaded with ``torch.load(weights_only=True, mmap=True)`` (``safe_load.load_torch``: DeepSpeed's
-loss scaler / enums become inert placeholders) and each parameter is read from the memory-mapped
-partitions only when a writer asks for it.
-
-Experts (ZeRO 1/2; the trainer refuses ZeRO-3 with experts). megatron-core's expert parameters
-are DeepSpeed "MoE" parameters: ZeRO puts them in their own optimizer groups (``moe: True`` in
-``base_optimizer_state.param_groups``) partitioned over the expert-data-parallel group only
-(``partition_count`` = edp), while the dense groups are partitioned over dp. There are no
-``layer_*_expert_*`` / ``expp_rank_*`` files (DeepSpeed writes those for its own MoE modules and
-for ZeRO-0 only), and ``mp_rank_MM_model_states.pt`` is written by dp rank 0 alone: its
-``module`` and ``param_shapes`` hold the local experts of *that* rank's expert-parallel rank. So
-with ep > 1 the only copy of the other ep ranks' experts is the expert group of their
-``zero_pp_rank_D`` files. File D is dp rank D of mp rank MM; megatron-core orders the dp x tp
-block of a stage as tp-dp for dense groups and etp-ep-edp for experts, so block index
-b = tp_rank + tp * D is expert-TP rank b % etp, ep rank (b // etp) % ep and edp rank
-b // (etp * ep). An expert tensor of (ep rank, etp rank) is the concatenation, in edp order, of
-the expert groups of those files, cut at its ``param_shapes`` offset; its local name
-``local_experts.<e>`` becomes global expert ``ep_rank * experts / ep + e`` through the
-adapter's plan (``plan_rank`` with that coordinate).
-
-Context parallelism (cp > 1): CP ranks hold the same weights, and DeepSpeed's data-parallel group
-is megatron-core's dp x cp group (the trainer's mpu), so ``dp_world_size`` and the
-``zero_pp_rank_D`` files count dp x cp ranks: ZeRO partitions over all of them, file D being cp
-rank D % cp of dp rank D // cp (tp-cp-dp order, cp inside dp). The dense partitions concatenate
-in D order as at cp = 1, and the expert position above holds with D over dp x cp (the stage's
-tp x cp x dp block is etp-ep-edp for experts: cp folds into ep x edp).
-
-Persistent buffers (DeepSeek's router ``expert_bias``, HF's ``e_score_correction_bias``) are
-not parameters: no optimizer group holds them, so they are in no ZeRO partition and not in
-``param_shapes``. DeepSpeed saves them only in the module state dict of the model-states file
-(``module``, listed in ``buffer_names``); they are read from there (``_Rank.buffers``). The
-trainer does not update them (no aux-loss-free bias update), so every dp / ep rank holds the
-same copy; their Adam moments are zero (they are never stepped).
-
-Adam moments: ``open(path, state="exp_avg")`` (or ``"exp_avg_sq"``) reads the optimizer's
-moments instead of the fp32 master weights. They are elementwise, so they sit at the same offsets
-as the fp32 partitions: ZeRO 1/2 ``base_optimizer_state`` (``state[g]`` per group), ZeRO 3
-``optimizer_state_dict.state[g]`` (per sub group, beside ``fp32_flat_groups[g]``), ZeRO 0 the
-torch optimizer's ``state[i]`` of the i-th parameter in ``param_shapes`` order. The trainer's
-resume at another layout (``toolkit.train.reshard``) reads all three through the same mapping.
-
-Optimizer state offloaded to NVMe (ZeRO-3, tp = pp = 1): the fp32 weights and moments of the
-swapped sub groups are read from the swap files DeepSpeed copies into the checkpoint
-(``toolkit.checkpoint.nvme_swap``). Parameters offloaded to NVMe need nothing more: DeepSpeed
-copies no parameter swap files, and needs none, since the optimizer's fp32 partitions (in its
-files or its swap files) are the complete master weights the parameters are copied from.
-
-Not supported (refused with a message): optimizer NVMe offload at tp or pp > 1 (swap folders
-are filed by global rank); experts with ep > 1 under ZeRO 0 (DeepSpeed saves the weights of
-ep rank 0's experts only) or ZeRO 3.
+The facts of DeepSpeed's files this reader relies on (layout, ZeRO 1/2/3 partitions, experts,
+context parallelism, buffers, Adam moments, NVMe swap files, what is refused) are in
+docs/converter.md, "DeepSpeed checkpoints". The ZeRO partition readers are in
+``deepspeed_zero``, the NVMe swap files in ``nvme_swap``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,14 +19,17 @@ from typing import Any
 
 from toolkit.checkpoint import CheckpointError, formats, nvme_swap
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
-from toolkit.checkpoint.dtypes import torch
-from toolkit.checkpoint.safe_load import load_torch
+from toolkit.checkpoint.deepspeed_zero import Zero12, module_buffers, zero0_reader, zero3_reader
+from toolkit.checkpoint.source import Opening
+from toolkit.checkpoint.torchfree.safe_load import load_torch
+from toolkit.lazy import torch
 from toolkit.mapping import Coord, plan_rank
 from toolkit.mapping.plan import EXPERTS
 
 FORMAT = "deepspeed"
 STATE_FILE = "trainer_state.json"
 ENGINE_TAG = "engine"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # master weights, Adam's first and second moments
 _MODEL_12 = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 _MODEL_3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
 
@@ -149,7 +89,7 @@ class _Rank:
     files: list[Path]
     shapes: dict[str, torch.Size]
     read: Callable[[str], torch.Tensor]  # dense parameters (and all of them at ep = etp = 1)
-    zero12: _Zero12 | None = None  # ZeRO 1/2: the partitions, for the expert reader
+    zero12: Zero12 | None = None  # ZeRO 1/2: the partitions, for the expert reader
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # persistent, from module
 
 
@@ -277,7 +217,7 @@ class DeepSpeedCheckpoint:
         if model.get("frozen_param_shapes"):
             raise CheckpointError(f"{model_files[0]}: frozen parameters are not supported.")
         rank = self._read_rank(m, model, groups, model_files, optim_files)
-        rank.buffers = _buffers(model, model_files[0], self.what)
+        rank.buffers = module_buffers(model, model_files[0], self.what)
         return rank
 
     def _read_rank(self, m: int, model: dict, groups: list[dict], model_files: list[Path],
@@ -286,7 +226,7 @@ class DeepSpeedCheckpoint:
         shapes = {n: torch.Size(s) for g in groups for n, s in g.items()}
         files = [*model_files, *optim_files]
         if self.stage == 0:
-            return _Rank(m, files, shapes, _zero0_reader(model, groups, self.what,
+            return _Rank(m, files, shapes, zero0_reader(model, groups, self.what,
                                                          model_files[0]))
         parts = [load_torch(f) for f in optim_files]
         osds = []
@@ -301,8 +241,8 @@ class DeepSpeedCheckpoint:
                 files += [f for d in range(self.dp) for f in
                           sorted(nvme_swap.swap_folder(self.path, d).glob("*.swp"))]
             return _Rank(m, files, shapes,
-                         _zero3_reader(groups, osds, optim_files, self.what, fill))
-        zero = _Zero12(groups, osds, optim_files, self.dp, self.what)
+                         zero3_reader(groups, osds, optim_files, self.what, fill))
+        zero = Zero12(groups, osds, optim_files, self.dp, self.what)
         if any(zero.moe) and self.stage not in (1, 2):
             raise CheckpointError(f"{model_files[0]}: expert groups under ZeRO-{self.stage}.")
         return _Rank(m, files, shapes, zero.dense_reader(), zero)
@@ -353,203 +293,6 @@ class DeepSpeedCheckpoint:
         return Coord(tp_rank=m % self.tp, tp=self.tp, pp_rank=m // self.tp, pp=self.pp,
                      vpp=self.vpp, ep_rank=e if ep_rank is None else ep_rank, ep=self.ep,
                      etp_rank=t if etp_rank is None else etp_rank, etp=self.etp)
-
-
-STATES = ("fp32", "exp_avg", "exp_avg_sq")  # master weights, Adam's first and second moments
-
-
-def _flat(osd: dict, key: str, file: Path, what: str = "fp32") -> list[torch.Tensor]:
-    """Each group's flat partition of ``what``: the fp32 partitions under ``key``, or the
-    moment of the same length from the base optimizer's per-group state."""
-    groups = osd.get(key)
-    if not isinstance(groups, list) or not all(isinstance(t, torch.Tensor) for t in groups):
-        raise CheckpointError(f"{file}: no {key} (fp32 partitions) in the optimizer state.")
-    if what == "fp32":
-        return groups
-    base = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
-    states = base.get("state") if isinstance(base, dict) else base  # torch's, or a lean list
-    out = []
-    for g, fp32 in enumerate(groups):
-        moment = states[g].get(what) if states is not None and len(states) > g else None
-        if not isinstance(moment, torch.Tensor):
-            raise CheckpointError(f"{file}: group {g} has no optimizer state {what!r} (saved "
-                                  "before the first step, or not an Adam optimizer).")
-        if moment.numel() < fp32.numel():  # lean states drop the alignment padding
-            moment = torch.cat([moment.flatten(), moment.new_zeros(fp32.numel() - moment.numel())])
-        out.append(moment.flatten())
-    return out
-
-
-def _buffers(model: dict, file: Path, what: str) -> dict[str, torch.Tensor]:
-    """The persistent buffers of the module state dict (``buffer_names``); as a moment
-    (``what`` != fp32), zeros: no optimizer steps a buffer."""
-    module = model.get("module") or {}
-    out = {}
-    for name in model.get("buffer_names") or []:
-        t = module.get(name)
-        if not isinstance(t, torch.Tensor):
-            raise CheckpointError(f"{file}: buffer {name} is listed in 'buffer_names' but its "
-                                  "'module' holds no tensor of that name.")
-        out[name] = t if what == "fp32" else torch.zeros_like(t)
-    return out
-
-
-def _zero0_reader(model: dict, groups: list[dict], what: str, file: Path
-                  ) -> Callable[[str], torch.Tensor]:
-    """ZeRO 0: the module holds the (fp32) weights; the torch optimizer's state the moments, by
-    the parameter's index in ``param_shapes`` order."""
-    module = model.get("module") or {}
-    if what == "fp32":
-        return lambda n: module[n]
-    index = {n: i for i, n in enumerate(n for g in groups for n in g)}
-    states = ((model.get("optimizer") or {}).get("state")) or {}
-
-    def read(name: str) -> torch.Tensor:
-        moment = (states.get(index[name]) or {}).get(what)
-        if not isinstance(moment, torch.Tensor):
-            raise CheckpointError(f"{file}: {name} has no optimizer state {what!r}.")
-        return moment
-    return read
-
-
-@dataclass
-class _Zero12:
-    """ZeRO 1/2 partitions of one model-parallel rank: a group's flat fp32 vector is the
-    concatenation of its partitions (dp of them for dense groups, edp for expert groups)."""
-
-    groups: list[dict]
-    osds: list[dict]
-    files: list[Path]
-    dp: int
-    what: str = "fp32"
-    flats: list[list[torch.Tensor]] = field(init=False)
-    moe: list[bool] = field(init=False)
-    where: dict[str, tuple[int, int, int]] = field(init=False)  # name -> (group, offset, numel)
-    ends: list[int] = field(init=False)  # each group's length, with alignment paddings
-    counts: Any = field(init=False)  # partition_count (ways each group is split), if saved
-
-    def __post_init__(self) -> None:
-        groups, files = self.groups, self.files
-        self.flats = [_flat(o, "single_partition_of_fp32_groups", f, self.what)
-                      for o, f in zip(self.osds, files, strict=True)]
-        if any(len(f) != len(groups) for f in self.flats):
-            raise CheckpointError(f"{files[0].parent}: partitions hold "
-                                  f"{[len(f) for f in self.flats]} groups, param_shapes "
-                                  f"{len(groups)}.")
-        pgs = (self.osds[0].get("base_optimizer_state") or {}).get("param_groups") or []
-        self.moe = [bool(pgs[g].get("moe")) if g < len(pgs) and isinstance(pgs[g], dict)
-                    else False for g in range(len(groups))]
-        self.counts = self.osds[0].get("partition_count")
-        paddings = self.osds[0].get("param_alignment_paddings")
-        self.where = {}
-        self.ends = []
-        for g, shapes in enumerate(groups):
-            offset = 0
-            for i, (name, shape) in enumerate(shapes.items()):
-                n = math.prod(shape)
-                self.where[name] = (g, offset, n)
-                offset += n + (paddings[g][i] if paddings else 0)
-            self.ends.append(offset)
-            if not self.moe[g]:
-                self._check(g, self.files, [f[g] for f in self.flats], self.dp)
-
-    def _check(self, g: int, files: list[Path], parts: list[torch.Tensor], count: int) -> None:
-        sizes = {p.numel() for p in parts}
-        if len(sizes) != 1:
-            raise CheckpointError(f"{files[0].parent}: group {g} partitions differ in size "
-                                  f"({sorted(sizes)}): a partition file is damaged.")
-        if isinstance(self.counts, list) and g < len(self.counts) and self.counts[g] != count:
-            raise CheckpointError(f"{files[0]}: group {g} is partitioned {self.counts[g]} ways, "
-                                  f"expected {count}.")
-        avail = sizes.pop() * count
-        if self.ends[g] > avail:
-            raise CheckpointError(f"{files[0].parent}: group {g} needs {self.ends[g]} fp32 "
-                                  f"values, the {count} partitions hold {avail}.")
-
-    @property
-    def expert_names(self) -> set[str]:
-        return {n for g, shapes in enumerate(self.groups) if self.moe[g] for n in shapes}
-
-    def _reader(self, parts: list[list[torch.Tensor]], moe: bool
-                ) -> Callable[[str], torch.Tensor]:
-        def read(name: str) -> torch.Tensor:
-            g, offset, n = self.where[name]
-            if self.moe[g] != moe:
-                raise CheckpointError(f"{self.files[0].parent}: {name} is "
-                                      + ("an expert" if self.moe[g] else "a dense")
-                                      + " parameter, read as " + ("expert." if moe else "dense."))
-            size = parts[0][g].numel()
-            pieces, pos, end = [], offset, offset + n
-            while pos < end:
-                d, local = divmod(pos, size)
-                take = min(size - local, end - pos)
-                pieces.append(parts[d][g].narrow(0, local, take))
-                pos += take
-            flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            return flat.clone().view(tuple(self.groups[g][name]))
-
-        return read
-
-    def dense_reader(self) -> Callable[[str], torch.Tensor]:
-        return self._reader(self.flats, False)
-
-    def expert_reader(self, files: list[Path], parts: list[list[torch.Tensor]], edp: int
-                      ) -> Callable[[str], torch.Tensor]:
-        """Expert groups from ``parts`` (per edp rank, each file's groups; the same group
-        layout as this rank's ``param_shapes``)."""
-        for g in range(len(self.groups)):
-            if self.moe[g]:
-                if any(len(p) != len(self.groups) for p in parts):
-                    raise CheckpointError(f"{files[0].parent}: partitions hold "
-                                          f"{[len(p) for p in parts]} groups, param_shapes "
-                                          f"{len(self.groups)}.")
-                self._check(g, files, [p[g] for p in parts], edp)
-        return self._reader(parts, True)
-
-
-def _zero3_reader(groups: list[dict], osds: list[dict], files: list[Path], what: str = "fp32",
-                  fill: Callable[[int, list[torch.Tensor]], list[torch.Tensor]] | None = None
-                  ) -> Callable[[str], torch.Tensor]:
-    """ZeRO 3: parameter k sits at the same offset in every rank's flat vector; rank d holds
-    elements [d * part, (d + 1) * part) of it (the last rank padded). ``fill(d, flats)``: rank
-    d's sub groups completed from elsewhere (NVMe swap files)."""
-    flats = [_flat(o, "fp32_flat_groups", f, what) for o, f in zip(osds, files, strict=True)]
-    if fill is not None:
-        flats = [fill(d, flat) for d, flat in enumerate(flats)]
-    dp = len(flats)
-    shapes = {n: s for g in groups for n, s in g.items()}
-    where: dict[str, tuple[int, int]] = {}
-    offset = 0
-    for name, shape in shapes.items():
-        part = math.ceil(math.prod(shape) / dp)
-        where[name] = (offset, part)
-        offset += part
-    for f, flat in zip(files, flats, strict=True):
-        have = sum(t.numel() for t in flat)
-        if have < offset:
-            raise CheckpointError(f"{f}: holds {have} fp32 values, the parameters need {offset} "
-                                  "(damaged or from another model).")
-
-    def span(flat: list[torch.Tensor], start: int, n: int) -> list[torch.Tensor]:
-        out = []
-        for t in flat:
-            if n == 0:
-                break
-            if start >= t.numel():
-                start -= t.numel()
-                continue
-            take = min(t.numel() - start, n)
-            out.append(t.narrow(0, start, take))
-            start, n = 0, n - take
-        return out
-
-    def read(name: str) -> torch.Tensor:
-        offset, part = where[name]
-        pieces = [p for flat in flats for p in span(flat, offset, part)]
-        full = torch.cat(pieces)
-        return full[: math.prod(shapes[name])].clone().view(tuple(shapes[name]))
-
-    return read
 
 
 def hf_config_candidates(ckpt: DeepSpeedCheckpoint) -> list[Path]:
@@ -606,7 +349,7 @@ class HFNamedSource:
 
 
 def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "fp32"
-                ) -> tuple[McoreFullSource | HFNamedSource, Any, dict]:
+                ) -> Opening:
     """A DeepSpeed checkpoint (of mdtk's trainer, or plain DeepSpeed of an HF model, as HF
     Trainer writes it) as an HF-named source, its adapter
     (``make_adapter(hf_dir, common)``) and info (the ``formats`` opener); ``state`` picks the
@@ -621,7 +364,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
                        "zero": ckpt.stage},
             "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files)}
     if "embedding.word_embeddings.weight" not in ckpt.ranks[0].shapes:
-        return HFNamedSource(ckpt), adapter, info  # plain DeepSpeed of an HF model
+        return Opening(HFNamedSource(ckpt), adapter, info)  # plain DeepSpeed of an HF model
     if ckpt.ep > 1 and not adapter.dims.experts:
         raise CheckpointError(f"{ckpt.path}: saved with ep={ckpt.ep}, but "
                               f"{adapter.architecture} has no experts.")
@@ -683,7 +426,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
             slice(a, b) for a, b in r)], torch.float32)
 
     shapes = {key: (full_rules[key].local_shape(1), torch.float32) for key in holders}
-    return McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info
+    return Opening(McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info)
 
 
 def _param_name(chunk: int, name: str, vpp: int) -> str:

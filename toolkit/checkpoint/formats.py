@@ -3,11 +3,12 @@
 Each format module registers itself when imported: ``register(name, open_fn, looks_like)``.
 
 - ``looks_like(path) -> bool``: a cheap test on the folder's file names (reads no tensors).
-- ``open_fn(path, make_adapter) -> (source, adapter, info)``: ``source`` has the HF reader
-  interface (``names``, ``shape``, ``dtype``, ``read(name, region)``, ``close``); ``adapter`` is
-  the model's adapter, built by ``make_adapter(hf_dir, common)`` from the HF config folder the
-  checkpoint carries (``None`` when it carries none) and its run metadata; ``info`` is a dict
-  with optional keys ``iteration``, ``layout``, ``files`` and ``folder``.
+- ``open_fn(path, make_adapter) -> Opening(source, adapter, info)`` (``source.Opening``):
+  ``source`` is a ``TensorSource`` (``names``, ``shape``, ``dtype``, ``read(name, region)``,
+  ``close``); ``adapter`` is the model's adapter, built by ``make_adapter(hf_dir, common)`` from
+  the HF config folder the checkpoint carries (``None`` when it carries none) and its run
+  metadata; ``info`` is a dict with optional keys ``iteration``, ``layout``, ``files`` and
+  ``folder``.
 
 The adapter comes from the caller because adapters are a layer above checkpoints: this package
 never imports them. ``MODULES`` lists the modules that register formats; they are imported on
@@ -25,9 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.source import ModelAdapter, Opening
 
-AdapterFactory = Callable[[Path | None, dict], Any]
-Opener = Callable[[Path, AdapterFactory], tuple[Any, Any, dict]]
+#: ``make_adapter(hf_config_dir, common)``: the model's adapter, from its caller.
+AdapterFactory = Callable[[Path | None, dict[str, Any]], ModelAdapter]
+#: A format's opener: ``open_fn(path, make_adapter)``.
+Opener = Callable[[Path, AdapterFactory], Opening]
 
 #: Modules that register a format when imported.
 MODULES = ("toolkit.checkpoint.hf", "toolkit.checkpoint.mcore_dist",

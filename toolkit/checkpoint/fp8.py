@@ -22,8 +22,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from toolkit.checkpoint import CheckpointError, dtypes
-from toolkit.checkpoint.dtypes import torch
+from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.source import TensorSource
+from toolkit.checkpoint.torchfree import dtypes
+from toolkit.lazy import torch
 
 SCALE = "_scale_inv"  # suffix of a weight's scale tensor: X.weight -> X.weight_scale_inv
 FP8 = dtypes.FLOAT8_E4M3
@@ -73,7 +75,7 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
 class DequantizingReader:
     """A slice reader whose fp8 weights come out dequantized (see the module docstring)."""
 
-    def __init__(self, inner: Any, block: tuple[int, int], out_dtype: torch.dtype):
+    def __init__(self, inner: TensorSource, block: tuple[int, int], out_dtype: torch.dtype):
         self.inner, self.block, self.out_dtype = inner, block, out_dtype
         self.path = getattr(inner, "path", None)
         names = set(inner.names)
@@ -163,7 +165,8 @@ class DequantizingReader:
         self.close()
 
 
-def dequantizing(reader: Any, config: dict, out_dtype: torch.dtype | None = None) -> Any:
+def dequantizing(reader: TensorSource, config: dict, out_dtype: torch.dtype | None = None
+                 ) -> TensorSource:
     """``reader`` itself for an unquantized checkpoint, else a ``DequantizingReader`` over it
     producing ``out_dtype`` (default: the checkpoint's dtype from ``config``, else bf16)."""
     try:

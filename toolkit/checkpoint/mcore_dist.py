@@ -1,4 +1,7 @@
-"""megatron-core distributed checkpoints (``torch_dist``), read and written offline.
+"""megatron-core distributed checkpoints (``torch_dist``): format facts, keys, the reader.
+
+Written by ``mcore_dist_writer``; the run folder around the iteration folder is
+``megatron_layout``'s, ``common.pt``'s run arguments ``megatron_meta``'s.
 
 Format facts (checked against megatron-core 0.16.1 and torch 2.13):
 - A checkpoint folder holds ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``),
@@ -15,192 +18,34 @@ Format facts (checked against megatron-core 0.16.1 and torch 2.13):
   slice i. Vocab tensors keep the padding they were saved with (global shape = padded vocab).
 - Each linear module has an ``_extra_state`` ShardedObject (key ``<module>._extra_state/shard_
   <offsets>_<axes>``); the local spec stores ``[None]`` there. A tied output layer is not stored.
-
-Megatron-LM's ``--load`` wants ``latest_checkpointed_iteration.txt`` next to ``iter_XXXXXXX/``
-(or ``release/``); ``common.pt`` holds ``args``, ``checkpoint_version`` and ``iteration``.
-mdtk also stores the HF config (and tokenizer files) in ``hf_config/`` at the root, so its
-checkpoints convert back without extra arguments.
+- ``common.pt`` holds ``args``, ``checkpoint_version`` and ``iteration`` (``megatron_meta``).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import io
 import json
-import pickle
 import re
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes, formats, torch_record
-from toolkit.checkpoint.canonical import McoreFullSource, local_segments, local_tensor
-from toolkit.checkpoint.dtypes import to_torch, torch
-from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, config_json
-from toolkit.checkpoint.pipeline import read_ahead
-from toolkit.checkpoint.safe_load import load_dcp_metadata, load_plain, load_torch
-from toolkit.checkpoint.segments import merge, will_need
+from toolkit.checkpoint import CheckpointError, formats
+from toolkit.checkpoint.canonical import McoreFullSource
+from toolkit.checkpoint.megatron_layout import checkpoint_dir, find_hf_config, has_checkpoint
+from toolkit.checkpoint.megatron_meta import layout_of
+from toolkit.checkpoint.source import ModelAdapter, Opening
+from toolkit.checkpoint.torchfree import dcp_pickle, torch_record
+from toolkit.checkpoint.torchfree.dtypes import to_torch
+from toolkit.checkpoint.torchfree.safe_load import load_dcp_metadata, load_plain, load_torch
+from toolkit.lazy import torch
 from toolkit.mapping import EXPERTS
 
 FORMAT = "mcore"
-TRACKER = "latest_checkpointed_iteration.txt"
-HF_CONFIG_DIR = "hf_config"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
-CHECKPOINT_VERSION = 3.0
-_LINEAR = re.compile(r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_q_proj"
-                     r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj"
-                     r"|linear_kv_up_proj)\.weight$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(rf"^{re.escape(EXPERTS)}\.(\d+)\.(.*)$")
-
-
-# -- Megatron-LM folder layout (shared with the legacy format) ------------------------------------
-
-def iteration_dir_name(iteration: int | None) -> str:
-    return "release" if not iteration else f"iter_{iteration:07d}"
-
-
-def checkpoint_dir(path: Path, marker: Callable[[Path], bool]) -> tuple[Path, int | None]:
-    """The iteration folder of a Megatron-LM checkpoint root (or the folder itself) + iteration.
-
-    ``marker(folder)`` says whether a folder holds the format's files.
-    """
-    path = Path(path)
-    if marker(path):
-        m = re.fullmatch(r"iter_(\d+)", path.name)
-        return path, int(m.group(1)) if m else None
-    tracker = path / TRACKER
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text == "release":
-            sub, iteration = path / "release", None
-        elif text.isdigit():
-            sub, iteration = path / iteration_dir_name(int(text)), int(text)
-        else:
-            raise CheckpointError(f"{tracker} holds {text!r}: expected an iteration number or "
-                                  "'release'.")
-        if not sub.is_dir():
-            raise CheckpointError(f"{tracker} points to {sub.name}, which does not exist.")
-        if not marker(sub):
-            raise CheckpointError(f"{sub} does not hold the checkpoint files {TRACKER} promises.")
-        return sub, iteration
-    raise CheckpointError(f"{path}: not a Megatron checkpoint folder (no {TRACKER}).")
-
-
-def write_tracker(root: Path, iteration: int | None) -> Path:
-    """Create ``root/<iteration dir>`` and the tracker file Megatron-LM reads; returns the dir."""
-    sub = root / iteration_dir_name(iteration)
-    sub.mkdir(parents=True, exist_ok=True)
-    (root / TRACKER).write_text("release" if not iteration else str(iteration))
-    return sub
-
-
-def find_hf_config(path: Path) -> Path | None:
-    """The ``hf_config/`` folder mdtk stores at a checkpoint root (looked up from a sub-folder)."""
-    for p in (path, *list(path.parents)[:2]):
-        if (p / HF_CONFIG_DIR / "config.json").is_file():
-            return p / HF_CONFIG_DIR
-    return None
-
-
-def save_hf_config(adapter: Any, root: Path, dtype: torch.dtype) -> None:
-    """config.json (+ tokenizer files) of the model, so the checkpoint describes itself.
-
-    config.json is the adapter's HF config as JSON with the dtype of the weights
-    (``hf.config_json``: no transformers import).
-    """
-    import shutil
-
-    out = root / HF_CONFIG_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config_json(adapter.hf_config, dtype))
-    src = adapter.source
-    if src is not None:
-        for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
-            if (src / name).is_file():
-                shutil.copy2(src / name, out / name)
-
-
-#: Megatron-LM's own defaults (``megatron/training/arguments.py``, core_v0.16.1) for the model
-#: arguments its loaders read (``load_args_from_checkpoint``, ``check_checkpoint_args``,
-#: ``tools/checkpoint``) that a model may leave unset; the model's values go on top.
-MEGATRON_LM_DEFAULTS: dict[str, Any] = {
-    "add_position_embedding": True, "use_rotary_position_embeddings": False,
-    "rotary_base": 10000, "rotary_percent": 1.0, "rotary_interleaved": False,
-    "rotary_seq_len_interpolation_factor": None, "use_rope_scaling": False,
-    "rope_scaling_factor": 8.0, "squared_relu": False, "apply_layernorm_1p": False,
-    "apply_query_key_layer_scaling": False, "qk_layernorm": False, "attention_dropout": 0.1,
-    "hidden_dropout": 0.1, "window_size": None, "window_attn_skip_freq": None,
-    "num_experts": None, "moe_layer_freq": 1, "moe_ffn_hidden_size": None, "moe_router_topk": 2,
-    "moe_token_dispatcher_type": "allgather", "moe_router_pre_softmax": False,
-    "moe_grouped_gemm": False, "moe_shared_expert_intermediate_size": None,
-    "moe_shared_expert_gate": False, "moe_router_score_function": "softmax",
-    "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
-    "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
-    "moe_input_jitter_eps": None, "spec": None, "hybrid_override_pattern": None,
-    "hybrid_attention_ratio": 0.0, "hybrid_mlp_ratio": 0.0, "is_hybrid_model": False,
-    "tokenizer_type": "HuggingFaceTokenizer", "consumed_train_samples": 0,
-    "consumed_valid_samples": 0, "finetune": False,
-}
-
-#: ``transformer_kwargs`` / ``model_kwargs`` names whose Megatron-LM argument is named otherwise.
-_ARG_NAMES = {"num_moe_experts": "num_experts", "gated_linear_unit": "swiglu",
-              "max_sequence_length": "max_position_embeddings",
-              "rope_scaling": "use_rope_scaling",
-              "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor"}
-
-
-def megatron_args(adapter: Any, layout: Any, padded_vocab: int, iteration: int | None,
-                  ckpt_format: str, dtype: torch.dtype, tokenizer_model: str | None = None
-                  ) -> argparse.Namespace:
-    """The run arguments Megatron-LM writes for this model, so that its ``--load`` (with or
-    without ``--use-checkpoint-args``) and ``tools/checkpoint`` loaders build the same model.
-
-    The vocab is padded to a multiple of ``make_vocab_size_divisible_by x tp`` (Megatron-LM
-    stores the multiple without tp); no rng or optimizer state is written, which
-    ``no_save_rng`` / ``no_save_optim`` declare so that a plain ``--load`` skips them.
-    """
-    d = adapter.dims
-    hf = adapter.hf_config
-    out = dict(MEGATRON_LM_DEFAULTS)
-    for k, v in {**adapter.family.transformer_kwargs(hf),
-                 **adapter.family.model_kwargs(hf)}.items():
-        out[_ARG_NAMES.get(k, k)] = v
-    if isinstance(out["rotary_base"], float) and out["rotary_base"].is_integer():
-        out["rotary_base"] = int(out["rotary_base"])  # Megatron-LM's --rotary-base is an int
-    if isinstance(out.get("window_size"), tuple):
-        out["window_size"] = list(out["window_size"])
-    multiple = getattr(adapter, "vocab_multiple", 1)
-    seq = out["max_position_embeddings"]
-    out.update(
-        num_layers=d.layers, hidden_size=d.hidden, num_attention_heads=d.heads,
-        num_query_groups=d.groups, kv_channels=d.head_dim,
-        group_query_attention=d.groups != d.heads,
-        seq_length=seq, encoder_seq_length=seq, swiglu=bool(out.get("swiglu")),
-        vocab_size=d.vocab, padded_vocab_size=padded_vocab,
-        make_vocab_size_divisible_by=multiple if padded_vocab % (multiple * layout.tp) == 0
-        else 1, untie_embeddings_and_output_weights=not d.tied, tokenizer_model=tokenizer_model,
-        num_experts=d.experts or None, tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp or layout.tp,
-        ckpt_format=ckpt_format, use_dist_ckpt=ckpt_format == "torch_dist",
-        iteration=iteration or 0, no_save_rng=True, no_save_optim=True,
-        params_dtype=dtype, bf16=dtypes.name_of(dtype) == "bfloat16",
-        fp16=dtypes.name_of(dtype) == "float16",
-        hf_architecture=adapter.architecture,
-    )
-    return argparse.Namespace(**out)
-
-
-#: What Megatron-LM's ``save_checkpoint`` puts next to ``args`` (core_v0.16.1): the content
-#: metadata torch_dist checkpoints carry (``common.pt``) for its optimizer sharding.
-CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 # -- keys -----------------------------------------------------------------------------------------
@@ -214,7 +59,7 @@ KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-def non_homogeneous(adapter: Any) -> bool:
+def non_homogeneous(adapter: ModelAdapter) -> bool:
     """Whether megatron-core stores this model's layers under per-layer keys.
 
     ``TransformerBlock.sharded_state_dict`` stacks layers along a leading axis only when every
@@ -260,11 +105,6 @@ def stacked_axes(key: str) -> int:
     return 1 if key.startswith("decoder.layers.") else 0
 
 
-def extra_state_module(name: str) -> str | None:
-    """The module of a linear layer's weight (which carries ``_extra_state``), else None."""
-    return name[: -len(".weight")] if _LINEAR.search(name) else None
-
-
 def marker(path: Path) -> bool:
     meta = path / "metadata.json"
     if not meta.is_file():
@@ -272,15 +112,6 @@ def marker(path: Path) -> bool:
     try:
         return json.loads(meta.read_text()).get("sharded_backend") == "torch_dist"
     except (json.JSONDecodeError, AttributeError):
-        return False
-
-
-def has_checkpoint(path: Path, folder_marker: Callable[[Path], bool]) -> bool:
-    """Whether ``path`` is a Megatron-LM checkpoint root or iteration folder of that marker."""
-    try:
-        checkpoint_dir(path, folder_marker)
-        return True
-    except CheckpointError:
         return False
 
 
@@ -345,7 +176,7 @@ class DistCheckpoint:
         info = self.storage[(key, offsets)]
         file = self.path / info.relative_path
         if sizes is not None:
-            fast = _read_saved_tensor(file, info.offset, info.length, sizes,
+            fast = torch_record.read_tensor(file, info.offset, info.length, sizes,
                                       self.tensors[key].properties.dtype)
             if fast is not None:
                 return fast
@@ -376,7 +207,7 @@ class DistCheckpoint:
             info = self.storage[(key, offs)]
             file = self.path / info.relative_path
             with open(file, "rb") as f:
-                start = _saved_tensor_start(f, info.offset, info.length, sizes,
+                start = torch_record.tensor_start(f, info.offset, info.length, sizes,
                                             md.properties.dtype)
             if start is None:
                 return None
@@ -416,117 +247,8 @@ class DistCheckpoint:
         return out
 
 
-class _ProbeUnpickler(pickle.Unpickler):
-    """Reads a torch.save pickle of one tensor without building it: records its layout."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size),
-                                                                 tuple(stride))
-        if module == "torch" and name.endswith("Storage"):
-            return name
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        return tuple(pid)
-
-
-def _saved_tensor_start(f: Any, offset: int, length: int, sizes: tuple[int, ...],
-                        dtype: torch.dtype) -> int | None:
-    """Where the data of a contiguous tensor ``torch.save``d at ``f[offset:offset+length]``
-    starts in the file (its bytes are stored there as they are, row-major); None when the
-    record is anything else."""
-    import zipfile
-
-    numel = 1
-    for s in sizes:
-        numel *= s
-    window = _Window(f, offset, length)
-    try:
-        zf = zipfile.ZipFile(window)
-        names = zf.namelist()
-        data = [x for x in names if re.search(r"/data/\d+$", x)]
-        pkl = [x for x in names if x.endswith("/data.pkl")]
-        if len(data) != 1 or len(pkl) != 1:
-            return None
-        zi = zf.getinfo(data[0])
-        if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != numel * dtype.itemsize:
-            return None
-        storage, off, size, stride = _ProbeUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError,
-            EOFError):
-        return None
-    want = []
-    acc = 1
-    for s in reversed(sizes):
-        want.append(acc)
-        acc *= s
-    if off != 0 or size != tuple(sizes) or (numel > 1 and stride != tuple(reversed(want))):
-        return None
-    if not (isinstance(storage, tuple) and len(storage) >= 5 and storage[4] == numel):
-        return None
-    window.seek(zi.header_offset)
-    head = window.read(30)
-    if len(head) != 30 or head[:4] != b"PK\x03\x04":
-        return None
-    return offset + zi.header_offset + 30 + int.from_bytes(head[26:28], "little") + \
-        int.from_bytes(head[28:30], "little")
-
-
-def _read_saved_tensor(file: Path, offset: int, length: int, sizes: tuple[int, ...],
-                       dtype: torch.dtype) -> torch.Tensor | None:
-    """A contiguous tensor ``torch.save``d at ``file[offset:offset+length]``, read with one copy
-    straight into its storage; None when the record is anything else (the caller then uses
-    ``torch.load``)."""
-    with open(file, "rb") as f:
-        start = _saved_tensor_start(f, offset, length, sizes, dtype)
-        if start is None:
-            return None
-        out = torch.empty(sizes, dtype=to_torch(dtype))
-        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        f.seek(start)
-        pos = 0
-        while pos < len(buf):
-            got = f.readinto(buf[pos:])
-            if not got:
-                return None
-            pos += got
-        return out
-
-
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes of an open file from ``offset``."""
-
-    def __init__(self, f: Any, offset: int, length: int):
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        if n == 0:
-            return 0
-        self.f.seek(self.offset + self.pos)
-        got = self.f.readinto(memoryview(b)[:n]) or 0
-        self.pos += got
-        return got
-
-
-def full_names(ckpt: DistCheckpoint, adapter: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+def full_names(ckpt: DistCheckpoint, adapter: ModelAdapter
+               ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Global megatron-core name -> (sharded key, stacked-axis indices) of every stored tensor.
 
     Stored keys the adapter's mapping does not know come back under their own name (with a
@@ -562,15 +284,7 @@ def _indices(shape: tuple[int, ...], start: tuple[int, ...] = ()) -> list[tuple[
     return out
 
 
-def layout_of(args: Any) -> dict[str, Any]:
-    """tp / pp / vpp / ep of Megatron-LM run arguments (``common.pt``'s ``args``)."""
-    keys = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-            "vpp": "virtual_pipeline_model_parallel_size", "ep": "expert_model_parallel_size"}
-    return {k: getattr(args, v, None) for k, v in keys.items()} if args is not None else {}
-
-
-def open_source(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[McoreFullSource, Any, dict]:
+def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
     """A torch_dist checkpoint as an HF-named source, its adapter (``make_adapter(hf_dir,
     common)``) and info (the ``formats`` opener)."""
     ckpt = DistCheckpoint.open(path)
@@ -583,143 +297,9 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
     source = McoreFullSource(adapter, adapter.hf_config, shapes,
                              lambda name: ckpt.read(*names[name]),
                              locate=lambda name: ckpt.locate(*names[name]))
-    return source, adapter, {"iteration": ckpt.iteration, "folder": ckpt.path,
-                             "layout": layout_of(ckpt.common.get("args")),
-                             "files": sorted(p.name for p in ckpt.path.iterdir())}
-
-
-# -- writer ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Item:
-    """One chunk to write: the tp=1 tensor of ``name`` at ``prefix`` of sharded key ``key``."""
-
-    name: str
-    key: str
-    prefix: tuple[int, ...]
-    shape: tuple[int, ...]
-    nbytes: int
-    axes: tuple[int, ...] = ()  # sizes of the stacked axes ``prefix`` indexes
-
-
-def plan_items(adapter: Any, tp: int, dtype_of: Callable[[str], torch.dtype]) -> list[Item]:
-    """Every tensor chunk of the checkpoint (one per layer / expert), in table order."""
-    renames = KEYS_MAP
-    flat = non_homogeneous(adapter)
-    table = adapter.table(tp)
-    d = adapter.dims
-    items = []
-    for name, rule in table.items():
-        if name == "output_layer.weight" and table.tied:
-            continue  # megatron-core stores the tied output layer as the embedding
-        key, prefix = dist_key(name, renames, flat)
-        axes = ((d.experts,) if flat else (d.layers, d.experts))[: len(prefix)]
-        shape = rule.local_shape(1)
-        numel = 1
-        for s in shape:
-            numel *= s
-        items.append(Item(name, key, prefix, shape,
-                          numel * dtype_of(rule.sources[0]).itemsize, axes))
-    return items
-
-
-def write_data_file(path: Path, items: list[Item], table: Any, read: Callable,
-                    dtype_of: Callable[[str], torch.dtype],
-                    tick: Callable[[int], None] = lambda n: None,
-                    byte_range: Callable[[str, Any, torch.dtype], Any] | None = None
-                    ) -> list[dict]:
-    """Write ``items`` into one DCP data file; returns their storage records.
-
-    ``byte_range(name, region, dtype)`` (optional): where a source region lies as stored
-    (``Opened.byte_range``). An item made of whole rows of such regions (every layer tensor,
-    ``[gate; up]``, fused QKV, the embedding of a safetensors source without a cast) is copied
-    file to file into its ``torch.save`` record (``torch_record``); the others are assembled in
-    memory, the next one read in a thread while this one is written."""
-    rules = dict(table.items())
-    records = []
-
-    def produce(it: Item) -> Any:
-        rule = rules[it.name]
-        dtype = dtype_of(rule.sources[0])
-        if byte_range is not None:
-            segs = local_segments(rule, 0, 1, lambda n, r: byte_range(n, r, dtype),
-                                  dtype.itemsize)
-            if segs is not None:
-                segs = merge(segs)
-                will_need(segs)  # the disk reads them while the current chunk is copied
-                return segs, dtype
-        t = local_tensor(rule, 0, 1, read, dtype)
-        return t.reshape((1,) * len(it.prefix) + tuple(t.shape)).contiguous()
-
-    # the next chunk is read (in a thread) while this one is written: two chunks in memory
-    with open(path, "wb") as f, contextlib.closing(read_ahead(items, produce)) as chunks:
-        for it, t in chunks:
-            offset = f.tell()
-            shape = (1,) * len(it.prefix) + tuple(it.shape)
-            if isinstance(t, tuple):
-                f.flush()
-                torch_record.save_segments(f.fileno(), shape, t[1], t[0])
-                f.seek(0, 2)  # the buffered file learns the position the copies moved to
-                dtype = t[1]
-            else:
-                torch.save(t, f)
-                shape, dtype = tuple(t.shape), t.dtype
-            records.append({"key": it.key, "offsets": (*it.prefix, *(0,) * len(it.shape)),
-                            "sizes": shape, "dtype": dtype, "file": path.name,
-                            "offset": offset, "length": f.tell() - offset})
-            tick(it.nbytes)
-            del t
-    return records
-
-
-def write_metadata(folder: Path, items: list[Item], records: list[dict], num_layers: int,
-                   num_experts: int, common: dict[str, Any]) -> None:
-    """``.metadata`` (DCP; pickled from ``dcp_pickle``'s stand-ins, so torch.distributed is not
-    imported), the ``_extra_state`` objects file, ``metadata.json``, ``common.pt``."""
-    d = dcp_pickle
-    state: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    chunks: dict[str, list] = {}
-    for r in records:
-        chunks.setdefault(r["key"], []).append(r)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for it in items:
-        shapes[it.key] = (*it.axes, *it.shape)
-    for key, rs in chunks.items():
-        md_chunks = []
-        for i, r in enumerate(rs):
-            md_chunks.append(d.ChunkStorageMetadata.make(offsets=d.Size(r["offsets"]),
-                                                         sizes=d.Size(r["sizes"])))
-            storage[d.MetadataIndex.make(fqn=key, index=i, offset=d.Size(r["offsets"]))] = \
-                d.StorageInfo.make(relative_path=r["file"], offset=r["offset"],
-                                   length=r["length"])
-        props = d.TensorProperties.make(dtype=d.dtype_ref(rs[0]["dtype"]), layout=d.STRIDED,
-                                        requires_grad=False, memory_format=d.CONTIGUOUS,
-                                        pin_memory=False)
-        state[key] = d.TensorStorageMetadata.make(properties=props, size=d.Size(shapes[key]),
-                                                  chunks=md_chunks)
-    # _extra_state of every linear module: megatron-core's local layers store [None].
-    data = torch_record.dumps([None])
-    objects = sorted({(f"{extra_state_module(it.key)}._extra_state", it.prefix, it.axes)
-                      for it in items if extra_state_module(it.key)})
-    with open(folder / "__extra_0.distcp", "wb") as f:
-        for key, prefix, axes in objects:
-            fqn = (f"{key}/shard_{'.'.join(map(str, prefix))}_{'.'.join(map(str, axes))}"
-                   if prefix else f"{key}/shard_0_1")
-            state[fqn] = d.BytesStorageMetadata.make()
-            storage[d.MetadataIndex.make(fqn=fqn, index=None, offset=None)] = \
-                d.StorageInfo.make(relative_path="__extra_0.distcp", offset=f.tell(),
-                                   length=len(data))
-            f.write(data)
-    md = d.Metadata.make(state_dict_metadata=state, planner_data=None, storage_data=storage,
-                         storage_meta=d.StorageMeta.make(checkpoint_id=None,
-                                                         save_id=str(uuid.uuid4()),
-                                                         load_id=None, modules=[]),
-                         version=d.DCP_VERSION)
-    (folder / ".metadata").write_bytes(d.dumps(md))
-    with open(folder / "common.pt", "wb") as f:
-        torch_record.save_bytes(f, common)  # torch.save's bytes, written without torch
-    (folder / "metadata.json").write_text(json.dumps(BACKEND))
+    return Opening(source, adapter, {"iteration": ckpt.iteration, "folder": ckpt.path,
+                                     "layout": layout_of(ckpt.common.get("args")),
+                                     "files": sorted(p.name for p in ckpt.path.iterdir())})
 
 
 formats.register(FORMAT, open_source, looks_like)  # see toolkit.checkpoint.formats

@@ -5,7 +5,7 @@ One ``torch.save`` file per (tensor, pipeline, expert) rank holding ``model`` (o
 layer and expert numbers, plus ``_extra_state`` entries (None for megatron-core's local linear
 layers), ``checkpoint_version``, ``iteration`` and ``args`` (an ``argparse.Namespace``). The
 directory suffix ``_PPP`` appears when pp > 1 and ``_EEE`` when ep > 1 (Megatron-LM's
-``get_checkpoint_name``).
+``get_checkpoint_name``; ``megatron_layout`` names and parses these folders).
 
 Which local tensor holds which part of which global tensor is exactly the mapping engine's
 ``plan_rank`` for that rank's ``Coord``: the writer fills each file from the plans, the reader
@@ -23,33 +23,27 @@ from typing import Any
 
 from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
-from toolkit.checkpoint.dtypes import to_torch, torch
-from toolkit.checkpoint.mcore_dist import (
-    CHECKPOINT_VERSION,
+from toolkit.checkpoint.megatron_layout import (
+    RANK_DIR,
     checkpoint_dir,
-    extra_state_module,
     find_hf_config,
     has_checkpoint,
+    rank_dir_name,
+    rank_of_dir,
 )
-from toolkit.checkpoint.safe_load import load_torch
+from toolkit.checkpoint.megatron_meta import CHECKPOINT_VERSION, extra_state_module
+from toolkit.checkpoint.source import ModelAdapter, Opening
+from toolkit.checkpoint.torchfree.dtypes import to_torch
+from toolkit.checkpoint.torchfree.safe_load import load_torch
+from toolkit.lazy import torch
 from toolkit.mapping import Coord, Table, plan_rank
 
 FORMAT = "megatron-legacy"
 FILE = "model_optim_rng.pt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-
-
-def rank_dir_name(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
-    name = f"mp_rank_{tp_rank:02d}"
-    if pp > 1:
-        name += f"_{pp_rank:03d}"
-    if ep > 1:
-        name += f"_{ep_rank:03d}"
-    return name
 
 
 def marker(path: Path) -> bool:
-    return path.is_dir() and any(_RANK_DIR.match(p.name) and (p / FILE).is_file()
+    return path.is_dir() and any(RANK_DIR.match(p.name) and (p / FILE).is_file()
                                  for p in path.iterdir())
 
 
@@ -76,25 +70,14 @@ class LegacyCheckpoint:
         folder, iteration = checkpoint_dir(path, marker)
         found = {}
         for p in sorted(folder.iterdir()):
-            m = _RANK_DIR.match(p.name)
-            if m:
+            if RANK_DIR.match(p.name):
                 if not (p / FILE).is_file():
                     raise CheckpointError(f"{p} has no {FILE}.")
-                found[p.name] = (m, p / FILE)
-        first = load_torch(next(iter(found.values()))[1])
+                found[p.name] = p / FILE
+        first = load_torch(next(iter(found.values())))
         args = first.get("args")
         ep_size = int(getattr(args, "expert_model_parallel_size", 1) or 1)
-        files = {}
-        for _name, (m, file) in found.items():
-            tp_rank = int(m.group(1))
-            second, third = m.group(2), m.group(3)
-            if third is not None:
-                pp_rank, ep_rank = int(second), int(third)
-            elif second is not None and ep_size > 1:
-                pp_rank, ep_rank = 0, int(second)
-            else:
-                pp_rank, ep_rank = int(second or 0), 0
-            files[(tp_rank, pp_rank, ep_rank)] = file
+        files = {rank_of_dir(name, ep_size): file for name, file in found.items()}
         tp = 1 + max(k[0] for k in files)
         pp = 1 + max(k[1] for k in files)
         ep = 1 + max(k[2] for k in files)
@@ -105,7 +88,7 @@ class LegacyCheckpoint:
                                   f"missing (tp={tp}, pp={pp}, ep={ep}).")
         models = sorted(k for k in first if re.fullmatch(r"model\d*", k))
         if not models:
-            raise CheckpointError(f"{next(iter(found.values()))[1]} has no 'model' entry.")
+            raise CheckpointError(f"{next(iter(found.values()))} has no 'model' entry.")
         vpp = len(models) if models != ["model"] else 1
         return cls(folder, iteration, tp, pp, ep, vpp, files, args)
 
@@ -129,7 +112,7 @@ class LegacyCheckpoint:
                 for r in sorted(self.files)]
 
 
-def _padded_vocab(ckpt: LegacyCheckpoint, adapter: Any) -> int:
+def _padded_vocab(ckpt: LegacyCheckpoint, adapter: ModelAdapter) -> int:
     rows = ckpt.chunk((0, 0, 0), 0).get("embedding.word_embeddings.weight")
     if rows is None:
         raise CheckpointError(f"{ckpt.files[(0, 0, 0)]} has no embedding.word_embeddings.weight "
@@ -137,8 +120,7 @@ def _padded_vocab(ckpt: LegacyCheckpoint, adapter: Any) -> int:
     return rows.shape[0] * ckpt.tp
 
 
-def open_source(path: Path, make_adapter: formats.AdapterFactory
-                ) -> tuple[McoreFullSource, Any, dict]:
+def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
     """A legacy checkpoint as an HF-named source, its adapter (``make_adapter(hf_dir, common)``)
     and info (the ``formats`` opener)."""
     ckpt = LegacyCheckpoint.open(path)
@@ -192,7 +174,7 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory
             "layout": {"tp": ckpt.tp, "pp": ckpt.pp, "vpp": ckpt.vpp if ckpt.vpp > 1 else None,
                        "ep": ckpt.ep},
             "files": sorted(str(f.relative_to(ckpt.path)) for f in ckpt.files.values())}
-    return McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info
+    return Opening(McoreFullSource(adapter, adapter.hf_config, shapes, get), adapter, info)
 
 
 # -- writer ---------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.dtypes import torch
+from toolkit.lazy import torch
 
 OFFLOAD_DIR = "offloaded_tensors"
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size

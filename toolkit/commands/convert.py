@@ -8,61 +8,76 @@ import typer
 
 from toolkit import errors
 
+_SRC = typer.Argument(..., help="Source checkpoint folder: HF (config.json + safetensors/.bin), "
+                      "megatron-core torch_dist or legacy Megatron (the run folder with "
+                      "latest_checkpointed_iteration.txt, or an iter_XXXXXXX folder), or a "
+                      "DeepSpeed checkpoint written by `mdtk train` (a step_XXXXXXX folder or the "
+                      "checkpoint root). The format is detected.")
+_DST = typer.Argument(..., help="Output folder (must not exist unless --overwrite). Written into a "
+                      "temporary sibling and renamed at the end.")
+_TO = typer.Option(..., "--to", help="Target format: hf, mcore (megatron-core torch_dist, layout "
+                   "independent), megatron-legacy "
+                   "(iter_XXXXXXX/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt) or trainer (a `mdtk "
+                   "train` checkpoint at another layout, with its optimizer state; DST is the new "
+                   "checkpoint root, see docs/training.md).")
+_TP = typer.Option(1, "--tp", min=1, help="Tensor-parallel size of the target (legacy: one file "
+                   "per rank; mcore: sets the vocab padding and the stored args).")
+_PP = typer.Option(1, "--pp", min=1, help="Pipeline-parallel size of the target.")
+_VPP = typer.Option(None, "--vpp", min=1, help="Virtual pipeline stages per pipeline rank (legacy: "
+                    "model0, model1, ... per file).")
+_EP = typer.Option(1, "--ep", min=1, help="Expert-parallel size of the target.")
+_ETP = typer.Option(None, "--etp", min=1, help="Expert tensor-parallel size (legacy: must equal "
+                    "--tp).")
+_DP = typer.Option(None, "--dp", min=1, help="--to trainer: data-parallel size of the target "
+                   "(default: the saved number of ranks).")
+_ZERO = typer.Option(None, "--zero", min=0, max=3, help="--to trainer: ZeRO stage of the target "
+                     "(default: the saved one).")
+_DTYPE = typer.Option(None, "--dtype", help="Cast floating tensors to bf16, fp16 or fp32 (default: "
+                      "keep each tensor's dtype). fp8 weights are dequantized into it (default: "
+                      "the checkpoint's dtype).")
+_WORKERS = typer.Option("auto", "--workers", help="Worker processes writing output files in "
+                        "parallel (megatron targets; each opens the source and reads ahead in a "
+                        "thread while it writes); auto: one per two cores.")
+_VERIFY = typer.Option(False, "--verify", help="Read every tensor of the result back and compare "
+                       "it bit-exactly with the source (after --dtype).")
+_OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing DST (only once the new "
+                          "one is complete).")
+_HF_CONFIG = typer.Option(None, "--hf-config", help="Folder with the model's config.json, for "
+                          "Megatron/DeepSpeed checkpoints that do not carry one.")
+_SOURCE_FORMAT = typer.Option(None, "--from", help="Source format when detection is ambiguous: hf, "
+                              "mcore, megatron-legacy, deepspeed.")
+_VOCAB_MULTIPLE = typer.Option(128, "--vocab-multiple", min=1, help="Megatron targets: pad the "
+                               "vocab to a multiple of this x tp (Megatron-LM's "
+                               "--make-vocab-size-divisible-by, default 128 as there; 1 = least "
+                               "padding). HF output strips the padding.")
+_MAX_SHARD_GB = typer.Option(5.0, "--max-shard-gb", help="HF target: largest safetensors shard, in "
+                             "GiB.")
+_FSYNC = typer.Option(False, "--fsync", help="fsync every output file before the final rename "
+                      "(durable against power loss; slower).")
+_QUIET = typer.Option(False, "--quiet", "-q", help="No progress bar.")
+
 
 def convert(
-    src: Path = typer.Argument(..., help="Source checkpoint folder: HF (config.json + "
-                               "safetensors/.bin), megatron-core torch_dist or legacy Megatron "
-                               "(the run folder with latest_checkpointed_iteration.txt, or an "
-                               "iter_XXXXXXX folder), or a DeepSpeed checkpoint written by "
-                               "`mdtk train` (a step_XXXXXXX folder or the checkpoint root). "
-                               "The format is detected."),
-    dst: Path = typer.Argument(..., help="Output folder (must not exist unless --overwrite). "
-                               "Written into a temporary sibling and renamed at the end."),
-    to: str = typer.Option(..., "--to", help="Target format: hf, mcore (megatron-core "
-                           "torch_dist, layout independent), megatron-legacy "
-                           "(iter_XXXXXXX/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt) or trainer "
-                           "(a `mdtk train` checkpoint at another layout, with its optimizer "
-                           "state; DST is the new checkpoint root, see docs/training.md)."),
-    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size of the target (legacy: "
-                           "one file per rank; mcore: sets the vocab padding and the stored "
-                           "args)."),
-    pp: int = typer.Option(1, "--pp", min=1, help="Pipeline-parallel size of the target."),
-    vpp: int | None = typer.Option(None, "--vpp", min=1, help="Virtual pipeline stages per "
-                                   "pipeline rank (legacy: model0, model1, ... per file)."),
-    ep: int = typer.Option(1, "--ep", min=1, help="Expert-parallel size of the target."),
-    etp: int | None = typer.Option(None, "--etp", min=1, help="Expert tensor-parallel size "
-                                   "(legacy: must equal --tp)."),
-    dp: int | None = typer.Option(None, "--dp", min=1, help="--to trainer: data-parallel size "
-                                  "of the target (default: the saved number of ranks)."),
-    zero: int | None = typer.Option(None, "--zero", min=0, max=3, help="--to trainer: ZeRO "
-                                    "stage of the target (default: the saved one)."),
-    dtype: str | None = typer.Option(None, "--dtype", help="Cast floating tensors to bf16, fp16 "
-                                     "or fp32 (default: keep each tensor's dtype). fp8 weights "
-                                     "are dequantized into it (default: the checkpoint's "
-                                     "dtype)."),
-    workers: str = typer.Option("auto", "--workers", help="Worker processes writing output "
-                                "files in parallel (megatron targets; each opens the source and "
-                                "reads ahead in a thread while it writes); auto: one per two "
-                                "cores."),
-    verify: bool = typer.Option(False, "--verify", help="Read every tensor of the result back "
-                                "and compare it bit-exactly with the source (after --dtype)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing DST (only "
-                                   "once the new one is complete)."),
-    hf_config: Path | None = typer.Option(None, "--hf-config", help="Folder with the model's "
-                                          "config.json, for Megatron/DeepSpeed checkpoints that "
-                                          "do not carry one."),
-    source_format: str | None = typer.Option(None, "--from", help="Source format when detection "
-                                             "is ambiguous: hf, mcore, megatron-legacy, "
-                                             "deepspeed."),
-    vocab_multiple: int = typer.Option(128, "--vocab-multiple", min=1, help="Megatron targets: "
-                                       "pad the vocab to a multiple of this x tp (Megatron-LM's "
-                                       "--make-vocab-size-divisible-by, default 128 as there; "
-                                       "1 = least padding). HF output strips the padding."),
-    max_shard_gb: float = typer.Option(5.0, "--max-shard-gb", help="HF target: largest "
-                                       "safetensors shard, in GiB."),
-    fsync: bool = typer.Option(False, "--fsync", help="fsync every output file before the "
-                               "final rename (durable against power loss; slower)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    src: Path = _SRC,
+    dst: Path = _DST,
+    to: str = _TO,
+    tp: int = _TP,
+    pp: int = _PP,
+    vpp: int | None = _VPP,
+    ep: int = _EP,
+    etp: int | None = _ETP,
+    dp: int | None = _DP,
+    zero: int | None = _ZERO,
+    dtype: str | None = _DTYPE,
+    workers: str = _WORKERS,
+    verify: bool = _VERIFY,
+    overwrite: bool = _OVERWRITE,
+    hf_config: Path | None = _HF_CONFIG,
+    source_format: str | None = _SOURCE_FORMAT,
+    vocab_multiple: int = _VOCAB_MULTIPLE,
+    max_shard_gb: float = _MAX_SHARD_GB,
+    fsync: bool = _FSYNC,
+    quiet: bool = _QUIET,
 ) -> None:
     """Convert a checkpoint to another format and layout, offline (no GPU, no process group).
 
@@ -94,14 +109,8 @@ def convert(
     except (CheckpointError, LayoutError, ValueError, FileNotFoundError) as err:
         errors.say(err)
         raise typer.Exit(2) from err
-    lay = "" if to == "hf" else (f" tp={layout.tp} pp={layout.pp}"
-                                 + (f" vpp={layout.vpp}" if layout.vpp else "")
-                                 + (f" ep={layout.ep}" if layout.ep > 1 else ""))
-    typer.echo(f"{report.source_format} -> {to}{lay}: {report.tensors} tensors, "
-               f"{report.bytes / 2**20:.1f} MiB, {len(report.files)} files in "
-               f"{report.seconds:.1f} s -> {report.dst}")
-    if verify:
-        typer.echo(f"verified: {report.verified} tensors read back bit-exactly equal")
+    for line in report.summary():
+        typer.echo(line)
 
 
 def _to_trainer(src: Path, dst: Path, **layout) -> None:

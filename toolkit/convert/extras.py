@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
 
-from toolkit.checkpoint.dtypes import to_torch, torch
-from toolkit.checkpoint.hf import HFReader, HFWriter
+from toolkit.checkpoint.hf import HFReader
+from toolkit.checkpoint.hf_writer import HFWriter
+from toolkit.checkpoint.source import TensorSource
+from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.convert.sources import Opened, full
+from toolkit.lazy import torch
 
 EXTRAS_DIR = "extras"
 
@@ -28,7 +30,7 @@ class Kept(contextlib.AbstractContextManager):
     ``hf_config/extras/`` folder a Megatron checkpoint carries."""
 
     def __init__(self, op: Opened) -> None:
-        self._reader: Any = op.source
+        self._reader: TensorSource = op.source
         self._own: HFReader | None = None
         self.names = op.adapter.kept(op.source.names)
         folder = op.adapter.source / EXTRAS_DIR if op.adapter.source is not None else None

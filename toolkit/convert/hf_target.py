@@ -4,7 +4,7 @@ The shard layout is planned up front (``HFWriter(plan=...)``), so each tensor go
 soon as it is read and memory holds one tensor. A source whose HF config transformers wrote
 (it names a ``transformers_version``; carried unchanged through mdtk's Megatron formats) and
 that has a ``generation_config.json`` gets both back as they are, with the weights' dtype
-(``hf.config_json``): no transformers import, which is ~2 s of a conversion's start-up (more
+(``hf_writer.config_json``): no transformers import, which is ~2 s of a conversion's start-up (more
 than a 1B model's data copy). Other sources (an HF config mdtk derived from Megatron-LM's args;
 no generation config) have them written by transformers' own config classes, which fill in
 transformers' defaults, imported in a thread while the data is copied.
@@ -17,13 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint.dtypes import to_torch, torch
-from toolkit.checkpoint.hf import GENERATION_CONFIG, HFWriter, TextFile, config_json
+from toolkit.checkpoint.hf import GENERATION_CONFIG
+from toolkit.checkpoint.hf_writer import HFWriter, TextFile, config_json
 from toolkit.checkpoint.pipeline import background, read_ahead
-from toolkit.checkpoint.segments import will_need
+from toolkit.checkpoint.torchfree.dtypes import to_torch
+from toolkit.checkpoint.torchfree.segments import will_need
 from toolkit.convert.extras import Kept
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Opened, full
+from toolkit.lazy import torch
 
 
 def write_hf(op: Opened, dst: Path, dtype: torch.dtype | None, bar: Progress, *,

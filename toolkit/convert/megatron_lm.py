@@ -21,7 +21,7 @@ from typing import Any
 from toolkit.adapters.registry import family_for
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import TOKENIZER_FILES
-from toolkit.checkpoint.mcore_dist import HF_CONFIG_DIR
+from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR
 
 
 def _arg(args: Any, *names: str, default: Any = None) -> Any:

@@ -14,21 +14,27 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.atomic import building
-from toolkit.checkpoint import CheckpointError, mcore_dist, megatron_legacy
-from toolkit.checkpoint.dtypes import torch
+from toolkit.checkpoint import (
+    CheckpointError,
+    mcore_dist_writer,
+    megatron_layout,
+    megatron_legacy,
+    megatron_meta,
+)
 from toolkit.checkpoint.hf import TOKENIZER_FILES
 from toolkit.convert.extras import save_kept
 from toolkit.convert.pool import job_source, run_jobs, split
 from toolkit.convert.progress import Progress
 from toolkit.convert.sources import Ctx, Opened
+from toolkit.lazy import torch
 from toolkit.parallel.layout import ParallelLayout
 
 
 def _mcore_job(ctx: Ctx, layout: ParallelLayout, folder: str, index: int,
-               items: list[mcore_dist.Item], tick: Callable[[int], None] | None = None
+               items: list[mcore_dist_writer.Item], tick: Callable[[int], None] | None = None
                ) -> list[dict]:
     with job_source(ctx) as op:
-        return mcore_dist.write_data_file(Path(folder) / f"__{index}_0.distcp", items,
+        return mcore_dist_writer.write_data_file(Path(folder) / f"__{index}_0.distcp", items,
                                           op.adapter.table(layout.tp), op.read,
                                           op.dtype_of(ctx.dtype), tick or (lambda n: None),
                                           op.byte_range)
@@ -52,31 +58,31 @@ def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLay
     dtype_of = op.dtype_of(dtype)
     iteration = op.info.get("iteration")
     with building(dst) as tmp:
-        folder = mcore_dist.write_tracker(tmp, iteration)
+        folder = megatron_layout.write_tracker(tmp, iteration)
         out_dtype = dtype or dtype_of(next(iter(adapter.expected_tensors())))
-        mcore_dist.save_hf_config(adapter, tmp, out_dtype)
-        save_kept(op, tmp / mcore_dist.HF_CONFIG_DIR, dtype)  # e.g. DeepSeek-V3's MTP layers
+        megatron_layout.save_hf_config(adapter, tmp, out_dtype)
+        save_kept(op, tmp / megatron_layout.HF_CONFIG_DIR, dtype)  # e.g. DeepSeek-V3's MTP layers
         padded = adapter.padded_vocab(layout.tp)
         # the tokenizer files copied into hf_config/, named by their final (absolute) path
-        has_tok = any((tmp / mcore_dist.HF_CONFIG_DIR / n).is_file() for n in TOKENIZER_FILES)
-        tok = str(dst.resolve() / mcore_dist.HF_CONFIG_DIR) if has_tok else None
-        args = mcore_dist.megatron_args(adapter, layout, padded, iteration,
+        has_tok = any((tmp / megatron_layout.HF_CONFIG_DIR / n).is_file() for n in TOKENIZER_FILES)
+        tok = str(dst.resolve() / megatron_layout.HF_CONFIG_DIR) if has_tok else None
+        args = megatron_meta.megatron_args(adapter, layout, padded, iteration,
                                         "torch_dist" if to == "mcore" else "torch", out_dtype,
                                         tokenizer_model=tok)
-        common = {"args": args, "checkpoint_version": mcore_dist.CHECKPOINT_VERSION,
+        common = {"args": args, "checkpoint_version": megatron_meta.CHECKPOINT_VERSION,
                   "iteration": iteration or 0,
                   "num_floating_point_operations_so_far": int(
                       op.info.get("num_floating_point_operations_so_far") or 0)}
         if to == "mcore":
-            common["content_metadata"] = dict(mcore_dist.CONTENT_METADATA)
+            common["content_metadata"] = dict(megatron_meta.CONTENT_METADATA)
         if to == "mcore":
-            items = mcore_dist.plan_items(adapter, layout.tp, dtype_of)
+            items = mcore_dist_writer.plan_items(adapter, layout.tp, dtype_of)
             groups = split(items, [it.nbytes for it in items], workers)
             jobs = [(ctx, layout, str(folder), i, g) for i, g in enumerate(groups)]
             results = run_jobs(_mcore_job, jobs, workers, bar.advance,
                                [sum(it.nbytes for it in g) for g in groups])
             records = [r for rs in results for r in rs]
-            mcore_dist.write_metadata(folder, items, records, adapter.dims.layers,
+            mcore_dist_writer.write_metadata(folder, items, records, adapter.dims.layers,
                                       adapter.dims.experts, common)
         else:
             coords = megatron_legacy.rank_coords(layout.tp, layout.pp, layout.vpp or 1,

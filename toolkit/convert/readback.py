@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.dtypes import to_torch, torch
+from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.convert.sources import Ctx, full, open_checkpoint, open_ctx
+from toolkit.lazy import torch
 
 
 def verify_conversion(ctx: Ctx, dst: Path, to: str, dtype: torch.dtype | None) -> int:

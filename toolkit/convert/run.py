@@ -15,14 +15,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.checkpoint import CheckpointError, dtypes, hf, mcore_dist, megatron_legacy
-from toolkit.checkpoint.dtypes import torch
+from toolkit.checkpoint import CheckpointError, hf, mcore_dist, megatron_legacy
+from toolkit.checkpoint.torchfree import dtypes
 from toolkit.convert.hf_target import write_hf
 from toolkit.convert.megatron_targets import write_megatron
 from toolkit.convert.pool import sharing
 from toolkit.convert.progress import Progress
 from toolkit.convert.readback import verify_conversion
 from toolkit.convert.sources import Ctx, detect, open_ctx
+from toolkit.lazy import torch
 from toolkit.parallel.layout import ParallelLayout
 
 #: Output formats, named as the registry's formats (the result is read back as one).
@@ -41,7 +42,21 @@ class Report:
     bytes: int
     seconds: float
     files: list[str] = field(default_factory=list)
+    verify: bool = False  # --verify: the result was read back
     verified: int = 0  # tensors read back from dst and compared bit-exactly (--verify)
+
+    def summary(self) -> list[str]:
+        """What ``mdtk convert`` prints: the conversion, and the read-back when verified."""
+        lay = "" if self.target == hf.FORMAT else (
+            f" tp={self.layout.tp} pp={self.layout.pp}"
+            + (f" vpp={self.layout.vpp}" if self.layout.vpp else "")
+            + (f" ep={self.layout.ep}" if self.layout.ep > 1 else ""))
+        lines = [f"{self.source_format} -> {self.target}{lay}: {self.tensors} tensors, "
+                 f"{self.bytes / 2**20:.1f} MiB, {len(self.files)} files in "
+                 f"{self.seconds:.1f} s -> {self.dst}"]
+        if self.verify:
+            lines.append(f"verified: {self.verified} tensors read back bit-exactly equal")
+        return lines
 
 
 def resolve_workers(workers: int | str) -> int:
@@ -125,6 +140,7 @@ def convert(
     report = Report(src, dst, fmt, to, layout, len(expected), total,
                     0.0, sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()))
     if verify:
+        report.verify = True
         report.verified = verify_conversion(ctx, dst, to, dtype)
     report.seconds = time.perf_counter() - start
     return report

@@ -17,10 +17,9 @@ from typing import Any
 
 from toolkit.adapters import Adapter, CheckpointMismatch, adapter_for, read_hf_config
 from toolkit.checkpoint import CheckpointError, formats
-from toolkit.checkpoint.dtypes import torch
+from toolkit.checkpoint.source import Region, TensorSource
 from toolkit.convert.megatron_lm import derived_hf_folder
-
-Region = tuple[tuple[int, int], ...]
+from toolkit.lazy import torch
 
 
 def full(shape: tuple[int, ...]) -> Region:
@@ -43,7 +42,7 @@ class Ctx:
 class Opened:
     """An open checkpoint: ``source`` (close it when done), the adapter, the format's info."""
 
-    source: Any
+    source: TensorSource
     adapter: Adapter
     info: dict
     names: dict[str, str]  # expected HF name -> stored name
@@ -94,7 +93,8 @@ def detect(path: str | Path) -> str:
 
 def open_ctx(ctx: Ctx) -> Opened:
     """Open ``ctx.src`` and match its tensors to the adapter (``vocab_multiple`` applied)."""
-    source, found, info = formats.get(ctx.fmt).open(Path(ctx.src), adapter_factory(ctx.hf_config))
+    opening = formats.get(ctx.fmt).open(Path(ctx.src), adapter_factory(ctx.hf_config))
+    source, found, info = opening.source, opening.adapter, opening.info
     if ctx.dtype is not None and hasattr(source, "dequantize_to"):
         source.dequantize_to(ctx.dtype)  # fp8 weights: the product rounded once, into --dtype
     try:
@@ -120,7 +120,7 @@ def open_checkpoint(path: str | Path, hf_config: str | Path | None = None,
                         None, 1))
 
 
-def _where(source: Any, adapter: Adapter, stored: dict[str, tuple[int, ...]]) -> str:
+def _where(source: TensorSource, adapter: Adapter, stored: dict[str, tuple[int, ...]]) -> str:
     """`` (in FILE, ...)``: the files holding tensors whose shapes differ from config.json."""
     locate = getattr(source, "locate", None)
     if locate is None:

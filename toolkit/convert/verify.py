@@ -127,7 +127,8 @@ def run_mcore(path: Path, tokens: torch.Tensor) -> Run:
     from megatron.core import dist_checkpointing
 
     from toolkit import parallel
-    from toolkit.checkpoint.mcore_dist import checkpoint_dir, marker
+    from toolkit.checkpoint.mcore_dist import marker
+    from toolkit.checkpoint.megatron_layout import checkpoint_dir
 
     chunks, adapter, op = _megatron_model(path)
     try:
@@ -192,7 +193,7 @@ def vocab_size(path: Path) -> int:
     """vocab_size of an HF folder, or of the HF config a Megatron checkpoint carries."""
     import json
 
-    from toolkit.checkpoint.mcore_dist import find_hf_config
+    from toolkit.checkpoint.megatron_layout import find_hf_config
 
     folder = path if (path / "config.json").is_file() else find_hf_config(path)
     if folder is None:

@@ -22,8 +22,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes
-from toolkit.checkpoint.dtypes import torch
+from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.torchfree import dcp_pickle, dtypes
+from toolkit.lazy import torch
 
 #: Modules whose globals (in a checkpoint's ``args``) become inert placeholders.
 OPAQUE_PREFIXES = ("megatron.", "transformer_engine.", "apex.", "deepspeed.", "enum.")

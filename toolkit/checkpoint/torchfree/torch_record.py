@@ -1,5 +1,7 @@
-"""``torch.save`` records written without torch: a tensor whose bytes are copied file to file,
-never through memory (``save_segments``), and plain objects (``dumps``, ``save_bytes``).
+"""``torch.save`` records without torch: written, a tensor whose bytes are copied file to file,
+never through memory (``save_segments``), and plain objects (``dumps``, ``save_bytes``); read,
+where a saved contiguous tensor's bytes start (``tensor_start``: a torch_dist chunk copied file
+to file) and the tensor read with one copy straight into its storage (``read_tensor``).
 
 A torch_dist data file (``__R_I.distcp``) is a sequence of ``torch.save``d tensors. When an
 output tensor is a list of byte ranges of source files (whole rows of row-major tensors in the
@@ -14,6 +16,10 @@ The zip CRC32 of the copied data entry is 0, as in a ``torch.save`` under
 check CRCs. ``crc=True`` reads the bytes once more and writes the CRC: then the record is
 ``torch.save``'s file of that tensor exactly.
 
+Reading parses the record's zip directory and its pickle with a probe that builds nothing (it
+records the storage, offset, size and stride ``_rebuild_tensor_v2`` would get); any other record
+(a view, a non-contiguous tensor, compression) gives None, and the caller uses ``torch.load``.
+
 Pickles are written by the pure-Python pickler with ``dcp_pickle``'s stand-ins for torch's names
 (dtypes, storage classes, ``_rebuild_tensor_v2``), protocol 2 as ``torch.save``'s.
 """
@@ -21,13 +27,20 @@ Pickles are written by the pure-Python pickler with ``dcp_pickle``'s stand-ins f
 from __future__ import annotations
 
 import io
+import pickle
+import re
 import sys
+import zipfile
 from collections import OrderedDict
+from pathlib import Path
 from typing import IO, Any
 
-from toolkit.checkpoint import CheckpointError, dcp_pickle, dtypes, torch_zip
-from toolkit.checkpoint import segments as seg
-from toolkit.checkpoint.segments import Segment
+from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.torchfree import dcp_pickle, dtypes, torch_zip
+from toolkit.checkpoint.torchfree import segments as seg
+from toolkit.checkpoint.torchfree.dtypes import to_torch
+from toolkit.checkpoint.torchfree.segments import Segment
+from toolkit.lazy import torch
 
 #: dtype -> the legacy storage class ``torch.save`` names (``torch.storage``'s
 #: ``_dtype_to_storage_type_map``): tensors rebuilt by ``_rebuild_tensor_v2``.
@@ -139,3 +152,113 @@ def save_bytes(dest: int | IO[bytes], obj: Any) -> int:
     else:
         dest.write(data)
     return len(data)
+
+
+# -- reading a record -------------------------------------------------------------------------
+
+class _ProbeUnpickler(pickle.Unpickler):
+    """Reads a torch.save pickle of one tensor without building it: records its layout."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size),
+                                                                 tuple(stride))
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return tuple(pid)
+
+
+def tensor_start(f: Any, offset: int, length: int, sizes: tuple[int, ...],
+                 dtype: torch.dtype) -> int | None:
+    """Where the data of a contiguous tensor ``torch.save``d at ``f[offset:offset+length]``
+    starts in the file (its bytes are stored there as they are, row-major); None when the
+    record is anything else."""
+    numel = 1
+    for s in sizes:
+        numel *= s
+    window = _Window(f, offset, length)
+    try:
+        zf = zipfile.ZipFile(window)
+        names = zf.namelist()
+        data = [x for x in names if re.search(r"/data/\d+$", x)]
+        pkl = [x for x in names if x.endswith("/data.pkl")]
+        if len(data) != 1 or len(pkl) != 1:
+            return None
+        zi = zf.getinfo(data[0])
+        if zi.compress_type != zipfile.ZIP_STORED or zi.file_size != numel * dtype.itemsize:
+            return None
+        storage, off, size, stride = _ProbeUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError,
+            EOFError):
+        return None
+    want = []
+    acc = 1
+    for s in reversed(sizes):
+        want.append(acc)
+        acc *= s
+    if off != 0 or size != tuple(sizes) or (numel > 1 and stride != tuple(reversed(want))):
+        return None
+    if not (isinstance(storage, tuple) and len(storage) >= 5 and storage[4] == numel):
+        return None
+    window.seek(zi.header_offset)
+    head = window.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        return None
+    return offset + zi.header_offset + 30 + int.from_bytes(head[26:28], "little") + \
+        int.from_bytes(head[28:30], "little")
+
+
+def read_tensor(file: Path, offset: int, length: int, sizes: tuple[int, ...],
+                dtype: torch.dtype) -> torch.Tensor | None:
+    """A contiguous tensor ``torch.save``d at ``file[offset:offset+length]``, read with one copy
+    straight into its storage; None when the record is anything else (the caller then uses
+    ``torch.load``)."""
+    with open(file, "rb") as f:
+        start = tensor_start(f, offset, length, sizes, dtype)
+        if start is None:
+            return None
+        out = torch.empty(sizes, dtype=to_torch(dtype))
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        f.seek(start)
+        pos = 0
+        while pos < len(buf):
+            got = f.readinto(buf[pos:])
+            if not got:
+                return None
+            pos += got
+        return out
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of an open file from ``offset``."""
+
+    def __init__(self, f: Any, offset: int, length: int):
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        if n == 0:
+            return 0
+        self.f.seek(self.offset + self.pos)
+        got = self.f.readinto(memoryview(b)[:n]) or 0
+        self.pos += got
+        return got

@@ -1,9 +1,9 @@
-"""Dtypes by name, and torch imported only when a tensor is really made.
+"""Dtypes by name, so that a dtype's name and size need no ``import torch``.
 
 Why: ``import torch`` takes 1.3 s on a 2-core machine, longer than copying a 1B model's 2.3 GiB
 (0.7 s). A conversion that only moves bytes from file to file (no cast, whole rows: issue 15)
 needs a dtype's name and size, never a tensor, so the converter passes ``DType`` values and
-reaches torch through ``torch`` below, a module proxy that imports it on first use.
+reaches torch through ``toolkit.lazy.torch``, a module proxy that imports it on first use.
 
 ``DType`` compares equal to the torch dtype of the same name (either side of ``==``), so readers
 that hand out real torch dtypes (legacy, DeepSpeed) and those that hand out ``DType`` mix; dict
@@ -12,22 +12,10 @@ keys and torch calls need ``to_torch`` / ``of``.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
-
-class _LazyModule:
-    """``torch.x`` imports torch on the first attribute use (then it is a dict lookup)."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(importlib.import_module(self._name), attr)
-
-
-torch: Any = _LazyModule("torch")
+from toolkit.lazy import torch
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,7 +16,7 @@ import io
 import pickle
 from typing import Any
 
-from toolkit.checkpoint import dtypes
+from toolkit.checkpoint.torchfree import dtypes
 
 META = "torch.distributed.checkpoint.metadata"
 FILESYSTEM = "torch.distributed.checkpoint.filesystem"
