@@ -26,13 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from toolkit import bundled
-from toolkit.errors import UserError
+from toolkit.errors import ConfigError
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 from toolkit.train.data import SFT_FORMATS
-
-
-class ConfigError(UserError):
-    """A config value that cannot work; the message names the key, the value and the fix."""
 
 
 def _opt(default: Any = None, *, choices: Sequence[Any] | None = None, minimum: float | None = None,

@@ -73,7 +73,10 @@ def zero_stage(ds_config: dict[str, Any]) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
-def offloads_optimizer(ds_config: dict[str, Any]) -> bool:
+def optimizer_on_host(ds_config: dict[str, Any]) -> bool:
+    """Whether the config offloads the optimizer states (to cpu or nvme): DeepSpeed then steps
+    them on the host with its CPU Adam. (Whether a checkpoint swapped them to NVMe is
+    ``toolkit.checkpoint.nvme_swap``'s question.)"""
     device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
     return device not in (None, "none")
 
@@ -106,7 +109,7 @@ def check_supported(ds_config: dict[str, Any], *, pp: int, has_experts: bool = F
         )
     grad_accum = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "")).lower()
     bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
-    if bf16 and stage == 1 and grad_accum in ("fp32", "float32") and not offloads_optimizer(
+    if bf16 and stage == 1 and grad_accum in ("fp32", "float32") and not optimizer_on_host(
             ds_config):
         raise EngineError(
             "bf16 with zero_stage 1 and data_types.grad_accum_dtype=fp32 selects DeepSpeed's "
@@ -136,7 +139,7 @@ def with_optimizer_defaults(ds_config: dict[str, Any]) -> dict[str, Any]:
     opt = config.get("optimizer")
     if opt and str(opt.get("type", "")).lower() in ("adam", "adamw"):
         params = {**opt.get("params", {})}
-        if offloads_optimizer(config):
+        if optimizer_on_host(config):
             if params.get("torch_adam"):
                 raise EngineError(
                     "optimizer.params.torch_adam=true with offload_optimizer: DeepSpeed needs its "
@@ -154,6 +157,7 @@ def build_engine(
     ds_config: dict[str, Any],
     *,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    checked: bool = False,
 ):
     """Wrap this rank's model chunks in a DeepSpeed engine over ``mpu``'s data-parallel group.
 
@@ -162,7 +166,8 @@ def build_engine(
     ``ds_config`` must name the optimizer; its batch keys must match the step's micro batch and
     ``num_microbatches`` (gradient_accumulation_steps). ``lr_scheduler``: optional callable
     ``optimizer -> scheduler`` stepped by DeepSpeed after each update; alternatively pass
-    ``lr=`` to :func:`train_step` (a stateless schedule).
+    ``lr=`` to :func:`train_step` (a stateless schedule). ``checked``: the caller already ran
+    :func:`check_supported` on ``ds_config`` (the trainer does, before it builds the model).
     """
     chunks = list(chunks)
     if not chunks:
@@ -171,8 +176,9 @@ def build_engine(
         raise EngineError("ds_config has no 'optimizer' section: mdtk trains with DeepSpeed's "
                           "optimizer (e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}).")
     experts = [p for c in chunks for p in c.parameters() if getattr(p, "allreduce", True) is False]
-    check_supported(ds_config, pp=ps.get_pipeline_model_parallel_world_size(),
-                    has_experts=bool(experts))
+    if not checked:
+        check_supported(ds_config, pp=ps.get_pipeline_model_parallel_world_size(),
+                        has_experts=bool(experts))
     ds_bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
     if ds_bf16 != bool(getattr(chunks[0].config, "bf16", False)):
         raise EngineError(
