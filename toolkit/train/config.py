@@ -28,7 +28,7 @@ from typing import Any
 from toolkit import bundled
 from toolkit.errors import ConfigError
 from toolkit.parallel.layout import LayoutError, ParallelLayout
-from toolkit.train.data import SFT_FORMATS
+from toolkit.train.data import MODES, SFT_FORMATS
 
 
 def _opt(default: Any = None, *, choices: Sequence[Any] | None = None, minimum: float | None = None,
@@ -90,7 +90,7 @@ class DataSection:
     prompt + response + EOS, ``auto`` uses the chat template when the tokenizer has one.
     ``pack`` (sft only): several examples per sequence instead of one padded example."""
 
-    mode: str = _opt("sft", choices=("pretrain", "sft"))
+    mode: str = _opt("sft", choices=tuple(MODES))
     format: str = _opt("auto", choices=("auto", *SFT_FORMATS))
     sources: list[str] = _opt(factory=list)
     validation_sources: list[str] = _opt(factory=list)
