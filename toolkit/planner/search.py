@@ -33,9 +33,9 @@ from toolkit.planner.cost import (
     StepCost,
     Workload,
     stage_params,
-    step_cost,
 )
 from toolkit.planner.devices import Device
+from toolkit.planner.step import step_cost
 
 
 @dataclass(frozen=True)
