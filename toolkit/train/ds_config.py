@@ -1,6 +1,6 @@
 """The DeepSpeed JSON of a run: generated from the memory model or the user's file (both through
-``toolkit.dsconfig.training``), with the engine's rules (``engine.check_supported``) checked once,
-before anything is sized or built."""
+``toolkit.dsconfig.training``), with the engine's rules (``engine_rules.check_supported``)
+checked once, before anything is sized or built."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from toolkit import runtime
 from toolkit.errors import ConfigError
 from toolkit.train.config import RunPlan, TrainConfig
-from toolkit.train.engine import check_supported
+from toolkit.train.engine_rules import check_supported
 from toolkit.train.model import RunModel
 
 if TYPE_CHECKING:
