@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from toolkit.commands.estimate import (
+from toolkit.commands.options import (
     CP,
     CPU_MEM,
     DTYPE,
@@ -16,6 +16,7 @@ from toolkit.commands.estimate import (
     GPU_MEM,
     GPUS,
     MICRO,
+    MODEL_OR_NONE,
     NODES,
     PP,
     SEQ,
@@ -23,15 +24,13 @@ from toolkit.commands.estimate import (
     TP,
     VPP,
     cluster_of,
-    fail,
     layout_of,
-    print_estimate,
 )
+from toolkit.commands.printing import fail, print_estimate
 
 
 def ds_config(
-    model: str | None = typer.Option(None, "--model", help="Preset name, config.json, folder or "
-                                     "hub id."),
+    model: str | None = MODEL_OR_NONE,
     check: Path | None = typer.Option(None, "--check", help="Lint this config instead."),
     world_size: int | None = typer.Option(None, "--world-size", min=1,
                                           help="With --check: ranks of the run; DeepSpeed's "
