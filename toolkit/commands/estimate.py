@@ -10,41 +10,21 @@ import json
 
 import typer
 
-from toolkit.commands.options import (
-    AS_JSON,
-    CP,
-    CPU_MEM,
-    DTYPE,
-    EP,
-    FLASH,
-    GLOBAL,
-    GPU_MEM,
-    GPUS,
-    MICRO,
-    MODEL,
-    NODES,
-    PP,
-    RECOMPUTE,
-    SEQ,
-    SP,
-    TP,
-    VPP,
-    cluster_of,
-    layout_of,
-)
+from toolkit.commands import options as opt
 from toolkit.commands.printing import fail, print_estimate
 
 
 def estimate_cmd(
-    model: str = MODEL, nodes: int = NODES, gpus_per_node: int = GPUS, gpu_mem: str = GPU_MEM,
-    cpu_mem: str = CPU_MEM, tp: int = TP, pp: int = PP, cp: int = CP, ep: int = EP,
-    vpp: int | None = VPP, sequence_parallel: bool = SP, seq_len: int = SEQ,
-    micro_batch: int = MICRO, global_batch: int | None = GLOBAL, dtype: str = DTYPE,
-    recompute: str = RECOMPUTE, flash: bool = FLASH,
+    model: str = opt.MODEL, nodes: int = opt.NODES, gpus_per_node: int = opt.GPUS,
+    gpu_mem: str = opt.GPU_MEM, cpu_mem: str = opt.CPU_MEM, tp: int = opt.TP, pp: int = opt.PP,
+    cp: int = opt.CP, ep: int = opt.EP, vpp: int | None = opt.VPP,
+    sequence_parallel: bool = opt.SP, seq_len: int = opt.SEQ, micro_batch: int = opt.MICRO,
+    global_batch: int | None = opt.GLOBAL, dtype: str = opt.DTYPE,
+    recompute: str = opt.RECOMPUTE, flash: bool = opt.FLASH,
     stage: int = typer.Option(0, "--stage", min=0, max=3),
     offload_optimizer: str = typer.Option("none", "--offload-optimizer", help="none/cpu/nvme"),
     offload_param: str = typer.Option("none", "--offload-param", help="none/cpu/nvme"),
-    as_json: bool = AS_JSON,
+    as_json: bool = opt.AS_JSON,
 ) -> None:
     """Per-rank bytes (parameters, gradients, optimizer, DeepSpeed buffers, activations)."""
     from toolkit.dsconfig.generator import zero_options
@@ -52,11 +32,11 @@ def estimate_cmd(
 
     try:
         shape = load_model_shape(model)
-        cluster = cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem)
+        cluster = opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem)
         train = TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                            dtype=dtype, recompute=recompute, flash_attention=flash)
         zero = zero_options(shape, stage, offload_optimizer, offload_param)
-        est = estimate(shape, train, layout_of(tp, pp, cp, ep, vpp, sequence_parallel), zero,
+        est = estimate(shape, train, opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel), zero,
                        cluster.world_size)
     except ValueError as e:
         fail(str(e))

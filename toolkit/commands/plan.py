@@ -73,9 +73,11 @@ def plan_cmd(
         fail("give --model (a preset, config.json, folder or hub id), or --gpu list.")
     overrides = {"bf16_tflops": peak_tflops, "fp32_tflops": peak_tflops, "intra": _gb(intra_gbps),
                  "inter": _gb(inter_gbps), "pcie": _gb(pcie_gbps), "hbm": _gb(hbm_gbps)}
-    request = PlanRequest(model, nodes, gpus_per_node, gpu, gpu_mem, cpu_mem, seq_len,
-                          global_batch, dtype, flash, tokens, price, top, allow_cp, per_layout,
-                          emit_rank, overrides)
+    request = PlanRequest(
+        model, tokens, price, gpu, gpu_mem, nodes=nodes, gpus_per_node=gpus_per_node,
+        cpu_mem=cpu_mem, seq_len=seq_len, global_batch=global_batch, dtype=dtype, flash=flash,
+        top=top, allow_cp=allow_cp, per_layout=per_layout, emit_rank=emit_rank,
+        device_overrides=overrides)
     if sweep_gpus is not None:
         try:
             report = sweep_counts(request, sweep_gpus)

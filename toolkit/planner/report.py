@@ -44,17 +44,17 @@ class PlanRequest:
     """The question of ``mdtk plan``, as its options give it (sizes and counts as text)."""
 
     model: str
-    nodes: int = 1
-    gpus_per_node: int = 8
+    tokens: str | None = None  # e.g. 2T: time and cost columns
+    price: float | None = None  # of one GPU-hour
     gpu: str = "h100"
     gpu_mem: str | None = None  # default: the device's
+    nodes: int = 1
+    gpus_per_node: int = 8
     cpu_mem: str = "1TB"
     seq_len: int = 4096
     global_batch: int | None = None  # default: ~1M tokens, a multiple of the GPUs
     dtype: str = "bf16"
     flash: bool = True
-    tokens: str | None = None  # e.g. 2T: time and cost columns
-    price: float | None = None  # of one GPU-hour
     top: int = 5
     allow_cp: bool = False
     per_layout: bool = False
