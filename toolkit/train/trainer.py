@@ -135,12 +135,13 @@ def run(cfg: TrainConfig) -> TrainResult:
 
 
 def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
-    """Layout checks that need no model, then megatron-core's process groups."""
+    """Layout checks that need no model, the model's config, then megatron-core's process
+    groups (``parallel.initialize`` refuses what this installation cannot run, before any
+    group)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     with runtime.failing_together():  # e.g. a model folder missing on one node only
         run_plan = cfgmod.plan(cfg, world)
         layout = run_plan.layout
-        parallel.check_supported(layout)  # before any group
         layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes: checked on load
         model = RunModel.of(cfg)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
