@@ -139,7 +139,7 @@ def main() -> int:
     from toolkit.planner.emit import RunSpec, deepspeed_json, trainer_yaml
     from toolkit.planner.search import Budget
     from toolkit.runtime import ops
-    from toolkit.testing.distributed import RankPool
+    from toolkit.runtime.rankpool import RankPool
 
     ops.prebuild()
     with tempfile.TemporaryDirectory(prefix="bench_planner_") as tmp:

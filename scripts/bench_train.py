@@ -240,7 +240,7 @@ def summarize(res: dict) -> dict:
 
 
 def cpu_part(args) -> dict:
-    from toolkit.testing.distributed import RankPool
+    from toolkit.runtime.rankpool import RankPool
 
     layout = {"dp2": {"tp": 1}, "tp2": {"tp": 2}}[args.layout]
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:

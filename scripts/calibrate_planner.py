@@ -26,10 +26,11 @@ from toolkit.planner.calibration import (  # noqa: E402
     check,
     pinned,
 )
-from toolkit.planner.cost import FRAMEWORKS, Efficiency, Network, step_cost  # noqa: E402
+from toolkit.planner.cost import FRAMEWORKS, Efficiency, Network  # noqa: E402
 from toolkit.planner.devices import get_device  # noqa: E402
 from toolkit.planner.published import PUBLISHED, PublishedRun  # noqa: E402
 from toolkit.planner.search import search  # noqa: E402
+from toolkit.planner.step import step_cost  # noqa: E402
 
 GRID = {
     "matmul": [0.40 + 0.025 * i for i in range(17)],

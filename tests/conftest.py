@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes tests/dist_che
 
 from dist_checks import pool_jobs  # noqa: E402
 
-from toolkit.testing.distributed import RankPool  # noqa: E402
+from toolkit.runtime.rankpool import RankPool  # noqa: E402
 
 _OPS_READY = False
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from dist_checks import adapter_checks as ac
 
-from toolkit.testing.distributed import RankPool
+from toolkit.runtime.rankpool import RankPool
 
 pytestmark = [
     pytest.mark.gpu,

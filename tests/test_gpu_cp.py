@@ -12,7 +12,7 @@ import torch
 from dist_checks import adapter_checks as ac
 from dist_checks import cp_checks
 
-from toolkit.testing.distributed import RankPool
+from toolkit.runtime.rankpool import RankPool
 
 CUDA_ENV = {"MDTK_DEVICE": "cuda", "DS_ACCELERATOR": "cuda"}
 pytestmark = [

@@ -155,6 +155,16 @@ def test_byte_layer_imports_only_itself():
                        + "\n".join(wrong))
 
 
+def test_production_code_does_not_import_the_test_helpers():
+    """``toolkit.testing`` is for tests and scripts; what production code needs of it (the rank
+    pool) lives in ``toolkit.runtime.rankpool``."""
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+             for path in sources() if package_of(module_name(path)) != "toolkit.testing"
+             for line, target in imports(path)
+             if target == "toolkit.testing" or target.startswith("toolkit.testing.")]
+    assert not wrong, "production code imports toolkit.testing:\n" + "\n".join(wrong)
+
+
 def test_no_module_import_circles():
     """No cycle among modules through module-level imports (what runs at import time)."""
     graph: dict[str, set[str]] = {}

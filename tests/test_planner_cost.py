@@ -203,3 +203,16 @@ def test_eager_attention_scores_go_through_memory():
     scores = EAGER_SCORE_PASSES * 2 * 32 * 1024 * (2 * 1024) * 16 * 3  # bytes a step
     assert EAGER_SCORE_PASSES == 6
     assert eager.compute - flash.compute == pytest.approx(scores / (H100.hbm * eff.memory))
+
+
+def test_every_traffic_kind_names_its_link():
+    """Bytes and seconds stay apart, and each traffic kind says which link carries it: tp inside
+    the node's NVLink domain, the pipeline and dp groups (strided by tp=8) across nodes, offload
+    over the host link."""
+    c = Candidate(tp=8, pp=2, dp=4, zero=2, offload="optimizer")
+    cost = step_cost(LLAMA_8B, Workload(4096, 32), c, Network(H100, 8))
+    assert cost.links == {"tp": "gpu link", "pp": "network", "dp_reducescatter": "network",
+                          "dp_allgather": "network", "offload_to_host": "pcie",
+                          "offload_to_device": "pcie"}
+    assert set(cost.links) == {k for k, v in cost.volumes.items() if v}
+    assert Network(DEVICES["l40s"], 8).link(4, 1, EFF).name == "pcie"  # no NVLink domain

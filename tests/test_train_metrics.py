@@ -63,14 +63,18 @@ def test_flops_dense_llama_by_hand_and_against_hf():
     assert matmul_params_per_token(model_shape_from_hf(TINY_LLAMA)) == n == 217664
     total, embed, _ = _hf_counts(TINY_LLAMA)
     assert total - embed == n  # the real model: every parameter but the embedding lookup
-    assert model_flops_per_token(TINY_LLAMA, seq_len=128) == 6 * n + 12 * 4 * 64 * 128
+    shape = model_shape_from_hf(TINY_LLAMA)
+    assert model_flops_per_token(shape, seq_len=128) == 6 * n + 12 * 4 * 64 * 128
 
 
 def test_flops_moe_counts_active_experts_against_hf():
     total, embed, experts = _hf_counts(TINY_MIXTRAL)
     active = total - embed - experts + experts * 2 // 4  # top-2 of 4 experts
     assert active == 34336  # by hand: 2 * (3072 + 64 + 128 + 12288) + 32 + 3200
-    assert model_flops_per_token(TINY_MIXTRAL, seq_len=16) == 6 * active + 12 * 2 * 32 * 16
+    from toolkit.memory.model import model_shape_from_hf
+
+    shape = model_shape_from_hf(TINY_MIXTRAL)
+    assert model_flops_per_token(shape, seq_len=16) == 6 * active + 12 * 2 * 32 * 16
 
 
 def test_flops_tied_head_still_counted():

@@ -19,7 +19,7 @@ import pytest
 from dist_checks import reshard_checks as rc
 from dist_checks.trainer_checks import Case
 
-from toolkit.testing.distributed import RankPool
+from toolkit.runtime.rankpool import RankPool
 
 LOSS_RTOL = 1e-5
 LONG = rc.FULL + 2  # the offline conversion of the step-6 checkpoint continues to here

@@ -16,7 +16,7 @@ import pytest
 from dist_checks import trainer_checks as tc
 from dist_checks.trainer_checks import Case
 
-from toolkit.testing.distributed import RankPool
+from toolkit.runtime.rankpool import RankPool
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-5

@@ -3,8 +3,9 @@ checkpoint, a resume. ``mdtk`` prints them as one ``error: ...`` line (once, fro
 exits non-zero without a traceback; anything else is a bug and keeps its traceback.
 
 It sits below every other module so that each layer's own error class (``LayoutError``,
-``CheckpointError``, ``DataError``, ``ConfigError``, ...) can derive from it without importing
-upwards.
+``CheckpointError``, ``DataError``, ...) can derive from it without importing upwards;
+``ConfigError`` is shared by the trainer's config and the DeepSpeed config generator, so it
+lives here.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ DEBUG_ENV = "MDTK_DEBUG"
 
 class UserError(ValueError):
     """Something the user gave that cannot work; the message names it and says the fix."""
+
+
+class ConfigError(UserError):
+    """A configuration that cannot work: a trainer YAML key, a DeepSpeed config, or a request to
+    the DeepSpeed config generator that no option satisfies. The message names the key, the
+    value and the fix. One class for the trainer (``toolkit.train.config``) and the generator
+    (``toolkit.dsconfig``), so a caller catches one type."""
 
 
 def debug() -> bool:

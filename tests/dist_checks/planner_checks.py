@@ -19,11 +19,11 @@ def run_emitted(configs: list[str]) -> list[dict[str, Any]]:
     for path in configs:
         seen: dict[str, Any] = {}
 
-        def spy(chunks, mpu, ds_config, seen=seen):  # the layout the run really used
+        def spy(chunks, mpu, ds_config, seen=seen, **kw):  # the layout the run really used
             seen.update(tp=ps.get_tensor_model_parallel_world_size(),
                         pp=ps.get_pipeline_model_parallel_world_size(),
                         dp=ps.get_data_parallel_world_size(), chunks=len(chunks))
-            return original(chunks, mpu, ds_config)
+            return original(chunks, mpu, ds_config, **kw)
 
         trainer.build_engine = spy
         try:

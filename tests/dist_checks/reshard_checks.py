@@ -46,8 +46,8 @@ def run(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]:
     original = trainer.build_model
     init_dir = Path(workdir) / case.name / "init_hf"
 
-    def spy(cfg, layout):
-        chunks, adapter = original(cfg, layout)
+    def spy(*args):
+        chunks, adapter = original(*args)
         export_hf(chunks, adapter, init_dir, overwrite=True)
         return chunks, adapter
 

@@ -130,14 +130,14 @@ def run_case(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]
     seen: dict[str, Any] = {}
     original = trainer.build_engine
 
-    def spy(chunks, mpu, ds_config):  # records the layout the run really used
+    def spy(chunks, mpu, ds_config, **kw):  # records the layout the run really used
         seen.update(tp=ps.get_tensor_model_parallel_world_size(),
                     pp=ps.get_pipeline_model_parallel_world_size(),
                     dp=ps.get_data_parallel_world_size(),
                     cp=ps.get_context_parallel_world_size(),
                     ep=ps.get_expert_model_parallel_world_size(), chunks=len(chunks),
                     padded_vocab=int(chunks[0].vocab_size))
-        engine = original(chunks, mpu, ds_config)
+        engine = original(chunks, mpu, ds_config, **kw)
         if case.grads:
             _record_first_grads(engine, seen)
         return engine

@@ -192,58 +192,19 @@ def export_hf(
     time (point-to-point to ``dst``); ``dst`` holds at most one HF tensor group plus one output
     shard. Vocab padding is stripped. Returns the folder on ``dst``, None elsewhere.
     """
-    rank = dist.get_rank()
-    coords: list[Coord] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(coords, current_coord())
-    plans_of: dict[Coord, list[TensorPlan]] = {}
-    owners: dict[str, dict[int, tuple[int, TensorPlan]]] = defaultdict(dict)
-    for r, c in enumerate(coords):
-        if c not in plans_of:
-            plans_of[c] = adapter.plan(c)
-        for t in plans_of[c]:
-            owners[t.key].setdefault(t.shard, (r, t))
+    coords, owners = _owners(adapter)
     table = adapter.table(coords[0].tp)
     params = _params(chunks)
     dtype = to_torch(dtype or adapter.hf_dtype)
-    writer, problem = None, [None]
-    if rank == dst:
-        try:
-            writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
-        except (OSError, ValueError) as err:
-            problem = [f"{type(err).__name__}: {err}"]
-    dist.broadcast_object_list(problem, src=dst)  # fail on every rank, not only on dst
-    if problem[0] is not None:
-        raise CheckpointError(f"export to {out_dir} on rank {dst}: {problem[0]}")
+    writer = _open_writer(out_dir, max_shard_bytes, overwrite, dst)
     written: set[str] = set()
     try:
         for key, rule in table.items():
             shapes = rule.hf_shapes()
             if set(shapes) <= written:
                 continue  # tied output layer: its tensor is the embedding, already written
-            shards = owners.get(key, {})
-            split = coords[0].etp if f".{EXPERTS}." in key else coords[0].tp
-            if len(shards) != (split if rule.split else 1):
-                raise MappingError(f"{key}: no rank holds all of its shards ({sorted(shards)}).")
-            out = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()} if writer else {}
-            filled = dict.fromkeys(shapes, 0)
-            for shard in sorted(shards):
-                owner, t = shards[shard]
-                local = None
-                if rank == owner:
-                    local = params[(t.chunk, t.name)].detach().contiguous()
-                    if rank != dst:
-                        dist.send(local, dst)
-                elif rank == dst:
-                    local = torch.empty(t.shape, dtype=next(iter(params.values())).dtype)
-                    dist.recv(local, owner)
-                if rank != dst:
-                    continue
-                for piece in t.pieces:
-                    part = local[tuple(slice(a, b) for a, b in piece.dst)]
-                    if piece.transpose:
-                        part = part.t()
-                    out[piece.source][tuple(slice(a, b) for a, b in piece.src)] = part
-                    filled[piece.source] += piece.numel
+            out, filled = _gather(key, rule, owners.get(key, {}), coords[0], params, dtype,
+                                  dst, keep=writer is not None)
             if writer is not None:
                 for name, tensor in out.items():
                     if filled[name] != tensor.numel():
@@ -264,6 +225,69 @@ def export_hf(
         raise
     dist.barrier()
     return result
+
+
+def _owners(adapter: Adapter
+            ) -> tuple[list[Coord], dict[str, dict[int, tuple[int, TensorPlan]]]]:
+    """Every rank's coordinate, and for each HF key the rank (and plan) holding each shard."""
+    coords: list[Coord] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(coords, current_coord())
+    plans_of: dict[Coord, list[TensorPlan]] = {}
+    owners: dict[str, dict[int, tuple[int, TensorPlan]]] = defaultdict(dict)
+    for r, c in enumerate(coords):
+        if c not in plans_of:
+            plans_of[c] = adapter.plan(c)
+        for t in plans_of[c]:
+            owners[t.key].setdefault(t.shard, (r, t))
+    return coords, owners
+
+
+def _open_writer(out_dir: str | Path, max_shard_bytes: int, overwrite: bool, dst: int
+                 ) -> HFWriter | None:
+    """The writer on ``dst`` (None elsewhere); a failure to open it is raised on every rank."""
+    writer, problem = None, [None]
+    if dist.get_rank() == dst:
+        try:
+            writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+        except (OSError, ValueError) as err:
+            problem = [f"{type(err).__name__}: {err}"]
+    dist.broadcast_object_list(problem, src=dst)  # fail on every rank, not only on dst
+    if problem[0] is not None:
+        raise CheckpointError(f"export to {out_dir} on rank {dst}: {problem[0]}")
+    return writer
+
+
+def _gather(key: str, rule: Any, shards: dict[int, tuple[int, TensorPlan]], coord: Coord,
+            params: dict[tuple[int, str], torch.Tensor], dtype: torch.dtype, dst: int, *,
+            keep: bool) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The HF tensors of one table entry assembled on ``dst`` from their owners' shards (one
+    point-to-point send each): (tensors, elements filled per tensor); empty elsewhere."""
+    rank = dist.get_rank()
+    shapes = rule.hf_shapes()
+    split = coord.etp if f".{EXPERTS}." in key else coord.tp
+    if len(shards) != (split if rule.split else 1):
+        raise MappingError(f"{key}: no rank holds all of its shards ({sorted(shards)}).")
+    out = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()} if keep else {}
+    filled = dict.fromkeys(shapes, 0)
+    for shard in sorted(shards):
+        owner, t = shards[shard]
+        local = None
+        if rank == owner:
+            local = params[(t.chunk, t.name)].detach().contiguous()
+            if rank != dst:
+                dist.send(local, dst)
+        elif rank == dst:
+            local = torch.empty(t.shape, dtype=next(iter(params.values())).dtype)
+            dist.recv(local, owner)
+        if rank != dst:
+            continue
+        for piece in t.pieces:
+            part = local[tuple(slice(a, b) for a, b in piece.dst)]
+            if piece.transpose:
+                part = part.t()
+            out[piece.source][tuple(slice(a, b) for a, b in piece.src)] = part
+            filled[piece.source] += piece.numel
+    return out, filled
 
 
 def kept_tensors(adapter: Adapter) -> Any:

@@ -116,7 +116,7 @@ def convert(
 def _to_trainer(src: Path, dst: Path, **layout) -> None:
     """A trainer checkpoint resharded to another layout (``toolkit.train.reshard``)."""
     from toolkit.errors import UserError
-    from toolkit.testing.distributed import RankFailure
+    from toolkit.runtime.rankpool import RankFailure
     from toolkit.train.relayout import convert_checkpoint
 
     try:

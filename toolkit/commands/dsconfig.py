@@ -6,66 +6,51 @@ from pathlib import Path
 
 import typer
 
-from toolkit.commands.estimate import (
-    CP,
-    CPU_MEM,
-    DTYPE,
-    EP,
-    FLASH,
-    GLOBAL,
-    GPU_MEM,
-    GPUS,
-    MICRO,
-    NODES,
-    PP,
-    SEQ,
-    SP,
-    TP,
-    VPP,
-    cluster_of,
-    fail,
-    layout_of,
-    print_estimate,
-)
+from toolkit.commands import options as opt
+from toolkit.commands.printing import fail, print_estimate
 
+WORLD_SIZE = typer.Option(None, "--world-size", min=1, help="With --check: ranks of the run; "
+                          "DeepSpeed's own parser judges the batch keys at this world size.")
+RECOMPUTE = typer.Option("auto", "--recompute", help="auto, none, selective or full. auto: tried "
+                         "before offload, the fastest that fits (a trainer setting: reported, "
+                         "not written in the JSON).")
+GPU = typer.Option("h100", "--gpu", help="Device whose speed ranks the options with --recompute "
+                   "auto (mdtk plan --gpu list).")
+HF_TRAINER = typer.Option(False, "--hf-trainer", help='Write "auto" where both the HF Trainer and '
+                          "accelerate's DeepSpeedPlugin fill the value (AdamW betas/eps: "
+                          "TrainingArguments' defaults).")
+DEEPSPEED_PARSE = typer.Option(
+    False, "--deepspeed-parse/--no-deepspeed-parse",
+    help="Also run DeepSpeed's own config parser on the generated config (imports torch and "
+    "DeepSpeed: ~1.5 s). The test suite runs it on every preset and on random requests.")
 
 def ds_config(
-    model: str | None = typer.Option(None, "--model", help="Preset name, config.json, folder or "
-                                     "hub id."),
+    model: str | None = opt.MODEL_OR_NONE,
     check: Path | None = typer.Option(None, "--check", help="Lint this config instead."),
-    world_size: int | None = typer.Option(None, "--world-size", min=1,
-                                          help="With --check: ranks of the run; DeepSpeed's "
-                                          "own parser judges the batch keys at this world size."),
-    nodes: int = NODES, gpus_per_node: int = GPUS, gpu_mem: str = GPU_MEM, cpu_mem: str = CPU_MEM,
+    world_size: int | None = WORLD_SIZE,
+    nodes: int = opt.NODES, gpus_per_node: int = opt.GPUS, gpu_mem: str = opt.GPU_MEM,
+    cpu_mem: str = opt.CPU_MEM,
     nvme_path: str | None = typer.Option(None, "--nvme-path"),
     nvme_size: str | None = typer.Option(None, "--nvme-size", help="NVMe space per node."),
     stage: str = typer.Option("auto", "--stage", help="auto, 0, 1, 2 or 3."),
     offload: str = typer.Option("auto", "--offload", help="auto, none, cpu or nvme."),
-    tp: int = TP, pp: int = PP, cp: int = CP, ep: int = EP, vpp: int | None = VPP,
-    sequence_parallel: bool = SP, seq_len: int = SEQ, micro_batch: int = MICRO,
-    global_batch: int | None = GLOBAL, dtype: str = DTYPE,
-    recompute: str = typer.Option("auto", "--recompute", help="auto, none, selective or full. "
-                                  "auto: tried before offload, the fastest that fits (a trainer "
-                                  "setting: reported, not written in the JSON)."),
-    flash: bool = FLASH,
-    gpu: str = typer.Option("h100", "--gpu", help="Device whose speed ranks the options with "
-                            "--recompute auto (mdtk plan --gpu list)."),
-    hf_trainer: bool = typer.Option(False, "--hf-trainer", help='Write "auto" where both the HF '
-                                    "Trainer and accelerate's DeepSpeedPlugin fill the value "
-                                    "(AdamW betas/eps: TrainingArguments' defaults)."),
+    tp: int = opt.TP, pp: int = opt.PP, cp: int = opt.CP, ep: int = opt.EP,
+    vpp: int | None = opt.VPP,
+    sequence_parallel: bool = opt.SP, seq_len: int = opt.SEQ, micro_batch: int = opt.MICRO,
+    global_batch: int | None = opt.GLOBAL, dtype: str = opt.DTYPE,
+    recompute: str = RECOMPUTE,
+    flash: bool = opt.FLASH,
+    gpu: str = GPU, hf_trainer: bool = HF_TRAINER,
     scheduler: str = typer.Option("WarmupDecayLR", "--scheduler"),
     lr: float = typer.Option(3e-4, "--lr"),
     warmup_steps: int = typer.Option(100, "--warmup-steps"),
     total_steps: int = typer.Option(10000, "--total-steps"),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the JSON here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the reasoning."),
-    deepspeed_parse: bool = typer.Option(
-        False, "--deepspeed-parse/--no-deepspeed-parse",
-        help="Also run DeepSpeed's own config parser on the generated config (imports torch and "
-        "DeepSpeed: ~1.5 s). The test suite runs it on every preset and on random requests."),
+    deepspeed_parse: bool = DEEPSPEED_PARSE,
 ) -> None:
     """Choose ZeRO stage and offload for MODEL on the cluster, explain why, write the config."""
-    layout = layout_of(tp, pp, cp, ep, vpp, sequence_parallel)
+    layout = opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel)
     if check is not None:
         _check(check, world_size, layout)
         return
@@ -79,7 +64,7 @@ def ds_config(
     try:
         request = Request(
             model=load_model_shape(model),
-            cluster=cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem, nvme_path, nvme_size),
+            cluster=opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem, nvme_path, nvme_size),
             train=TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                              dtype=dtype, recompute="none" if auto else recompute,
                              flash_attention=flash),

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import typer
 
-SCHEDULERS = ("torchrun", "slurm", "deepspeed")
-
 
 def launch(
     ctx: typer.Context,
@@ -59,65 +57,58 @@ def launch(
     node; slurm writes an sbatch script (requeued with a save before its time limit).
     --dry-run prints the commands, environment and script instead.
     """
-    from toolkit import errors
-    from toolkit.launch import LaunchSpec, elastic_env
-    from toolkit.launch import network as net
-    from toolkit.launch.shape import check_fit, is_config_arg
+    from toolkit.launch.prepare import LaunchError, prepare_launch
 
-    args = list(ctx.args)
-    if not args:
-        raise typer.BadParameter("give a training config (mdtk launch cfg.yaml ...) or the mdtk "
-                                 "command to run after --, e.g. -- train cfg.yaml")
-    if slurm is not None:
-        scheduler = "slurm"
-    if scheduler not in SCHEDULERS:
-        raise typer.BadParameter(f"--scheduler {scheduler}: choose one of "
-                                 f"{', '.join(SCHEDULERS)}")
-    if network not in net.NETWORKS:
-        raise typer.BadParameter(f"--network {network}: choose one of {', '.join(net.NETWORKS)}")
-    if scheduler == "deepspeed" and max_restarts:
-        raise typer.BadParameter("--max-restarts: the DeepSpeed launcher does not restart failed "
-                                 "ranks; use --scheduler torchrun or slurm.")
-    n = nproc_per_node or _default_nproc()
-    try:
-        spec = LaunchSpec(n, nnodes, node_rank, master_addr, master_port, max_restarts)
-    except ValueError as e:
+    try:  # a ConfigError of the training config goes on: one `error:` line
+        job = prepare_launch(list(ctx.args), nproc_per_node=nproc_per_node, nnodes=nnodes,
+                             scheduler=scheduler, node_rank=node_rank, master_addr=master_addr,
+                             master_port=master_port, max_restarts=max_restarts,
+                             network=network, slurm=slurm is not None)
+    except LaunchError as e:
         raise typer.BadParameter(str(e)) from None
-    output_dir = None
-    if is_config_arg(args[0]):
-        fit = check_fit(args[0], args[1:], nnodes, n)  # ConfigError: one `error:` line
-        output_dir = Path(str(fit.cfg.output_dir))
-        plan = fit.plan
-        _say(f"[mdtk launch] {nnodes} x {n} = {spec.world_size} ranks: "
-                   f"{plan.layout.describe()}, global batch {plan.global_batch} = micro "
-                   f"{plan.micro_batch} x {plan.grad_accum} accumulation x dp {plan.layout.dp}")
-        for note in fit.notes:
-            _say(f"[mdtk launch] note: {note}")
-        args = ["train", *args]
-    defaults = net.nccl_defaults(network, nnodes) | elastic_env(spec)
-    _say("[mdtk launch] environment: " + " ".join(net.describe(defaults, os.environ)))
-
-    if scheduler == "slurm":
-        _slurm(spec, args, output_dir, slurm, dry_run, defaults, partition=partition,
+    _announce(job)
+    if job.scheduler == "slurm":
+        _slurm(job.spec, job.args, job.output_dir, slurm, dry_run, job.env, partition=partition,
                time_limit=time_limit, stop_minutes=stop_minutes, job_name=job_name)
         return
-    os.environ.update(net.apply(defaults, os.environ))
-    if output_dir is not None and not dry_run:
-        _clear_stop_file(output_dir)
-    if scheduler == "deepspeed":
-        raise typer.Exit(_deepspeed(spec, args, output_dir, hostfile, dry_run))
+    raise typer.Exit(_start(job, hostfile, dry_run))
+
+
+def _announce(job) -> None:
+    from toolkit.launch import network as net
+
+    spec = job.spec
+    if job.fit is not None:
+        plan = job.fit.plan
+        _say(f"[mdtk launch] {spec.nnodes} x {spec.nproc_per_node} = {spec.world_size} ranks: "
+             f"{plan.layout.describe()}, global batch {plan.global_batch} = micro "
+             f"{plan.micro_batch} x {plan.grad_accum} accumulation x dp {plan.layout.dp}")
+        for note in job.fit.notes:
+            _say(f"[mdtk launch] note: {note}")
+    _say("[mdtk launch] environment: " + " ".join(net.describe(job.env, os.environ)))
+
+
+def _start(job, hostfile: Path | None, dry_run: bool) -> int:
+    """torchrun or the DeepSpeed launcher on this node; the exit status."""
+    from toolkit import errors
+    from toolkit.launch import network as net
     from toolkit.launch import run_local, torchrun_argv
 
+    os.environ.update(net.apply(job.env, os.environ))
+    if job.output_dir is not None and not dry_run:
+        _clear_stop_file(job.output_dir)
+    if job.scheduler == "deepspeed":
+        return _deepspeed(job.spec, job.args, job.output_dir, hostfile, dry_run)
     if dry_run:
         import shlex
 
-        typer.echo(shlex.join(torchrun_argv(spec, args)))
-        return
-    status = run_local(spec, args)
+        typer.echo(shlex.join(torchrun_argv(job.spec, job.args)))
+        return 0
+    status = run_local(job.spec, job.args)
     if status == errors.EXIT_STOPPED:
         typer.echo("[mdtk launch] the ranks saved a checkpoint and stopped on request; run the "
                    "same command again to resume.", err=True)
-    raise typer.Exit(status)
+    return status
 
 
 def _say(text: str) -> None:
@@ -203,16 +194,6 @@ def _deepspeed(spec, args: list[str], output_dir: Path | None, hostfile: Path | 
         return 0
     env = rank_env(spec, os.environ)
     return subprocess.run(deepspeed_argv(spec, hostfile, args), env=env, check=False).returncode
-
-
-def _default_nproc() -> int:
-    from toolkit import runtime
-
-    if runtime.use_cuda():
-        import torch
-
-        return torch.cuda.device_count()
-    return 2
 
 
 def register(app: typer.Typer) -> None:

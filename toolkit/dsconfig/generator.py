@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolkit.dsconfig.lint import HF_ADAM_BETAS, HF_ADAM_EPS, lint
-from toolkit.errors import UserError
+from toolkit.errors import ConfigError
 from toolkit.memory import (
     CPU,
     GIB,
@@ -33,10 +33,6 @@ SCHEDULERS = ("WarmupDecayLR", "WarmupCosineLR")
 INT_1E9 = 1_000_000_000
 AIO_BLOCK = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
              "single_submit": False, "overlap_events": True}
-
-
-class ConfigError(UserError):
-    """The request cannot produce a working config; the message says what does not fit."""
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """Parallelism planner (pure functions): which layout, ZeRO stage, offload, recompute and
 micro-batch to train a model with on a cluster, how long a step takes and what it costs.
 
-``cost`` is the analytic step-time model, ``devices`` the accelerator table, ``search`` the
+``cost`` holds the analytic step-time model's knobs and terms and ``step`` composes them into
+one plan's step time, ``devices`` the accelerator table, ``search`` the
 enumeration ranked by the cost model and filtered by the memory model (``toolkit.memory``),
 ``published`` the published runs it is checked against (docs/planner.md).
 """
 
-from toolkit.planner.cost import Candidate, Efficiency, Network, StepCost, Workload, step_cost
+from toolkit.planner.cost import Candidate, Efficiency, Network, StepCost, Workload
 from toolkit.planner.devices import DEVICES, Device, DeviceError, get_device, peak_tflops
 from toolkit.planner.search import (
     PlanError,
@@ -18,6 +19,7 @@ from toolkit.planner.search import (
     explain,
     search,
 )
+from toolkit.planner.step import step_cost
 
 __all__ = [
     "DEVICES", "Candidate", "Device", "DeviceError", "Efficiency", "Network", "PlanError",

@@ -15,6 +15,9 @@ intra-node link when the group fits in the node's link domain, the network other
 What a framework overlaps differs (DeepSpeed reduces ZeRO-1/2/3 gradients at every micro-batch;
 Megatron-LM's distributed optimizer once per step and overlaps its parameter all-gather; TE hides
 part of the TP collectives): ``Framework`` holds those switches, ``MDTK`` is mdtk's own.
+
+This module holds the knobs (``Candidate``, ``Workload``, ``Network`` and its ``Link``s), the
+result (``StepCost``) and the terms; ``toolkit.planner.step`` composes them into ``step_cost``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import functools
 from dataclasses import asdict, dataclass, field
 
 from toolkit.memory import ModelShape, rank_params
-from toolkit.memory.states import DTYPE_BYTES, RankParams
+from toolkit.memory.states import RankParams
 from toolkit.parallel.layout import ParallelLayout
 from toolkit.planner.devices import Device
 from toolkit.planner.flops import (
@@ -153,25 +156,43 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Link:
+    """The link a collective runs over: ``gpu link`` (NVLink, inside the link domain), ``pcie``
+    (inside a node beyond that domain; also the host link of offload traffic) or ``network``
+    (across nodes), with its achieved bus bandwidth (bytes/s) and latency (s)."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
 class Network:
     """Where the ranks sit: nodes of ``gpus_per_node`` devices."""
 
     device: Device
     gpus_per_node: int
 
-    def bandwidth(self, size: int, stride: int, eff: Efficiency) -> tuple[float, float]:
-        """(bus bytes/s, latency) of a collective over ``size`` ranks ``stride`` apart.
+    def link(self, size: int, stride: int, eff: Efficiency) -> Link:
+        """The link of a collective over ``size`` ranks ``stride`` apart.
 
         Inside a node: the GPU link (PCIe beyond the NVLink domain). Across nodes, NCCL's rings
         run one per rail (NIC): the k group members a node holds push the ring through k NICs
         in parallel, so the bus bandwidth is k x the per-GPU network share, capped by the GPU
         link (k = 1 when the group has one rank per node, e.g. data parallelism across tp=8)."""
-        link = self.device.intra if min(size * stride, self.gpus_per_node) <= \
-            self.device.nvlink_domain else self.device.pcie
+        in_domain = min(size * stride, self.gpus_per_node) <= self.device.nvlink_domain
+        link = self.device.intra if in_domain else self.device.pcie
         if size * stride <= self.gpus_per_node:
-            return link * eff.network, self.device.latency_intra
+            return Link("gpu link" if in_domain else "pcie", link * eff.network,
+                        self.device.latency_intra)
         per_node = min(size, max(1, self.gpus_per_node // stride))
-        return min(link, per_node * self.device.inter) * eff.network, self.device.latency_inter
+        return Link("network", min(link, per_node * self.device.inter) * eff.network,
+                    self.device.latency_inter)
+
+    def bandwidth(self, size: int, stride: int, eff: Efficiency) -> tuple[float, float]:
+        """(bus bytes/s, latency) of ``link``."""
+        link = self.link(size, stride, eff)
+        return link.bandwidth, link.latency
 
 
 @dataclass(frozen=True)
@@ -192,7 +213,8 @@ class StepCost:
     num_microbatches: int
     tokens_per_s_per_gpu: float
     mfu: float
-    volumes: dict[str, float] = field(default_factory=dict)  # bytes per rank per step
+    volumes: dict[str, float] = field(default_factory=dict)  # bytes per rank per step, by kind
+    links: dict[str, str] = field(default_factory=dict)  # the Link.name each kind travels over
 
     def breakdown(self) -> dict[str, float]:
         d = asdict(self)
@@ -282,13 +304,13 @@ def cpu_adam_seconds(shard: float, device: Device, ranks_per_node: int, eff: Eff
 # -- cached per-model quantities -----------------------------------------------------------------
 
 @functools.lru_cache(maxsize=64)
-def _model_terms(model: ModelShape) -> tuple[list[float], list[tuple[float, float]], float]:
+def model_terms(model: ModelShape) -> tuple[list[float], list[tuple[float, float]], float]:
     elem = [layer_elementwise_elements(model, i) for i in range(model.layers)]
     return layer_matmul_params(model), elem, head_forward_flops(model)
 
 
 @functools.lru_cache(maxsize=256)
-def _model_flops(model: ModelShape, seq_len: int) -> float:
+def model_flops(model: ModelShape, seq_len: int) -> float:
     return model_flops_per_token(model, seq_len)
 
 
@@ -298,164 +320,3 @@ def stage_params(model: ModelShape, tp: int, pp: int, vpp: int, cp: int, ep: int
     """This layout's parameters on the first and on the last pipeline stage."""
     layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp if vpp > 1 else None)
     return rank_params(model, layout, 0), rank_params(model, layout, pp - 1)
-
-
-# -- the step ------------------------------------------------------------------------------------
-
-def step_cost(model: ModelShape, work: Workload, c: Candidate, net: Network,
-              framework: Framework = MDTK, eff: Efficiency | None = None) -> StepCost:
-    """Estimated seconds per optimizer step of ``c`` and the throughput that follows."""
-    eff = eff or Efficiency()
-    dev = net.device
-    e = DTYPE_BYTES[work.dtype]
-    e_grad = framework.grad_reduce_bytes or e
-    m = work.global_batch // (c.micro_batch * c.dp)
-    if m < 1 or m * c.micro_batch * c.dp != work.global_batch:
-        raise ValueError(f"global batch {work.global_batch} is not micro_batch x dp x "
-                         f"accumulation for {c.describe()}")
-    peak = dev.peak_flops(work.dtype)
-    s, h = work.seq_len, model.hidden
-    tokens = s * c.micro_batch / c.cp  # tokens of one micro-batch on one rank
-    sp_div = c.tp if c.sequence_parallel else 1
-    matmul, elem, head_flops = _model_terms(model)
-    first, last = stage_params(model, c.tp, c.pp, c.vpp, c.cp, c.ep, c.dp)
-    tp_bw, tp_lat = net.bandwidth(c.tp, 1, eff)
-    cp_bw, cp_lat = net.bandwidth(c.cp, c.tp, eff)
-    ep_bw, ep_lat = net.bandwidth(c.ep, c.tp * c.cp, eff)
-    volumes: dict[str, float] = {}
-
-    def stage_time(layers: tuple[int, ...], is_last: bool) -> tuple[float, float, dict]:
-        """(seconds of one micro-batch fwd+bwd, of which backward compute, exposed comms)."""
-        fwd_mm = sum(2.0 * matmul[i] for i in layers) * tokens / c.tp
-        fwd_att = 4.0 * model.q_dim * s * tokens / c.tp * len(layers)
-        passes = 4 if c.recompute == "full" else 3  # forward, backward (2x), recomputed forward
-        mm, att = passes * fwd_mm, passes * fwd_att
-        if c.recompute == "selective":
-            att += fwd_att
-        elem_bytes = sum(w / sp_div + inner / c.tp for w, inner in (elem[i] for i in layers))
-        elem_bytes *= e * tokens * passes
-        if not work.flash:  # eager attention: the s x s scores go through memory
-            score_passes = passes + (1 if c.recompute == "selective" else 0)
-            elem_bytes += (EAGER_SCORE_PASSES * e * model.heads / c.tp * s * tokens
-                           * len(layers) * score_passes)
-        if is_last:
-            mm += 3 * head_flops * tokens / c.tp
-            elem_bytes += eff.logits_bytes * tokens * model.padded_vocab(c.tp) / c.tp
-        compute = (mm / (peak * eff.matmul) + att / (peak * eff.attention)
-                   + elem_bytes / (dev.hbm * eff.memory))
-        comms: dict[str, float] = {}
-        if c.tp > 1:
-            calls = tp_collectives_per_layer(c.recompute, c.sequence_parallel) * len(layers)
-            payload = tokens * h * e
-            per = ring_time(payload, c.tp, "allreduce", tp_bw, tp_lat)
-            if c.sequence_parallel:
-                per += tp_lat  # an all-gather and a reduce-scatter: two launches
-            comms["tp"] = calls * per * (1 - framework.tp_overlap)
-            comms["tp_bytes"] = calls * payload
-        if c.cp > 1:
-            nbytes = cp_exchange_bytes(model, tokens, c.cp, c.tp, e, c.recompute)
-            per_layer = nbytes / cp_bw + passes * (c.cp - 1) * cp_lat
-            attention = passes * 4.0 * model.q_dim * s * tokens / c.tp / (peak * eff.attention)
-            comms["cp"] = len(layers) * max(0.0, per_layer - attention)
-            comms["cp_bytes"] = len(layers) * nbytes
-        moe = [i for i in layers if model.is_moe_layer(i)]
-        if c.ep > 1 and moe:
-            calls = (6 if c.recompute == "full" else 4) * len(moe)
-            payload = tokens * model.top_k * h * e
-            comms["ep"] = calls * ring_time(payload, c.ep, "alltoall", ep_bw, ep_lat)
-            comms["ep_bytes"] = calls * payload * (c.ep - 1) / c.ep
-        exposed = sum(v for k, v in comms.items() if not k.endswith("bytes"))
-        backward = compute * (passes - 1) / passes  # recompute runs inside the backward
-        return compute + exposed, backward, {"compute": compute, **comms}
-
-    t_first, bwd_first, parts_first = stage_time(first.layers, c.pp == 1)
-    t_last, bwd_last, parts_last = stage_time(last.layers, True)
-    if c.pp == 1:
-        t_first, bwd_first, parts_first = t_last, bwd_last, parts_last
-    slow_parts = parts_last if t_last >= t_first else parts_first
-    t_max = max(t_first, t_last)
-    t_mean = (t_first * (c.pp - 1) + t_last) / c.pp
-    bwd_mean = (bwd_first * (c.pp - 1) + bwd_last) / c.pp
-    pipeline = m * t_max + (c.pp - 1) / c.vpp * t_mean
-    bubble = (c.pp - 1) / c.vpp * t_mean
-    for k in ("tp_bytes", "cp_bytes", "ep_bytes"):
-        if k in slow_parts:
-            volumes[k[:-6]] = m * slow_parts[k]
-    # pipeline sends: activations forward, their gradients backward, once per chunk boundary
-    pp_send = 0.0
-    if c.pp > 1:
-        pp_bw, pp_lat = net.bandwidth(2, c.tp * c.cp * c.dp, eff)
-        payload = tokens * h * e / sp_div
-        pp_send = m * 2 * c.vpp * ring_time(payload, 2, "p2p", pp_bw, pp_lat)
-        volumes["pp"] = m * 2 * c.vpp * payload
-
-    # data parallel / ZeRO over dp*cp (dense) and the expert-data-parallel group (experts)
-    params = max(first, last, key=lambda r: r.total)
-    dp_bw, dp_lat = net.bandwidth(c.dp * c.cp, c.tp, eff)
-    # Exposure: gradients reduced at every micro-batch hide behind all backward passes, a
-    # once-per-step reduction only behind the last one; ZeRO-3 gathers (prefetched) and
-    # parameter fetches hide behind any compute; the ZeRO-1/2 parameter all-gather follows the
-    # step (Megatron: overlapped with the next forward).
-    backward_pool = overlapped_pool = after_step = 0.0
-    fwd_mean = t_mean - bwd_mean
-    for n, count in ((params.dense_dp, params.dense), (params.expert_dp, params.expert)):
-        traffic = zero_traffic(c.zero, count, n, m, e, e_grad, framework.grad_reduce_per_micro)
-        for kind, nbytes in traffic.items():
-            volumes[f"dp_{kind}"] = volumes.get(f"dp_{kind}", 0.0) + nbytes
-            calls = 1
-            if kind == "reducescatter" and (framework.grad_reduce_per_micro or c.zero == 3):
-                calls = m
-            elif kind == "allgather" and c.zero == 3:
-                calls = 2 * m
-            t = calls * ring_time(nbytes / calls, n, kind, dp_bw, dp_lat)
-            if kind == "allgather":
-                if c.zero == 3:
-                    overlapped_pool += t
-                else:
-                    after_step += max(0.0, t - fwd_mean) if framework.param_gather_overlap else t
-            elif kind == "reducescatter" and calls > 1:
-                backward_pool += t
-            elif kind == "reducescatter" or framework.zero0_overlap:
-                after_step += max(0.0, t - bwd_mean)
-            else:
-                after_step += t
-
-    # optimizer step and offload
-    shard = params.dense / params.dense_dp + params.expert / params.expert_dp
-    stepped = shard if c.zero >= 1 else params.total
-    down, up = offload_bytes(c.zero, c.offload, shard, m, e, e_grad)
-    volumes["offload_to_host"], volumes["offload_to_device"] = down, up
-    pcie = dev.pcie * eff.pcie
-    if c.offload == "none":
-        optimizer = stepped * eff.optimizer_bytes / (dev.hbm * eff.memory)
-        offload = 0.0
-    else:
-        optimizer = cpu_adam_seconds(stepped, dev, net.gpus_per_node, eff)
-        backward_pool += down / pcie
-        fetch = 2 * m * shard * e if c.offload == "all" else 0.0
-        overlapped_pool += fetch / pcie
-        offload = (up - fetch) / pcie
-    window_bwd = m * bwd_mean
-    exposed_bwd = max(0.0, backward_pool - window_bwd)
-    window_all = max(0.0, m * t_mean - min(backward_pool, window_bwd))
-    exposed_all = max(0.0, overlapped_pool - window_all)
-    dp_comm = exposed_bwd + exposed_all + after_step
-
-    # ZeRO's memory-bound copies, every micro-batch: ZeRO-3 writes each gathered parameter
-    # twice (forward, backward; 16-bit); gradients reduced per micro-batch are first copied into
-    # the framework's reduce buffers.
-    copies = 4.0 * params.total if c.zero == 3 else 0.0
-    if c.zero >= 1 and (framework.grad_reduce_per_micro or c.zero == 3):
-        copies += framework.grad_copy_bytes * params.total
-    buffers = m * copies / (dev.hbm * eff.memory)
-
-    step = pipeline + pp_send + dp_comm + buffers + optimizer + offload
-    per_gpu = work.global_batch * s / step / c.world_size
-    mfu = _model_flops(model, s) * per_gpu / peak
-    compute = m * slow_parts["compute"]
-    return StepCost(
-        compute=compute, tp_comm=m * slow_parts.get("tp", 0.0),
-        cp_comm=m * slow_parts.get("cp", 0.0), ep_comm=m * slow_parts.get("ep", 0.0),
-        pp_bubble=bubble, pp_send=pp_send, dp_comm=dp_comm, buffers=buffers, optimizer=optimizer,
-        offload=offload, step=step, num_microbatches=m, tokens_per_s_per_gpu=per_gpu, mfu=mfu,
-        volumes=volumes)

@@ -1,21 +1,28 @@
-"""What ``mdtk plan --emit DIR`` writes for a plan (pure: dicts, the CLI writes them).
+"""What ``mdtk plan --emit DIR`` writes for a plan: the dicts, and ``emit`` that writes them.
 
-The trainer YAML follows ``toolkit/train/config.py``'s schema and points ``deepspeed.config`` at
-the DeepSpeed JSON, which ``toolkit.dsconfig.generator.build_config`` builds for the plan's
-ZeRO stage and offload exactly as ``mdtk ds-config`` would. The trainer sets the batch keys,
-clipping and optimizer hyper-parameters from the YAML and checks the JSON with the same lint.
+The trainer YAML follows the trainer's schema (``toolkit/train/config/schema.py``) and points
+``deepspeed.config`` at the DeepSpeed JSON, which ``toolkit.dsconfig.generator.build_config``
+builds for the plan's ZeRO stage and offload exactly as ``mdtk ds-config`` would. The trainer
+sets the batch keys, clipping and optimizer hyper-parameters from the YAML and checks the JSON
+with the same lint.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from toolkit.dsconfig.generator import Request, build_config
 from toolkit.memory import Cluster, ModelShape
 from toolkit.planner.cost import Workload
 from toolkit.planner.search import Budget, Planned, check_fit, train_shape
+
+if TYPE_CHECKING:
+    from toolkit.planner.report import PlanReport
 
 
 class EmitError(ValueError):
@@ -89,3 +96,79 @@ def trainer_yaml(plan: Planned, work: Workload, run: RunSpec, ds_config_path: st
         "checkpoint": {"interval": 0, "keep_last": 1, "resume": "auto"},
         "logging": {"interval": 1},
     }
+
+
+def model_source(model_arg: str, folder: Path) -> tuple[str | None, str | None]:
+    """(model.path, model.config): a folder with weights is fine-tuned; a preset or a bare
+    config.json is pretrained from its config (presets are written next to the YAML)."""
+    path = Path(model_arg)
+    if path.is_dir() and any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
+        return str(path.resolve()), None
+    if path.is_dir():
+        return None, str((path / "config.json").resolve())
+    if path.is_file():
+        return None, str(path.resolve())
+    from toolkit.adapters.presets import MODEL_PRESETS, get_preset
+
+    if model_arg.lower() in MODEL_PRESETS:
+        from toolkit.atomic import write_text
+
+        target = folder / "model_config.json"
+        write_text(target, json.dumps(get_preset(model_arg), indent=2))
+        return None, str(target.resolve())
+    return model_arg, None  # a hub id: fine-tune it
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """What ``emit`` wrote and how to run it."""
+
+    yaml_path: Path
+    ds_path: Path
+    plan: Planned
+    launch: str  # the mdtk launch command line (before ``-- train YAML``)
+    notes: list[str]
+
+
+def emit(report: PlanReport, folder: Path, model_arg: str, *, rank: int = 1,
+         data: Sequence[str] = (), data_mode: str = "pretrain", tokenizer: str | None = None,
+         output_dir: str | None = None, steps: int | None = None,
+         check: Callable[[dict[str, Any]], Any] = lambda raw: None) -> Emitted:
+    """Write ``folder/train.yaml`` and ``folder/ds_config.json`` of the ``rank``-th plan of
+    ``report``. ``check`` validates the YAML with the trainer's schema (the CLI passes
+    ``toolkit.train.config.config_from_dict``; the planner sits below the trainer). Raises
+    EmitError (or what ``check`` raises) with the message to print."""
+    import yaml
+
+    from toolkit.dsconfig import lint, write_json
+
+    result, cluster, work = report.result, report.setting.cluster, report.work
+    if rank > len(result.plans):
+        raise EmitError(f"--emit-rank {rank}: only {len(result.plans)} plans fit.")
+    plan = result.plans[rank - 1]
+    folder.mkdir(parents=True, exist_ok=True)
+    model_path, model_config = model_source(model_arg, folder)
+    run = RunSpec(output_dir=output_dir or str((folder / "run").resolve()), model_path=model_path,
+                  model_config=model_config, tokenizer=tokenizer, data=tuple(data or ()),
+                  data_mode=data_mode, steps=steps or steps_for(report.setting.tokens, work))
+    if model_config and not tokenizer:
+        raise EmitError(f"--model {model_arg} is a config without weights (pretraining from "
+                        "scratch): give --tokenizer (a tokenizer folder or hub id).")
+    ds_path = (folder / "ds_config.json").resolve()
+    ds_config, notes = deepspeed_json(report.setting.shape, work, plan, cluster,
+                                      report.setting.budget)
+    raw = trainer_yaml(plan, work, run, str(ds_path))
+    lint_report = lint(ds_config, world_size=cluster.world_size, layout=plan.candidate.layout())
+    if lint_report.errors:
+        raise EmitError("the emitted DeepSpeed config failed the lint:\n  "
+                        + "\n  ".join(lint_report.errors))
+    write_json(ds_path, ds_config)
+    check(raw)  # the trainer's own schema and cross-key checks
+    from toolkit.atomic import write_text
+
+    yaml_path = folder / "train.yaml"
+    write_text(yaml_path, yaml.safe_dump(raw, sort_keys=False))
+    launch = f"mdtk launch -n {cluster.gpus_per_node}" + (
+        f" --nnodes {cluster.nodes} --node-rank $NODE_RANK --master-addr $MASTER_ADDR"
+        if cluster.nodes > 1 else "")
+    return Emitted(yaml_path, ds_path, plan, launch, notes)

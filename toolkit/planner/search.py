@@ -6,7 +6,7 @@ estimated time until ``top`` distinct plans fit, so large clusters stay fast; ev
 has passed the same fit test ``mdtk ds-config`` applies (``toolkit.dsconfig.generator.evaluate``:
 10% headroom plus a 2 GiB reserve on the GPU, host RAM for offload).
 
-Rules mirror what mdtk can train (``toolkit.train.engine.check_supported``, checked against it
+Rules mirror what mdtk can train (``toolkit.train.engine_rules.check_supported``, checked against it
 in tests/test_planner_search.py): tp within a node and dividing heads, query groups and the MLP
 width (sequence parallelism always on with tp > 1); pp dividing the layers (vpp the layers per
 stage, with micro-batches a multiple of pp); ZeRO-2/3 only with pp = 1; ZeRO-3 not with experts;
@@ -33,9 +33,9 @@ from toolkit.planner.cost import (
     StepCost,
     Workload,
     stage_params,
-    step_cost,
 )
 from toolkit.planner.devices import Device
+from toolkit.planner.step import step_cost
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def layout_key(c: Candidate) -> tuple[int, int, int, int, int]:
 
 
 def zero_allowed(zero: int, pp: int, moe: bool) -> bool:
-    """mdtk's engine rules (``toolkit.train.engine.check_supported`` with clipping on)."""
+    """mdtk's engine rules (``toolkit.train.engine_rules.check_supported`` with clipping on)."""
     if zero == 3 and (pp > 1 or moe):
         return False
     if zero == 2 and pp > 1:

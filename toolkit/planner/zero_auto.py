@@ -25,8 +25,9 @@ from toolkit.dsconfig.generator import (
     validate_request,
 )
 from toolkit.memory import ZeroOptions, num_microbatches
-from toolkit.planner.cost import MDTK, Candidate, Efficiency, Network, Workload, step_cost
+from toolkit.planner.cost import MDTK, Candidate, Efficiency, Network, Workload
 from toolkit.planner.devices import DEVICES, Device
+from toolkit.planner.step import step_cost
 
 TIERS = ("none", CPU, NVME)
 

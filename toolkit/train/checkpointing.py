@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The folder names of a trainer checkpoint belong to its format (the converter reads them too):
+# engine.save_checkpoint(step_dir, tag=ENGINE_TAG, save_latest=False); STATE_FILE beside it.
+from toolkit.checkpoint.deepspeed import ENGINE_TAG, STATE_FILE
 from toolkit.errors import UserError
 
-ENGINE_TAG = "engine"  # engine.save_checkpoint(step_dir, tag=ENGINE_TAG, save_latest=False)
-STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{7,})$")
 

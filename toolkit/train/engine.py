@@ -21,9 +21,9 @@ gradient clipping and the data-parallel reduction. The two meet in three places:
   True (the schedule already accumulated ``num_microbatches`` micro-batches).
 
 Supported: ZeRO 0-3 at pp=1; ZeRO 1-2 with pp>1 (1F1B and interleaved), which DeepSpeed's own
-PipelineEngine refuses for stage 2. Refused up front (``check_supported``): ZeRO-3 with pp>1,
-ZeRO-3 with experts, ZeRO-0 with clipping and pp>1 or experts, fp16, and bf16 ZeRO-1 with fp32
-gradient accumulation; each message says why.
+PipelineEngine refuses for stage 2. Refused up front (``engine_rules.check_supported``): ZeRO-3
+with pp>1, ZeRO-3 with experts, ZeRO-0 with clipping and pp>1 or experts, fp16, and bf16 ZeRO-1
+with fp32 gradient accumulation; each message says why.
 
 Experts: megatron-core marks expert parameters ``allreduce=False``, which DeepSpeed already reads
 as "MoE parameter". They are tagged with DeepSpeed's group name and megatron-core's expert
@@ -44,16 +44,16 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from toolkit import runtime
-from toolkit.errors import UserError
 from toolkit.models.cp_attention import context_parallel_share
 from toolkit.parallel.grads import finalize_grads
+from toolkit.train.engine_rules import (
+    EngineError,
+    check_supported,
+    with_optimizer_defaults,
+)
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
-
-
-class EngineError(UserError):
-    """A layout / DeepSpeed config / step argument combination the engine cannot run."""
 
 
 @dataclass(frozen=True)
@@ -69,91 +69,13 @@ class StepResult:
 
 # -- engine ------------------------------------------------------------------------------------
 
-def zero_stage(ds_config: dict[str, Any]) -> int:
-    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
-
-
-def offloads_optimizer(ds_config: dict[str, Any]) -> bool:
-    device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
-    return device not in (None, "none")
-
-
-def check_supported(ds_config: dict[str, Any], *, pp: int, has_experts: bool = False) -> None:
-    """Refuse combinations that do not train correctly, before any engine is built."""
-    stage = zero_stage(ds_config)
-    if stage not in (0, 1, 2, 3):
-        raise EngineError(f"zero_optimization.stage={stage}: choose 0, 1, 2 or 3.")
-    if has_experts and stage == 3:
-        raise EngineError(
-            "ZeRO stage 3 with megatron-core experts (ep/MoE) is not supported: DeepSpeed's "
-            "ZeRO-3 partitions expert parameters through its own MoE modules only. "
-            "Use zero_stage 1 or 2 for MoE models."
-        )
-    clipping = float(ds_config.get("gradient_clipping", 1.0)) > 0  # DeepSpeed's default is 1.0
-    if stage == 0 and clipping and (pp > 1 or has_experts):
-        raise EngineError(
-            "ZeRO stage 0 with gradient clipping and "
-            + ("pp>1" if pp > 1 else "experts")
-            + " is not supported because DeepSpeed's ZeRO-0 clipping norm counts non-tensor-"
-            "parallel weights on rank 0 of the tp x pp group only (dropping later pipeline "
-            "stages) and averages expert norms instead of summing them. Use zero_stage 1 "
-            "(same memory for weights, sharded optimizer states) or gradient_clipping: 0."
-        )
-    if ds_config.get("fp16", {}).get("enabled"):
-        raise EngineError(
-            "fp16 is not supported by the training engine: DeepSpeed's loss scaling happens in "
-            "engine.backward, which megatron-core's schedules bypass. Use bf16 (or fp32)."
-        )
-    grad_accum = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "")).lower()
-    bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
-    if bf16 and stage == 1 and grad_accum in ("fp32", "float32") and not offloads_optimizer(
-            ds_config):
-        raise EngineError(
-            "bf16 with zero_stage 1 and data_types.grad_accum_dtype=fp32 selects DeepSpeed's "
-            "BF16_Optimizer, which accumulates gradients in engine.backward (bypassed by "
-            "megatron-core's schedules). Drop grad_accum_dtype or use zero_stage 2."
-        )
-    if stage == 3 and pp > 1:
-        raise EngineError(
-            "ZeRO stage 3 with pp>1 is not supported because DeepSpeed's ZeRO-3 assumes every "
-            "rank runs the same modules: its parameter coordinator checks the module trace with "
-            "collectives over the whole world at the start of each forward (pipeline stages hold "
-            "different modules and run forwards at different times, so the ranks deadlock), it "
-            "computes the grad norm over a different number of parameter sub-groups per stage, "
-            "and it counts the tied embedding of the first and last stage twice. "
-            "Use zero_stage 1 or 2 with pp>1 (they partition optimizer states and gradients over "
-            "the data-parallel group), or pp=1 for ZeRO-3."
-        )
-
-
-def with_optimizer_defaults(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``ds_config`` whose Adam/AdamW uses torch's implementation unless offloading.
-
-    DeepSpeed otherwise JIT-compiles FusedAdam (~45 s on a cold CPU machine, CUDA-only kernels
-    elsewhere); with optimizer offload it must be DeepSpeed's CPU Adam, so ``torch_adam`` stays off.
-    """
-    config = {**ds_config}
-    opt = config.get("optimizer")
-    if opt and str(opt.get("type", "")).lower() in ("adam", "adamw"):
-        params = {**opt.get("params", {})}
-        if offloads_optimizer(config):
-            if params.get("torch_adam"):
-                raise EngineError(
-                    "optimizer.params.torch_adam=true with offload_optimizer: DeepSpeed needs its "
-                    "CPU Adam for offloaded optimizer states; remove torch_adam."
-                )
-        else:
-            params.setdefault("torch_adam", True)
-        config["optimizer"] = {**opt, "params": params}
-    return config
-
-
 def build_engine(
     chunks: Sequence[torch.nn.Module],
     mpu: Any,
     ds_config: dict[str, Any],
     *,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    checked: bool = False,
 ):
     """Wrap this rank's model chunks in a DeepSpeed engine over ``mpu``'s data-parallel group.
 
@@ -162,7 +84,8 @@ def build_engine(
     ``ds_config`` must name the optimizer; its batch keys must match the step's micro batch and
     ``num_microbatches`` (gradient_accumulation_steps). ``lr_scheduler``: optional callable
     ``optimizer -> scheduler`` stepped by DeepSpeed after each update; alternatively pass
-    ``lr=`` to :func:`train_step` (a stateless schedule).
+    ``lr=`` to :func:`train_step` (a stateless schedule). ``checked``: the caller already ran
+    :func:`check_supported` on ``ds_config`` (the trainer does, before it builds the model).
     """
     chunks = list(chunks)
     if not chunks:
@@ -171,8 +94,9 @@ def build_engine(
         raise EngineError("ds_config has no 'optimizer' section: mdtk trains with DeepSpeed's "
                           "optimizer (e.g. {'type': 'AdamW', 'params': {'lr': 1e-4}}).")
     experts = [p for c in chunks for p in c.parameters() if getattr(p, "allreduce", True) is False]
-    check_supported(ds_config, pp=ps.get_pipeline_model_parallel_world_size(),
-                    has_experts=bool(experts))
+    if not checked:
+        check_supported(ds_config, pp=ps.get_pipeline_model_parallel_world_size(),
+                        has_experts=bool(experts))
     ds_bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
     if ds_bf16 != bool(getattr(chunks[0].config, "bf16", False)):
         raise EngineError(

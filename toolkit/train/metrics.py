@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.memory.model import model_shape_from_hf
-
-# The peak table and the FLOP count live with the planner (one source for MFU and estimates).
+# The peak table and the FLOP count live with the planner (one source for MFU and estimates):
+# model_flops_per_token(shape, seq_len) is 6 N + 12 L H s, PaLM's model FLOPs (recomputation not
+# credited), of the run's ModelShape (``toolkit.train.model.RunModel``).
 from toolkit.planner.devices import peak_tflops  # noqa: F401 - re-exported for the trainer
-from toolkit.planner.flops import matmul_params_per_token  # noqa: F401 - re-exported
-from toolkit.planner.flops import model_flops_per_token as _shape_flops_per_token
+from toolkit.planner.flops import (
+    matmul_params_per_token,  # noqa: F401 - re-exported
+    model_flops_per_token,  # noqa: F401 - re-exported
+)
 
 
 def device_name() -> str | None:
@@ -26,12 +28,6 @@ def device_name() -> str | None:
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
-
-
-def model_flops_per_token(hf_config: dict[str, Any], seq_len: int) -> float:
-    """Training FLOPs per token of an HF config: ``toolkit.planner.flops.model_flops_per_token``
-    (6 N + 12 L H s, PaLM's model FLOPs; recomputation not credited)."""
-    return _shape_flops_per_token(model_shape_from_hf(hf_config), seq_len)
 
 
 @dataclass(frozen=True)

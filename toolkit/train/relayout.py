@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from toolkit.train.checkpointing import ENGINE_TAG, ResumeError
+from toolkit.train.checkpointing import ENGINE_TAG, STATE_FILE, ResumeError
 from toolkit.train.reshard import load_resharded, saved_stage
 
 
@@ -29,11 +29,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, tp: int = 1, pp: int
     saved world size over the new model-parallel size, ``zero`` to the saved stage. Returns
     the new ``step_*`` folder.
     """
-    from toolkit.testing.distributed import RankPool
+    from toolkit.runtime.rankpool import RankPool
     from toolkit.train.checkpointing import CheckpointManager, load_training_state
 
     path = Path(src)
-    if not (path / "trainer_state.json").is_file():
+    if not (path / STATE_FILE).is_file():
         path = CheckpointManager(path).latest() or path
     saved = load_training_state(path)
     raw = dict(saved.config)
@@ -75,24 +75,23 @@ def _convert_rank(raw: dict[str, Any], src: str) -> str:
 
     from toolkit import parallel
     from toolkit.train import config as cfgmod
-    from toolkit.train import trainer
     from toolkit.train.checkpointing import CheckpointManager, load_training_state
-    from toolkit.train.engine import build_engine, check_supported, mask_vocab_padding
+    from toolkit.train.ds_config import deepspeed_config
+    from toolkit.train.engine import build_engine, mask_vocab_padding
+    from toolkit.train.model import RunModel, build_model
 
     cfg = cfgmod.config_from_dict(raw)
     saved = load_training_state(src)
     plan = cfgmod.plan(cfg, dist.get_world_size())
     layout = plan.layout
-    hf_config = trainer._hf_config_dict(cfg)
+    model = RunModel.of(cfg)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     engine = None
     try:
-        ds_config, _ = trainer.deepspeed_config(cfg, plan, hf_config,
-                                                cfg.train.steps or saved.step)
-        check_supported(ds_config, pp=layout.pp, has_experts=trainer._has_experts(hf_config))
-        chunks, adapter = trainer.build_model(cfg, layout)
+        ds_config, _ = deepspeed_config(cfg, plan, model, cfg.train.steps or saved.step)
+        chunks, adapter = build_model(cfg, layout, model)
         mask_vocab_padding(chunks, adapter.dims.vocab)
-        engine = build_engine(chunks, mpu, ds_config)
+        engine = build_engine(chunks, mpu, ds_config, checked=True)
         load_resharded(src, engine, list(chunks), adapter, saved.step, saved.consumed_samples)
         state = dataclasses.replace(saved, world_size=layout.world_size, dp_size=layout.dp,
                                     layout=dataclasses.asdict(layout), config=cfg.to_dict())

@@ -2,17 +2,18 @@
 
 Every rank runs ``run(cfg)`` (launched by torchrun, the deepspeed launcher or srun). The pieces
 live in their own modules; this one only wires them in order:
-config.plan (layout, batches) -> parallel.initialize -> data.prepare_data_distributed ->
-DeepSpeed config (dsconfig.training: generated or the user's JSON, linted) ->
-adapters.live.load_hf / build_model -> engine.build_engine -> resume -> train_step loop
-(metrics, engine.evaluate, checkpoints) -> HF export. The phases hand each other one ``RunState``.
+config.plan (layout, batches) and model.RunModel (config.json read once, the model's shape)
+-> parallel.initialize -> data.prepare_data_distributed -> ds_config.deepspeed_config
+(dsconfig.training: generated or the user's JSON, linted; the engine's rules checked) ->
+model.build_model -> engine.build_engine -> resume -> train_step loop (metrics,
+engine.evaluate, checkpoints) -> export.export (HF folder). The phases hand each other one
+``RunState``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,10 +45,10 @@ from toolkit.train.data import (
     prepare_data_distributed,
     step_batches,
 )
+from toolkit.train.ds_config import deepspeed_config
 from toolkit.train.engine import (
     EngineError,
     build_engine,
-    check_supported,
     evaluate,
     mask_vocab_padding,
     train_step,
@@ -61,19 +62,11 @@ from toolkit.train.metrics import (
     peak_tflops,
     throughput,
 )
+from toolkit.train.model import RunModel, build_model
 from toolkit.train.schedule import LRSchedule
 
 if TYPE_CHECKING:
-    from toolkit.dsconfig.generator import Request
     from toolkit.train.faults import Heartbeat, StopGuard
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_RECOMPUTE = {
-    "none": {},
-    "selective": {"recompute_granularity": "selective"},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform",
-             "recompute_num_layers": 1},
-}
 
 
 @dataclass
@@ -95,115 +88,6 @@ def _log(msg: str) -> None:
         print(f"[mdtk train] {msg}", flush=True)
 
 
-# -- model ---------------------------------------------------------------------------------------
-
-def _hf_config_dict(cfg: TrainConfig) -> dict[str, Any]:
-    path = Path(cfg.model.path or cfg.model.config)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ConfigError(f"model: {file} not found (model.path must be an HF folder, "
-                          "model.config an HF config.json).")
-    return json.loads(file.read_text())
-
-
-def _model_overrides(cfg: TrainConfig) -> dict[str, Any]:
-    return dict(_RECOMPUTE[cfg.train.recompute])
-
-
-def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout):
-    """Fine-tune: this rank's slices of the HF checkpoint. Pretrain: this rank's slices of
-    weights drawn per tensor from (seed, name), identical at every layout (``train.init``)."""
-    from toolkit.adapters import adapter_for, live
-    from toolkit.train.init import initialize
-
-    dtype = _DTYPES[cfg.train.precision]
-    overrides = _model_overrides(cfg)
-    if cfg.model.path:
-        return live.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
-    from transformers import AutoConfig
-
-    raw = _hf_config_dict(cfg)
-    hf = AutoConfig.for_model(**raw)
-    adapter = adapter_for(hf, dtype=dtype)
-    adapter.validate(layout)
-    chunks = live.build_model(adapter, layout, **overrides)
-    initialize(chunks, adapter, cfg.train.seed)  # the same weights at every layout
-    return chunks, adapter
-
-
-def _has_experts(hf_config: dict[str, Any]) -> bool:
-    """Whether the model routes over experts, as its family describes it (one description)."""
-    from toolkit.memory.model import model_shape_from_hf
-
-    return model_shape_from_hf(hf_config).experts > 0
-
-
-# -- DeepSpeed config ----------------------------------------------------------------------------
-
-def _device_memory() -> tuple[int, int]:
-    """(memory of one device, host RAM of this node) in bytes."""
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if runtime.use_cuda():
-        return torch.cuda.get_device_properties(0).total_memory, host
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return host // max(local, 1), host  # CPU ranks share the host's RAM
-
-
-def deepspeed_config(cfg: TrainConfig, run: cfgmod.RunPlan, hf_config: dict[str, Any],
-                     total_steps: int) -> tuple[dict[str, Any], list[str]]:
-    """The DeepSpeed JSON for this run and the reasons it was chosen, from the dsconfig package.
-
-    ``deepspeed.config: auto`` asks the generator (memory model; stage/offload as configured or
-    chosen); a path is the user's JSON. Either way the trainer's keys (batch split, clipping,
-    optimizer, precision) are set and the result is linted (``toolkit.dsconfig.training``).
-    """
-    from toolkit.dsconfig.training import TrainerKeys, trainer_config
-
-    ds = cfg.deepspeed
-    if ds.zero_stage != "auto":  # refuse what the engine cannot run before sizing anything
-        check_supported({"zero_optimization": {"stage": int(ds.zero_stage)},
-                         "fp16": {"enabled": cfg.train.precision == "fp16"},
-                         "gradient_clipping": cfg.optim.clip_grad},
-                        pp=run.layout.pp, has_experts=_has_experts(hf_config))
-    o = cfg.optim
-    keys = TrainerKeys(micro_batch=run.micro_batch, global_batch=run.global_batch,
-                       grad_accum=run.grad_accum, clip_grad=o.clip_grad, lr=o.lr,
-                       weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
-                       precision=cfg.train.precision)
-    user = ds.config and ds.config != "auto"
-    source = ds.config if user else _generator_request(cfg, run, hf_config, total_steps)
-    try:
-        return trainer_config(source, keys, run.layout)
-    except ValueError as e:  # dsconfig's ConfigError, or a file that is not a JSON object
-        where = f"deepspeed.config={ds.config}" if user else "deepspeed"
-        raise ConfigError(f"{where}: {e}") from e
-
-
-def _generator_request(cfg: TrainConfig, run: cfgmod.RunPlan, hf_config: dict[str, Any],
-                       total_steps: int) -> Request:
-    """What the generator needs to choose: the model, this machine's memory, the run's shape."""
-    from toolkit.dsconfig.generator import Request
-    from toolkit.memory import Cluster, TrainShape
-    from toolkit.memory.model import model_shape_from_hf
-
-    ds, world = cfg.deepspeed, run.layout.world_size
-    gpu_mem, host = _device_memory()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    cluster = Cluster(nodes=max(world // local, 1), gpus_per_node=min(local, world),
-                      gpu_mem=gpu_mem, cpu_mem=host, nvme_path=ds.nvme_path)
-    warmup = max(cfg.optim.warmup_steps, 1)
-    return Request(
-        model=model_shape_from_hf(hf_config), cluster=cluster,
-        train=TrainShape(seq_len=cfg.train.seq_len, micro_batch=run.micro_batch,
-                         global_batch=run.global_batch, dtype=cfg.train.precision,
-                         recompute=cfg.train.recompute),
-        layout=run.layout, stage=str(ds.zero_stage), offload=ds.offload, lr=cfg.optim.lr,
-        weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
-        eps=cfg.optim.eps, gradient_clipping=cfg.optim.clip_grad,
-        warmup_steps=warmup, total_steps=max(total_steps, warmup + 1),
-    )
-
-
 # -- the run ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -213,7 +97,7 @@ class RunState:
 
     cfg: TrainConfig
     plan: cfgmod.RunPlan
-    hf_config: dict[str, Any]
+    model: RunModel  # config.json and the model's shape, read once
     data: PreparedData
     sampler: GlobalBatchSampler  # this rank's share of every global batch
     chunks: list[torch.nn.Module]
@@ -238,9 +122,9 @@ def run(cfg: TrainConfig) -> TrainResult:
     runtime.init_distributed()
     engine = None
     try:
-        mpu, run_plan, hf_config = _setup(cfg)
-        state = _prepare(cfg, mpu, run_plan, hf_config)
-        engine = build_engine(state.chunks, mpu, state.ds_config)
+        mpu, run_plan, model = _setup(cfg)
+        state = _prepare(cfg, mpu, run_plan, model)
+        engine = build_engine(state.chunks, mpu, state.ds_config, checked=True)
         return _train(state, engine)
     except (LayoutError, EngineError, ResumeError) as e:
         raise ConfigError(str(e)) from e
@@ -250,15 +134,16 @@ def run(cfg: TrainConfig) -> TrainResult:
         parallel.destroy()
 
 
-def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, dict[str, Any]]:
-    """Layout checks that need no model, then megatron-core's process groups."""
+def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
+    """Layout checks that need no model, the model's config, then megatron-core's process
+    groups (``parallel.initialize`` refuses what this installation cannot run, before any
+    group)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     with runtime.failing_together():  # e.g. a model folder missing on one node only
         run_plan = cfgmod.plan(cfg, world)
         layout = run_plan.layout
-        parallel.check_supported(layout)  # before any group
         layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes: checked on load
-        hf_config = _hf_config_dict(cfg)
+        model = RunModel.of(cfg)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     out = Path(str(cfg.output_dir))
@@ -267,24 +152,22 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, dict[str, Any]]:
         _write_json(out / "config.resolved.json", cfg.to_dict())
     _log(f"{world} ranks, {layout.describe()}, global batch {run_plan.global_batch} = micro "
          f"{run_plan.micro_batch} x {run_plan.grad_accum} accumulation x dp {layout.dp}")
-    return mpu, run_plan, hf_config
+    return mpu, run_plan, model
 
 
-def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan,
-             hf_config: dict[str, Any]) -> RunState:
+def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -> RunState:
     """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
     layout = run_plan.layout
     data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
                                     cfg.data_cache_dir, cfg.data.num_proc)
     total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
     with runtime.failing_together():  # sized from this node's memory; written on rank 0
-        ds_config, notes = deepspeed_config(cfg, run_plan, hf_config, total)
-        check_supported(ds_config, pp=layout.pp, has_experts=_has_experts(hf_config))
+        ds_config, notes = deepspeed_config(cfg, run_plan, model, total)
         if dist.get_rank() == 0:
             _write_json(Path(str(cfg.output_dir)) / "ds_config.json", ds_config)
     for note in notes:
         _log(f"deepspeed: {note}")
-    chunks, adapter = build_model(cfg, layout)
+    chunks, adapter = build_model(cfg, layout, model)
     vocab = adapter.dims.vocab
     for split in ("train", "validation"):
         top = data.meta.get(split, {}).get("max_token_id")
@@ -295,7 +178,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan,
     sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, mpu.get_data_parallel_rank_without_cp(), cfg.train.seed,
                                  cfg.data.shuffle)
-    return RunState(cfg, run_plan, hf_config, data, sampler, list(chunks), adapter, ds_config,
+    return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
                     notes, total)
 
 
@@ -328,8 +211,7 @@ def _train(state: RunState, engine) -> TrainResult:
         if progress is not None:
             progress.close()
     if cfg.export.hf_dir:
-        result.export_dir, result.export_max_abs_diff = export(
-            engine, state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
+        _export(state, engine, result)
     if rank == 0:
         summary = dataclasses.asdict(result)
         summary.pop("ds_config")
@@ -346,7 +228,7 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
     cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
     world, total = dist.get_world_size(), state.total_steps
     schedule = LRSchedule.from_config(cfg.optim, total)
-    flops_per_token = model_flops_per_token(state.hf_config, cfg.train.seq_len)
+    flops_per_token = model_flops_per_token(state.model.shape, cfg.train.seq_len)
     peak = peak_tflops(device_name(), cfg.logging.peak_tflops)
     tokens_per_step = run_plan.global_batch * cfg.train.seq_len
     if start < total and stop.requested():  # asked before this run trained anything
@@ -471,57 +353,22 @@ def _resume(state: RunState, engine) -> int:
     return saved.step
 
 
+def _export(state: RunState, engine, result: TrainResult) -> None:
+    from toolkit.train.export import export
+
+    cfg = state.cfg
+    result.export_dir, result.export_max_abs_diff = export(
+        engine, state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
+    if result.export_dir is not None:
+        diff = result.export_max_abs_diff
+        _log(f"exported HF checkpoint to {result.export_dir}"
+             + (f" (logits vs trained model: max abs diff {diff:.2e})" if cfg.export.verify
+                else ""))
+
+
 def _describe(layout: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in layout.items()
                     if k in ("dp", "tp", "pp", "vpp", "ep") and v not in (None, 1)) or "1 rank"
-
-
-def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
-           ) -> tuple[str | None, float | None]:
-    """HF folder from the trained weights (ZeRO-3 parameters gathered first).
-
-    With ``verify`` the folder is loaded back with transformers on rank 0 and its logits are
-    compared with the live model's on a fixed batch: returns (folder, max abs logit diff).
-    """
-    import contextlib
-
-    from toolkit.adapters.live import export_hf
-
-    gathered = contextlib.nullcontext()
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters([p for c in chunks for p in c.parameters()])
-    diff = None
-    with gathered:
-        path = export_hf(chunks, adapter, out_dir, overwrite=True)
-        if verify:
-            diff = _verify_export(chunks, adapter, out_dir)
-    if path is not None:
-        _log(f"exported HF checkpoint to {path}"
-             + (f" (logits vs trained model: max abs diff {diff:.2e})" if verify else ""))
-    return (str(path) if path is not None else None), diff
-
-
-def _verify_export(chunks, adapter, out_dir: str) -> float:
-    """Max abs logit difference, HF export (transformers) vs the live model; on every rank."""
-    from toolkit.adapters.live import forward_logits
-    from toolkit.convert.verify import fixed_tokens, run_hf
-
-    vocab = adapter.dims.vocab
-    tokens = fixed_tokens(vocab, batch=2, seq_len=16)
-    live = forward_logits(chunks, tokens, vocab).float().cpu()
-    for chunk in chunks:
-        chunk.train()
-    diff = torch.zeros(1, dtype=torch.float64)
-    if dist.get_rank() == 0:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # "Loading weights" of the folder just written
-        hf = run_hf(Path(out_dir), tokens).logits.float()
-        diff[0] = (hf - live).abs().max().item()
-    dist.broadcast(diff, 0)
-    return float(diff[0])
 
 
 class _progress:

@@ -1,0 +1,46 @@
+"""Command-line options several commands share (``mdtk estimate``, ``ds-config``, ``plan``): one
+definition each, and the values they build (a cluster, a layout)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+
+from toolkit.parallel.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from toolkit.memory import Cluster
+
+MODEL = typer.Option(..., "--model", help="Preset name, config.json, folder or hub id.")
+MODEL_OR_NONE = typer.Option(None, "--model", help="Preset name, config.json, folder or hub id.")
+NODES = typer.Option(1, "--nodes", min=1)
+GPUS = typer.Option(8, "--gpus-per-node", min=1)
+GPU_MEM = typer.Option("80GB", "--gpu-mem", help="Memory per GPU, e.g. 80GB.")
+CPU_MEM = typer.Option("1TB", "--cpu-mem", help="Host memory per node.")
+TP = typer.Option(1, "--tp", min=1)
+PP = typer.Option(1, "--pp", min=1)
+CP = typer.Option(1, "--cp", min=1)
+EP = typer.Option(1, "--ep", min=1)
+VPP = typer.Option(None, "--vpp", min=1, help="Virtual pipeline stages per rank (interleaved).")
+SP = typer.Option(False, "--sequence-parallel/--no-sequence-parallel")
+SEQ = typer.Option(4096, "--seq-len", min=1)
+MICRO = typer.Option(1, "--micro-batch", min=1)
+GLOBAL = typer.Option(None, "--global-batch", min=1)
+DTYPE = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32.")
+RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
+FLASH = typer.Option(True, "--flash/--no-flash", help="Flash attention (no s^2 scores).")
+AS_JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+
+
+def cluster_of(nodes: int, gpus: int, gpu_mem: str, cpu_mem: str, nvme_path: str | None = None,
+               nvme_size: str | None = None) -> Cluster:
+    from toolkit.memory import Cluster, parse_bytes
+
+    return Cluster(nodes=nodes, gpus_per_node=gpus, gpu_mem=parse_bytes(gpu_mem),
+                   cpu_mem=parse_bytes(cpu_mem), nvme_path=nvme_path,
+                   nvme_size=parse_bytes(nvme_size) if nvme_size else None)
+
+
+def layout_of(tp: int, pp: int, cp: int, ep: int, vpp: int | None, sp: bool) -> ParallelLayout:
+    return ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, sequence_parallel=sp)

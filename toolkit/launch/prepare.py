@@ -1,0 +1,75 @@
+"""What ``mdtk launch`` will do, decided before anything starts: the scheduler, where the ranks
+run (``LaunchSpec``), what they run (``train CONFIG ...`` for a training config, checked
+against the nodes x GPUs by ``shape.check_fit``) and the environment defaults (NCCL for the
+network, c10d for elastic launches)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.launch import LaunchSpec, elastic_env
+from toolkit.launch import network as net
+from toolkit.launch.shape import Fit, check_fit, is_config_arg
+
+SCHEDULERS = ("torchrun", "slurm", "deepspeed")
+
+
+class LaunchError(ValueError):
+    """An option combination no launch can run; the command shows it as a usage error."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A checked launch."""
+
+    spec: LaunchSpec
+    scheduler: str
+    args: list[str]  # the mdtk command line the ranks run
+    output_dir: Path | None  # the training config's output_dir (None: a bare mdtk command)
+    fit: Fit | None  # the training config on this shape (None: a bare mdtk command)
+    env: dict[str, str]  # defaults, each kept where the environment already sets it
+
+
+def prepare_launch(args: list[str], *, nproc_per_node: int = 0, nnodes: int = 1,
+                   scheduler: str = "torchrun", node_rank: int = 0,
+                   master_addr: str = "127.0.0.1", master_port: int = 29500,
+                   max_restarts: int = 0, network: str = "auto", slurm: bool = False) -> Launch:
+    """Check the options and the config (a ConfigError names the numbers) and decide the rest.
+    ``nproc_per_node`` 0: this node's GPUs, or 2 ranks on CPU; ``slurm``: a script path was
+    given, which implies ``--scheduler slurm``."""
+    if not args:
+        raise LaunchError("give a training config (mdtk launch cfg.yaml ...) or the mdtk "
+                          "command to run after --, e.g. -- train cfg.yaml")
+    if slurm:
+        scheduler = "slurm"
+    if scheduler not in SCHEDULERS:
+        raise LaunchError(f"--scheduler {scheduler}: choose one of {', '.join(SCHEDULERS)}")
+    if network not in net.NETWORKS:
+        raise LaunchError(f"--network {network}: choose one of {', '.join(net.NETWORKS)}")
+    if scheduler == "deepspeed" and max_restarts:
+        raise LaunchError("--max-restarts: the DeepSpeed launcher does not restart failed "
+                          "ranks; use --scheduler torchrun or slurm.")
+    n = nproc_per_node or default_nproc()
+    try:
+        spec = LaunchSpec(n, nnodes, node_rank, master_addr, master_port, max_restarts)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    fit = output_dir = None
+    if is_config_arg(args[0]):
+        fit = check_fit(args[0], args[1:], nnodes, n)
+        output_dir = Path(str(fit.cfg.output_dir))
+        args = ["train", *args]
+    env = net.nccl_defaults(network, nnodes) | elastic_env(spec)
+    return Launch(spec, scheduler, list(args), output_dir, fit, env)
+
+
+def default_nproc() -> int:
+    """This node's GPUs, or 2 ranks on CPU."""
+    from toolkit import runtime
+
+    if runtime.use_cuda():
+        import torch
+
+        return torch.cuda.device_count()
+    return 2

@@ -1,0 +1,193 @@
+"""``mdtk plan`` as library calls: the request as the command line gives it (``PlanRequest``),
+resolved once (device, model shape, cluster, token count: ``Setting``) and answered with a
+search (``plan_layouts`` -> ``PlanReport``) or a sweep over GPU counts (``sweep_gpus`` ->
+``SweepReport``), each with the dict ``--json`` prints. Errors are ``ValueError``s whose message
+is the one line the command prints."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.memory import GIB, Cluster, ModelShape, load_model_shape, parse_bytes
+from toolkit.planner.cost import Workload
+from toolkit.planner.devices import Device, get_device
+from toolkit.planner.search import (
+    Budget,
+    PlanError,
+    SearchResult,
+    SearchSpace,
+    default_global_batch,
+    layout_key,
+    search,
+)
+from toolkit.planner.sweep import SweepRow, figure, marks, sweep, sweep_global_batch
+
+_SCALE = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_count(text: str | None) -> float | None:
+    """'2T', '300B', '1.5e12' -> tokens (decimal suffixes)."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMBGT]?)\s*", text.upper())
+    if not m:
+        raise ValueError(f"cannot read the token count {text!r}: write it like 2T, 300B or 1e12.")
+    return float(m.group(1)) * _SCALE[m.group(2)]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The question of ``mdtk plan``, as its options give it (sizes and counts as text)."""
+
+    model: str
+    tokens: str | None = None  # e.g. 2T: time and cost columns
+    price: float | None = None  # of one GPU-hour
+    gpu: str = "h100"
+    gpu_mem: str | None = None  # default: the device's
+    nodes: int = 1
+    gpus_per_node: int = 8
+    cpu_mem: str = "1TB"
+    seq_len: int = 4096
+    global_batch: int | None = None  # default: ~1M tokens, a multiple of the GPUs
+    dtype: str = "bf16"
+    flash: bool = True
+    top: int = 5
+    allow_cp: bool = False
+    per_layout: bool = False
+    emit_rank: int = 1  # the search keeps at least this many plans
+    device_overrides: dict[str, float | None] = field(default_factory=dict)  # get_device's
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A request resolved: what the search and the sweep run on."""
+
+    shape: ModelShape
+    device: Device
+    cluster: Cluster
+    tokens: float | None
+    kernels: dict[str, bool]  # Workload's flash / fused
+    space: SearchSpace
+    budget: Budget
+
+
+def resolve(req: PlanRequest) -> Setting:
+    device = get_device(req.gpu, **req.device_overrides)
+    shape = load_model_shape(req.model)
+    count = parse_count(req.tokens)
+    gpu_mem = parse_bytes(req.gpu_mem) if req.gpu_mem else int(device.memory_gib * GIB)
+    cluster = Cluster(nodes=req.nodes, gpus_per_node=req.gpus_per_node, gpu_mem=gpu_mem,
+                      cpu_mem=parse_bytes(req.cpu_mem))
+    on_cpu = device.key == "cpu"  # mdtk's CPU path: megatron-core's unfused kernels, eager
+    return Setting(shape, device, cluster, count, {"flash": not on_cpu and req.flash,
+                                                   "fused": not on_cpu},
+                   SearchSpace(allow_cp=req.allow_cp), Budget())
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The ranked plans of one cluster."""
+
+    setting: Setting
+    work: Workload
+    result: SearchResult
+    price: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        s, work, result, tokens = self.setting, self.work, self.result, self.setting.tokens
+        return {
+            "model": s.shape.name, "params": s.shape.num_params(), "device": s.device.key,
+            "nodes": s.cluster.nodes, "gpus_per_node": s.cluster.gpus_per_node,
+            "seq_len": work.seq_len, "global_batch": work.global_batch, "dtype": work.dtype,
+            "tokens": tokens, "price_per_gpu_hour": self.price,
+            "considered": result.considered, "rejected_memory": result.rejected_memory,
+            "plans": [p.to_dict(tokens, self.price) for p in result.plans],
+        }
+
+
+def plan_layouts(req: PlanRequest) -> PlanReport:
+    """The fastest plans that fit; PlanError naming examples of what did not, when none does."""
+    s = resolve(req)
+    work = Workload(req.seq_len, req.global_batch or default_global_batch(
+        req.seq_len, s.cluster.world_size), req.dtype, **s.kernels)
+    result = search(s.shape, work, s.cluster, s.device, top=max(req.top, req.emit_rank),
+                    space=s.space, budget=s.budget, group=layout_key if req.per_layout else None)
+    if not result.plans:
+        raise PlanError(
+            f"no plan of {s.shape.name} fits {s.cluster.world_size} x "
+            f"{s.cluster.gpu_mem / GIB:.0f} GiB (global batch {work.global_batch}, seq "
+            f"{req.seq_len}); for example:\n  " + "\n  ".join(result.reasons) + "\nTry more "
+            "GPUs, a shorter --seq-len or a GPU with more memory.")
+    return PlanReport(s, work, result, req.price)
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """The best plan of each GPU count and its time and cost for the request's tokens."""
+
+    setting: Setting
+    work: Workload
+    rows: list[SweepRow]
+    price: float | None
+
+    @property
+    def tokens(self) -> float:
+        return float(self.setting.tokens or 0)
+
+    @property
+    def unit(self) -> str:
+        return "cost" if self.price is not None else "GPU-hours"
+
+    def to_dict(self) -> dict[str, Any]:
+        s, tokens, price = self.setting, self.setting.tokens, self.price
+        fastest, cheapest = marks(self.rows)
+        return {
+            "model": s.shape.name, "device": s.device.key, "seq_len": self.work.seq_len,
+            "global_batch": self.work.global_batch, "tokens": tokens,
+            "price_per_gpu_hour": price, "fastest_gpus": fastest, "cheapest_gpus": cheapest,
+            "rows": [{"gpus": r.gpus, "hours": r.hours,
+                      self.unit.replace("-", "_").lower(): r.cost,
+                      "plan": r.plan.to_dict(tokens, price) if r.plan else None,
+                      "reason": r.reason or None} for r in self.rows]}
+
+    def title(self) -> str:
+        return f"{self.setting.shape.name}: {self.tokens:.3g} tokens on {self.setting.device.key}"
+
+    def save_figure(self, path: Path) -> None:
+        """The plot as a PNG (ImportError without matplotlib)."""
+        import io
+
+        from toolkit.atomic import write_bytes
+
+        fig = figure(self.rows, self.title(), self.price is not None)
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        write_bytes(path, png.getvalue())
+
+
+def sweep_gpus(req: PlanRequest, counts_text: str) -> SweepReport:
+    """``--sweep-gpus 8,16,32``: the best plan per GPU count (one global batch for all)."""
+    s = resolve(req)
+    counts = _counts(counts_text)
+    if not s.tokens:
+        raise ValueError("--sweep-gpus needs --tokens (the time and cost to train that many "
+                         "tokens).")
+    work = Workload(req.seq_len, req.global_batch or sweep_global_batch(req.seq_len, counts),
+                    req.dtype, **s.kernels)
+    rows = sweep(s.shape, work, counts, s.cluster, s.device, s.tokens, req.price, s.space,
+                 s.budget)
+    return SweepReport(s, work, rows, req.price)
+
+
+def _counts(text: str) -> Sequence[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--sweep-gpus {text!r}: give GPU counts like 8,16,32,64.") from None
+    if not counts or min(counts) < 1:
+        raise ValueError("--sweep-gpus needs positive GPU counts, e.g. 8,16,32,64.")
+    return counts

@@ -1,0 +1,114 @@
+"""Checks that involve several keys, one named function per section; per-key types, choices and
+minimums are checked while building (``typed``). Paths that must already exist are checked here
+too. ``validate`` runs ``CHECKS`` in order (the first refusal is the one reported); a new
+section's check is one more function in the tuple."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+from toolkit.parallel.layout import LayoutError
+from toolkit.train.config.schema import TrainConfig
+
+
+def check_output_dir(cfg: TrainConfig) -> None:
+    if not cfg.output_dir:
+        raise ConfigError("output_dir is required: set output_dir: runs/NAME (or output_dir=...).")
+
+
+def check_model(cfg: TrainConfig) -> None:
+    m = cfg.model
+    if bool(m.path) == bool(m.config):
+        raise ConfigError("set exactly one of model.path (HF folder or hub id to fine-tune) and "
+                          "model.config (HF config to pretrain from scratch); got "
+                          f"path={m.path!r}, config={m.config!r}.")
+    if m.config and not m.tokenizer:
+        raise ConfigError("model.config (pretraining from scratch) needs model.tokenizer: a "
+                          "tokenizer folder or hub id.")
+
+
+def check_parallel(cfg: TrainConfig) -> None:
+    try:
+        cfg.parallel.layout()
+    except LayoutError as e:
+        raise ConfigError(f"parallel: {e}") from None
+
+
+def check_deepspeed(cfg: TrainConfig) -> None:
+    ds = cfg.deepspeed
+    if ds.offload == "nvme" and not ds.nvme_path:
+        raise ConfigError("deepspeed.offload=nvme needs deepspeed.nvme_path: a folder on a fast "
+                          "local NVMe disk.")
+    if ds.offload in ("cpu", "nvme") and ds.zero_stage == 0:
+        raise ConfigError(f"deepspeed.offload={ds.offload} needs ZeRO: set deepspeed.zero_stage to "
+                          "1, 2 or 3 (parameters are offloaded only at stage 3).")
+    if ds.config != "auto" and not Path(ds.config).is_file():
+        raise ConfigError(f"deepspeed.config={ds.config!r}: no such file; give a DeepSpeed JSON "
+                          "or 'auto' to generate one.")
+
+
+def check_data(cfg: TrainConfig) -> None:
+    d = cfg.data
+    if not d.sources:
+        raise ConfigError("data.sources is empty: list data files (json/jsonl/parquet/txt), "
+                          "globs, folders or hub dataset names.")
+    if not 0.0 <= d.validation_split < 1.0:
+        raise ConfigError(f"data.validation_split={d.validation_split} must be in [0, 1).")
+    if d.pack and d.mode == "pretrain":
+        raise ConfigError("data.pack applies to sft only (pretraining always packs): remove it.")
+    if d.format != "auto" and d.mode == "pretrain":
+        raise ConfigError(f"data.format={d.format} applies to sft only (pretraining reads "
+                          "data.text_field): remove it or set data.mode=sft.")
+
+
+def check_train(cfg: TrainConfig) -> None:
+    t = cfg.train
+    if (t.steps is None) == (t.epochs is None):
+        raise ConfigError(f"set exactly one of train.steps and train.epochs; got steps={t.steps}, "
+                          f"epochs={t.epochs}.")
+    if t.epochs is not None and t.epochs <= 0:
+        raise ConfigError(f"train.epochs={t.epochs} must be > 0.")
+    if t.global_batch is not None and t.global_batch % t.micro_batch:
+        raise ConfigError(f"train.global_batch={t.global_batch} is not a multiple of "
+                          f"train.micro_batch={t.micro_batch}.")
+
+
+def check_optim(cfg: TrainConfig) -> None:
+    o, t = cfg.optim, cfg.train
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}.")
+    if t.steps is not None and o.warmup_steps > t.steps:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}.")
+    if not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)}: each must be in [0, 1).")
+
+
+def check_checkpoint(cfg: TrainConfig) -> None:
+    c = cfg.checkpoint
+    if c.resume not in ("auto", "none") and not Path(c.resume).is_dir():
+        raise ConfigError(f"checkpoint.resume={c.resume!r}: not 'auto', 'none' or an existing "
+                          "checkpoint folder.")
+
+
+def check_logging(cfg: TrainConfig) -> None:
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb=true but wandb is not installed: `pip install wandb` or "
+                          "set logging.wandb=false.")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard=true but tensorboard is not installed: `pip install "
+                          "tensorboard` or set logging.tensorboard=false.")
+
+
+CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
+    check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_train,
+    check_optim, check_checkpoint, check_logging,
+)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every check of ``CHECKS``, in order; raises the first ConfigError."""
+    for check in CHECKS:
+        check(cfg)

@@ -1,0 +1,189 @@
+"""The trainer's YAML schema: one dataclass per section, every allowed value stated once
+(choices and minimums through ``typed.opt``). A new section is a dataclass here, its field in
+``TrainConfig``, and, when its keys depend on each other or on other sections, a check in
+``checks``.
+
+Key names are fixed by the project's CLI contract (scripts override them):
+``output_dir``; ``parallel.tp/pp/vpp/cp/ep/etp/sequence_parallel``; ``deepspeed.zero_stage/
+offload/config``; ``train.steps/epochs/micro_batch/global_batch/seq_len/seed/precision/recompute/
+eval_interval``; ``optim.*``; ``checkpoint.*``; ``export.hf_dir``; ``logging.*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.parallel.layout import ParallelLayout
+from toolkit.train.config.typed import opt, plain
+from toolkit.train.data import MODES, SFT_FORMATS
+
+
+@dataclass
+class ModelSection:
+    """``path``: HF folder or hub id to fine-tune. ``config``: an HF config (config.json, a folder
+    holding one, or a preset name) to pretrain from scratch. ``tokenizer`` defaults to ``path``."""
+
+    path: str | None = None
+    config: str | None = None
+    tokenizer: str | None = None
+
+
+@dataclass
+class ParallelSection:
+    tp: int = opt(1, minimum=1)
+    pp: int = opt(1, minimum=1)
+    vpp: int | None = opt(None, minimum=1)
+    cp: int = opt(1, minimum=1)
+    ep: int = opt(1, minimum=1)
+    etp: int | None = opt(None, minimum=1)
+    sequence_parallel: bool = False
+
+    def layout(self) -> ParallelLayout:
+        """The unresolved layout (dp inferred later by ``ParallelLayout.resolve``)."""
+        return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, ep=self.ep,
+                              etp=self.etp, sequence_parallel=self.sequence_parallel)
+
+
+@dataclass
+class DeepSpeedSection:
+    """``config: auto`` builds the DeepSpeed JSON with the project's generator from
+    ``zero_stage``/``offload`` (``auto`` there lets the generator choose from its memory model);
+    a path uses the user's JSON (linted by the generator's check first).
+    ``offload``: cpu/nvme moves optimizer states (ZeRO >= 1); at ZeRO-3 the generator also moves
+    the parameters there only when the optimizer alone does not make the run fit."""
+
+    zero_stage: int | str = opt(1, choices=(0, 1, 2, 3, "auto"))
+    offload: str = opt("none", choices=("none", "cpu", "nvme", "auto"))
+    nvme_path: str | None = None
+    config: str = "auto"
+
+
+@dataclass
+class DataSection:
+    """Sources are local json/jsonl/parquet/text files (globs and folders too) or hub dataset
+    names. ``pretrain`` packs documents into seq_len+1 blocks; ``sft`` trains on responses only.
+    ``format`` (sft only): ``auto`` detects each row's format from its keys (messages,
+    prompt_response, alpaca, sharegpt; see docs/training.md), a name forces it for every row.
+    ``template``: ``chat`` renders rows through the tokenizer's chat template, ``plain`` joins
+    prompt + response + EOS, ``auto`` uses the chat template when the tokenizer has one.
+    ``pack`` (sft only): several examples per sequence instead of one padded example."""
+
+    mode: str = opt("sft", choices=tuple(MODES))
+    format: str = opt("auto", choices=("auto", *SFT_FORMATS))
+    sources: list[str] = opt(factory=list)
+    validation_sources: list[str] = opt(factory=list)
+    validation_split: float = opt(0.05, minimum=0.0)
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    conversations_field: str = "conversations"
+    template: str = opt("auto", choices=("auto", "chat", "plain"))
+    pack: bool = False
+    shuffle: bool = True
+    cache_dir: str | None = None
+    num_proc: int = opt(1, minimum=1)
+
+
+@dataclass
+class OptimSection:
+    """AdamW (DeepSpeed's CPU Adam when offloading). ``clip_grad: 0`` turns clipping off."""
+
+    lr: float = opt(1e-4, minimum=0.0)
+    min_lr: float = opt(0.0, minimum=0.0)
+    warmup_steps: int = opt(0, minimum=0)
+    decay: str = opt("cosine", choices=("cosine", "linear", "constant"))
+    weight_decay: float = opt(0.0, minimum=0.0)
+    clip_grad: float = opt(1.0, minimum=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = opt(1e-8, minimum=0.0)
+
+
+@dataclass
+class TrainSection:
+    """Exactly one of ``steps`` / ``epochs``. ``global_batch`` defaults to micro_batch * dp
+    (no gradient accumulation). ``eval_interval: 0`` evaluates only at the end;
+    ``eval_batches`` caps the validation global batches per evaluation (None: all)."""
+
+    steps: int | None = opt(None, minimum=1)
+    epochs: float | None = opt(None, minimum=0.0)
+    micro_batch: int = opt(1, minimum=1)
+    global_batch: int | None = opt(None, minimum=1)
+    seq_len: int = opt(512, minimum=2)
+    seed: int = opt(1234, minimum=0)
+    precision: str = opt("bf16", choices=("bf16", "fp16", "fp32"))
+    recompute: str = opt("none", choices=("none", "selective", "full"))
+    eval_interval: int = opt(0, minimum=0)
+    eval_batches: int | None = opt(None, minimum=1)
+
+
+@dataclass
+class CheckpointSection:
+    """``dir`` defaults to ``{output_dir}/checkpoints``; ``interval: 0`` saves only at the end;
+    ``keep_last: 0`` keeps all; ``resume``: auto (latest complete, else start fresh) | none | a
+    checkpoint folder."""
+
+    dir: str | None = None
+    interval: int = opt(0, minimum=0)
+    keep_last: int = opt(2, minimum=0)
+    resume: str = "auto"
+
+
+@dataclass
+class ExportSection:
+    hf_dir: str | None = None
+    verify: bool = True  # reload the export with transformers and compare its logits
+
+
+@dataclass
+class LoggingSection:
+    """``peak_tflops`` overrides the per-device peak used for MFU (the table in metrics.py)."""
+
+    interval: int = opt(1, minimum=1)
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str | None = None
+    peak_tflops: float | None = opt(None, minimum=0.0)
+
+
+@dataclass
+class RuntimeSection:
+    """``heartbeat_timeout_s``: a rank that completes no step (or checkpoint save) for this long
+    is ended, so a hung collective fails the group fast (0: off). Set it above the longest step
+    plus checkpoint save of the run."""
+
+    heartbeat_timeout_s: float = opt(1800.0, minimum=0.0)
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str | None = None
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(str(self.output_dir)) / "checkpoints")
+
+    @property
+    def data_cache_dir(self) -> Path:
+        return Path(self.data.cache_dir or Path(str(self.output_dir)) / "data_cache")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return str(self.model.tokenizer or self.model.path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/YAML-safe dict (tuples become lists); ``config_from_dict`` reads it back."""
+        return plain(dataclasses.asdict(self))

@@ -1,0 +1,162 @@
+"""The tokenised samples on disk: one cache folder per key (written to a temporary sibling and
+renamed), memory-mapped by every rank; prepared once per node in a distributed run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toolkit.train.data.encoding import load_tokenizer
+from toolkit.train.data.fingerprint import FORMAT_VERSION, cache_key
+from toolkit.train.data.modes import MODES, tokenize_split
+from toolkit.train.data.progress import datasets_quiet
+from toolkit.train.data.settings import DataError, DataSettings
+from toolkit.train.data.sources import RowsPart, load_parts, split_parts
+
+
+@dataclass
+class TokenizedSplit:
+    """Fixed-length samples: ``tokens`` [N, seq_len+1] int32, ``loss_mask`` [N, seq_len] uint8."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, Any]:
+        """Tensors for one micro-batch: tokens/labels/position_ids int64 [b, s], loss_mask
+        float32 [b, s] (labels are valid ids everywhere; the mask says which count)."""
+        import torch
+
+        idx = np.asarray(indices, dtype=np.int64)
+        t = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
+        seq = t.shape[1] - 1
+        return {
+            "tokens": t[:, :-1].contiguous(),
+            "labels": t[:, 1:].contiguous(),
+            "loss_mask": torch.from_numpy(np.asarray(self.loss_mask[idx], dtype=np.float32)),
+            "position_ids": torch.arange(seq, dtype=torch.int64).expand(len(idx), seq).clone(),
+        }
+
+
+@dataclass
+class PreparedData:
+    train: TokenizedSplit
+    validation: TokenizedSplit | None
+    key: str  # cache key: also the data fingerprint a checkpoint records
+    path: Path
+    meta: dict[str, Any]
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _load(path: Path) -> PreparedData:
+    meta = json.loads((path / "meta.json").read_text())
+
+    def split(name: str) -> TokenizedSplit | None:
+        if not (path / f"{name}_tokens.npy").exists():
+            return None
+        return TokenizedSplit(np.load(path / f"{name}_tokens.npy", mmap_mode="r"),
+                              np.load(path / f"{name}_loss_mask.npy", mmap_mode="r"))
+
+    train = split("train")
+    assert train is not None, f"{path} lacks train arrays"  # meta.json is written after them
+    return PreparedData(train, split("validation"), meta["key"], path, meta)
+
+
+def _build(settings: DataSettings, tokenizer_path: str, key: str, num_proc: int,
+           ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Load, split and tokenise: (meta.json contents, arrays per split)."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    parts = load_parts(settings.sources)
+    val_parts: list[RowsPart] | None = None
+    if settings.validation_sources:
+        val_parts = load_parts(settings.validation_sources)
+    elif settings.validation_split > 0:
+        parts, val_parts = split_parts(parts, settings.validation_split, settings.seed)
+
+    meta: dict[str, Any] = {"key": key, "format": FORMAT_VERSION,
+                            "settings": dataclasses.asdict(settings),
+                            "tokenizer": tokenizer_path, "vocab_size": len(tokenizer),
+                            "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, split in (("train", parts), ("validation", val_parts)):
+        if split is None:
+            continue
+        tokens, mask, stats = tokenize_split(split, tokenizer, settings, num_proc, name)
+        if name == "train" and len(tokens) == 0:
+            raise DataError(f"no training sample of seq_len+1={settings.seq_len + 1} tokens could "
+                            f"be built from {list(settings.sources)} ({stats}): add data or "
+                            "lower train.seq_len.")
+        arrays[name] = (tokens, mask)
+        meta[name] = {"samples": len(tokens), **stats,
+                      "max_token_id": int(tokens.max()) if len(tokens) else -1,
+                      "loss_tokens": int(mask.sum())}
+    return meta, arrays
+
+
+def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | Path,
+                 num_proc: int = 1) -> PreparedData:
+    """Tokenise (or reuse the cache keyed by source contents + tokenizer + settings).
+
+    Single-process and idempotent; the cache folder is written to a temporary sibling and
+    renamed, so a crashed or concurrent writer never leaves a half-written entry behind."""
+    if settings.mode not in MODES:
+        raise DataError(f"data.mode={settings.mode!r}: choose {' or '.join(MODES)}.")
+    key = cache_key(settings, tokenizer_path)
+    cache = Path(cache_dir)
+    final = cache / key
+    if (final / "meta.json").is_file():
+        return _load(final)
+
+    with datasets_quiet():
+        meta, arrays = _build(settings, tokenizer_path, key, num_proc)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for name, (tokens, mask) in arrays.items():
+            _save_npy(tmp / f"{name}_tokens.npy", tokens)
+            _save_npy(tmp / f"{name}_loss_mask.npy", mask)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another writer finished first: its entry is identical
+            if not (final / "meta.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _load(final)
+
+
+def prepare_data_distributed(settings: DataSettings, tokenizer_path: str, cache_dir: str | Path,
+                             num_proc: int = 1) -> PreparedData:
+    """Collective: local rank 0 of each node tokenises (or hits the cache), then every rank
+    memory-maps the cache. A failure on a writer is raised on every rank (no hang): its
+    ``DataError`` as it is, so the run reports it once."""
+    import torch.distributed as dist
+
+    from toolkit import runtime
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return prepare_data(settings, tokenizer_path, cache_dir, num_proc)
+    with runtime.failing_together():
+        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+            prepare_data(settings, tokenizer_path, cache_dir, num_proc)
+    return prepare_data(settings, tokenizer_path, cache_dir, num_proc)

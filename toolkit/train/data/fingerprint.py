@@ -1,0 +1,55 @@
+"""The cache key of tokenised data: content hashes of the sources and the tokenizer, and the
+settings. It is also the data fingerprint a checkpoint records (a resume on other data is
+refused), so what enters it stays stable across versions."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from toolkit.train.data.settings import DataSettings
+from toolkit.train.data.sources import resolve_sources
+
+FORMAT_VERSION = 1
+# Settings added after FORMAT_VERSION 1 enter the cache key only when changed from these
+# defaults: the data they did not exist for tokenises the same, so its caches and the data
+# fingerprints recorded in checkpoints stay valid.
+_LATER_SETTINGS = {"sft_format": "auto", "conversations_field": "conversations"}
+
+
+def _sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sources_fingerprint(specs: Sequence[str]) -> list[str]:
+    """Content hashes of local files (renaming or moving them keeps the cache), names for hub."""
+    return [f"hub:{s.name}" if s.builder == "hub" else _sha256_file(f)
+            for s in resolve_sources(specs) for f in (s.files or ("",))]
+
+
+def tokenizer_fingerprint(path: str) -> str:
+    p = Path(path)
+    if not p.is_dir():
+        return f"hub:{path}"
+    h = hashlib.sha256()
+    for f in sorted(p.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + _sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def cache_key(settings: DataSettings, tokenizer_path: str) -> str:
+    d = {k: v for k, v in dataclasses.asdict(settings).items()
+         if k not in _LATER_SETTINGS or v != _LATER_SETTINGS[k]}
+    d["sources"] = sources_fingerprint(settings.sources)
+    d["validation_sources"] = sources_fingerprint(settings.validation_sources)
+    d["tokenizer"] = tokenizer_fingerprint(tokenizer_path)
+    d["format"] = FORMAT_VERSION
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]

@@ -1,0 +1,27 @@
+"""The data modes (``data.mode``): how the rows of a split become fixed-length samples. A mode
+is a module whose ``tokenize(parts, tokenizer, settings, procs, progress)`` returns (tokens
+[N, seq_len+1] int32, loss_mask [N, seq_len] uint8, stats); a new mode is a new module and its
+line in ``MODES``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from toolkit.train.data.pretrain import tokenize as pretrain
+from toolkit.train.data.progress import SplitProgress
+from toolkit.train.data.settings import DataSettings
+from toolkit.train.data.sft import tokenize as sft
+from toolkit.train.data.sources import RowsPart
+
+Tokenize = Callable[..., tuple[Any, Any, dict[str, int]]]
+MODES: dict[str, Tokenize] = {"pretrain": pretrain, "sft": sft}
+
+
+def tokenize_split(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, num_proc: int,
+                   name: str):
+    """The samples of one split (``name``: train or validation), sources in order, under one
+    progress bar."""
+    procs = num_proc if num_proc > 1 else None
+    with SplitProgress(name, sum(len(p) for p in parts)) as progress:
+        return MODES[settings.mode](parts, tokenizer, settings, procs, progress)

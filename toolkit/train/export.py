@@ -1,0 +1,53 @@
+"""The trained model as an HF folder at the end of a run, checked against the live model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
+           ) -> tuple[str | None, float | None]:
+    """HF folder from the trained weights (ZeRO-3 parameters gathered first).
+
+    With ``verify`` the folder is loaded back with transformers on rank 0 and its logits are
+    compared with the live model's on a fixed batch: returns (folder, max abs logit diff).
+    """
+    import contextlib
+
+    from toolkit.adapters.live import export_hf
+
+    gathered = contextlib.nullcontext()
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters([p for c in chunks for p in c.parameters()])
+    diff = None
+    with gathered:
+        path = export_hf(chunks, adapter, out_dir, overwrite=True)
+        if verify:
+            diff = _verify_export(chunks, adapter, out_dir)
+    return (str(path) if path is not None else None), diff
+
+
+def _verify_export(chunks, adapter, out_dir: str) -> float:
+    """Max abs logit difference, HF export (transformers) vs the live model; on every rank."""
+    from toolkit.adapters.live import forward_logits
+    from toolkit.convert.verify import fixed_tokens, run_hf
+
+    vocab = adapter.dims.vocab
+    tokens = fixed_tokens(vocab, batch=2, seq_len=16)
+    live = forward_logits(chunks, tokens, vocab).float().cpu()
+    for chunk in chunks:
+        chunk.train()
+    diff = torch.zeros(1, dtype=torch.float64)
+    if dist.get_rank() == 0:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" of the folder just written
+        hf = run_hf(Path(out_dir), tokens).logits.float()
+        diff[0] = (hf - live).abs().max().item()
+    dist.broadcast(diff, 0)
+    return float(diff[0])

@@ -1,0 +1,69 @@
+"""The model of a run: its HF config read once, its shape computed once (``RunModel``), and this
+rank's megatron-core chunks built from it (``build_model``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolkit import parallel
+from toolkit.errors import ConfigError
+from toolkit.memory.model import ModelShape, model_shape_from_hf
+from toolkit.train.config import TrainConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+             "recompute_num_layers": 1},
+}
+
+
+@dataclass(frozen=True)
+class RunModel:
+    """``model.path``'s (or ``model.config``'s) config.json and the shape its family describes:
+    read and computed once per run, then handed to every phase that needs them (the DeepSpeed
+    config, the engine's rules, the model build, the FLOP count)."""
+
+    hf_config: dict[str, Any]
+    shape: ModelShape
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RunModel:
+        path = Path(cfg.model.path or cfg.model.config)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError(f"model: {file} not found (model.path must be an HF folder, "
+                              "model.config an HF config.json).")
+        hf_config = json.loads(file.read_text())
+        return cls(hf_config, model_shape_from_hf(hf_config))
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the model routes over experts, as its family describes it."""
+        return self.shape.experts > 0
+
+
+def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout, model: RunModel):
+    """Fine-tune: this rank's slices of the HF checkpoint. Pretrain: this rank's slices of
+    weights drawn per tensor from (seed, name), identical at every layout (``train.init``)."""
+    from toolkit.adapters import adapter_for, live
+    from toolkit.train.init import initialize
+
+    dtype = DTYPES[cfg.train.precision]
+    overrides = dict(RECOMPUTE[cfg.train.recompute])
+    if cfg.model.path:
+        return live.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**model.hf_config)
+    adapter = adapter_for(hf, dtype=dtype)
+    adapter.validate(layout)
+    chunks = live.build_model(adapter, layout, **overrides)
+    initialize(chunks, adapter, cfg.train.seed)  # the same weights at every layout
+    return chunks, adapter
