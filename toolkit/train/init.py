@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from toolkit.mapping import MappingError
 from toolkit.mapping.rules import Region
+
+if TYPE_CHECKING:
+    from toolkit.adapters import Adapter
 
 Init = Callable[[torch.Tensor], Any]
 
@@ -52,7 +55,7 @@ class InitSource:
     """HF-named full tensors of a fresh model, drawn on demand (the HF reader interface that
     ``toolkit.adapters.live.fill_chunks`` reads; the last tensor drawn is cached)."""
 
-    def __init__(self, adapter: Any, config: Any, seed: int):
+    def __init__(self, adapter: Adapter, config: Any, seed: int):
         self.seed = seed
         self._shapes = dict(adapter.table(1).hf_shapes())
         self._inits: dict[str, Init] = {}
@@ -89,7 +92,7 @@ class InitSource:
         return self.full(name)[tuple(slice(a, b) for a, b in region)]
 
 
-def initialize(chunks: list[Any], adapter: Any, seed: int) -> None:
+def initialize(chunks: list[Any], adapter: Adapter, seed: int) -> None:
     """Fill this rank's chunks with its slices of the layout-invariant initial weights."""
     from toolkit.adapters.live import fill_chunks
 

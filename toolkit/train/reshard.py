@@ -15,13 +15,16 @@ so the resumed run continues as the uninterrupted one would (fp32: to rounding).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from toolkit.checkpoint import CheckpointError
 from toolkit.mapping import MappingError, TensorPlan
 from toolkit.train.checkpointing import ENGINE_TAG, ResumeError
+
+if TYPE_CHECKING:
+    from toolkit.adapters import Adapter
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
@@ -42,7 +45,7 @@ def same_layout(saved: dict[str, Any], layout: Any) -> bool:
     return all(norm(k, saved.get(k)) == now[k] for k in _LAYOUT_KEYS)
 
 
-def sources(path: str | Path, adapter: Any) -> dict[str, Any]:
+def sources(path: str | Path, adapter: Adapter) -> dict[str, Any]:
     """HF-named full-tensor readers of a trainer checkpoint: fp32 weights and each moment."""
     from toolkit.checkpoint.deepspeed import STATES, open_source
 
@@ -66,7 +69,7 @@ def local_slice(plan: TensorPlan, source: Any) -> torch.Tensor:
     return out
 
 
-def load_resharded(path: str | Path, engine: Any, chunks: list[Any], adapter: Any,
+def load_resharded(path: str | Path, engine: Any, chunks: list[Any], adapter: Adapter,
                    step: int, samples: int) -> None:
     """Fill ``engine`` (built for this run's layout) from the checkpoint at ``path`` saved at
     another layout: weights, fp32 master weights, Adam moments and step counts (collective in

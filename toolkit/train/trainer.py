@@ -66,6 +66,7 @@ from toolkit.train.model import RunModel, build_model
 from toolkit.train.schedule import LRSchedule
 
 if TYPE_CHECKING:
+    from toolkit.adapters import Adapter
     from toolkit.train.faults import Heartbeat, StopGuard
 
 
@@ -101,7 +102,7 @@ class RunState:
     data: PreparedData
     sampler: GlobalBatchSampler  # this rank's share of every global batch
     chunks: list[torch.nn.Module]
-    adapter: Any
+    adapter: Adapter
     ds_config: dict[str, Any]
     ds_notes: list[str]
     total_steps: int
