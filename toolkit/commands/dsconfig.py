@@ -39,7 +39,7 @@ def ds_config(
     sequence_parallel: bool = opt.SP, seq_len: int = opt.SEQ, micro_batch: int = opt.MICRO,
     global_batch: int | None = opt.GLOBAL, dtype: str = opt.DTYPE,
     recompute: str = RECOMPUTE,
-    flash: bool = opt.FLASH,
+    flash: bool = opt.FLASH, dpo: bool = opt.DPO, precompute_reference: bool = opt.PRECOMPUTE_REF,
     gpu: str = GPU, hf_trainer: bool = HF_TRAINER,
     scheduler: str = typer.Option("WarmupDecayLR", "--scheduler"),
     lr: float = typer.Option(3e-4, "--lr"),
@@ -67,7 +67,7 @@ def ds_config(
             cluster=opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem, nvme_path, nvme_size),
             train=TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                              dtype=dtype, recompute="none" if auto else recompute,
-                             flash_attention=flash),
+                             flash_attention=flash, **opt.dpo_shape(dpo, precompute_reference)),
             layout=layout, stage=stage, offload=offload, hf_trainer=hf_trainer,
             scheduler=scheduler, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
         )

@@ -31,6 +31,12 @@ DTYPE = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32.")
 RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
 FLASH = typer.Option(True, "--flash/--no-flash", help="Flash attention (no s^2 scores).")
 AS_JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+DPO = typer.Option(False, "--dpo", help="Preference tuning (DPO): each sample is a chosen and a "
+                   "rejected sequence, and a frozen reference model (sharded like the policy) "
+                   "runs forward over them.")
+PRECOMPUTE_REF = typer.Option(False, "--precompute-reference", help="With --dpo: the reference "
+                              "log-probabilities are computed before training (dpo."
+                              "precompute_reference), so no reference model is held.")
 
 
 def cluster_of(nodes: int, gpus: int, gpu_mem: str, cpu_mem: str, nvme_path: str | None = None,
@@ -40,6 +46,13 @@ def cluster_of(nodes: int, gpus: int, gpu_mem: str, cpu_mem: str, nvme_path: str
     return Cluster(nodes=nodes, gpus_per_node=gpus, gpu_mem=parse_bytes(gpu_mem),
                    cpu_mem=parse_bytes(cpu_mem), nvme_path=nvme_path,
                    nvme_size=parse_bytes(nvme_size) if nvme_size else None)
+
+
+def dpo_shape(dpo: bool, precompute_reference: bool) -> dict[str, bool]:
+    """TrainShape's / Workload's DPO fields: pairs, and a reference model unless precomputed."""
+    if precompute_reference and not dpo:
+        raise ValueError("--precompute-reference applies to --dpo runs: add --dpo.")
+    return {"pairs": dpo, "reference_model": dpo and not precompute_reference}
 
 
 def layout_of(tp: int, pp: int, cp: int, ep: int, vpp: int | None, sp: bool) -> ParallelLayout:

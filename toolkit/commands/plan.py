@@ -10,7 +10,18 @@ from pathlib import Path
 
 import typer
 
-from toolkit.commands.options import AS_JSON, CPU_MEM, DTYPE, FLASH, GPUS, MODEL_OR_NONE, NODES, SEQ
+from toolkit.commands.options import (
+    AS_JSON,
+    CPU_MEM,
+    DPO,
+    DTYPE,
+    FLASH,
+    GPUS,
+    MODEL_OR_NONE,
+    NODES,
+    PRECOMPUTE_REF,
+    SEQ,
+)
 from toolkit.commands.printing import fail
 
 GPU = typer.Option("h100", "--gpu", help="Device: h100, h200, a100-80gb, a100-40gb, l40s, b200, "
@@ -36,7 +47,7 @@ EMIT = typer.Option(None, "--emit", help="Write train.yaml + ds_config.json of t
                     "into this folder.")
 EMIT_RANK = typer.Option(1, "--emit-rank", min=1, help="Which plan --emit writes.")
 DATA = typer.Option(None, "--data", help="With --emit: training data (repeat).")
-DATA_MODE = typer.Option("pretrain", "--data-mode", help="pretrain or sft.")
+DATA_MODE = typer.Option("pretrain", "--data-mode", help="pretrain or sft (--dpo: dpo).")
 TOKENIZER = typer.Option(None, "--tokenizer", help="With --emit: tokenizer (default: the model "
                          "folder).")
 OUTPUT_DIR = typer.Option(None, "--output-dir", help="With --emit: the run's output_dir (default "
@@ -59,7 +70,8 @@ def plan_cmd(
     hbm_gbps: float | None = HBM, emit: Path | None = EMIT, emit_rank: int = EMIT_RANK,
     data: list[str] = DATA, data_mode: str = DATA_MODE, tokenizer: str | None = TOKENIZER,
     output_dir: str | None = OUTPUT_DIR, steps: int | None = STEPS,
-    sweep_gpus: str | None = SWEEP, plot: Path = PLOT,
+    sweep_gpus: str | None = SWEEP, plot: Path = PLOT, dpo: bool = DPO,
+    precompute_reference: bool = PRECOMPUTE_REF,
 ) -> None:
     """Rank layouts (tp, pp, vpp, cp, ep, dp), ZeRO stage, offload, recompute and micro-batch
     by estimated step time among those the memory model says fit."""
@@ -77,7 +89,7 @@ def plan_cmd(
         model, tokens, price, gpu, gpu_mem, nodes=nodes, gpus_per_node=gpus_per_node,
         cpu_mem=cpu_mem, seq_len=seq_len, global_batch=global_batch, dtype=dtype, flash=flash,
         top=top, allow_cp=allow_cp, per_layout=per_layout, emit_rank=emit_rank,
-        device_overrides=overrides)
+        dpo=dpo, precompute_reference=precompute_reference, device_overrides=overrides)
     if sweep_gpus is not None:
         try:
             report = sweep_counts(request, sweep_gpus)

@@ -21,6 +21,7 @@ from toolkit.memory.states import (
     buffer_items,
     model_state_items,
     rank_params,
+    reference_items,
 )
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
@@ -156,6 +157,8 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
                              if zero.stage == 3 else 0)
         items = model_state_items(params, zero, train.dtype) + buffer_items(
             params, zero, train.dtype)
+        if train.reference_model:
+            items += reference_items(params, zero, train.dtype)
         for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():
             items.append(Item(what, GPU, int(nbytes), transient=not what.startswith(
                 "activations")))

@@ -196,6 +196,24 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
     return items
 
 
+def reference_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
+    """DPO's frozen reference model: the policy's tensors on this rank, weights only (no
+    gradients or optimizer states). Replicated over the data-parallel group, or at stage 3
+    partitioned like the policy (a DeepSpeed engine without optimizer: a 1/dp shard of every
+    tensor plus the whole small ones, on the parameter-offload device when there is one)."""
+    lp = DTYPE_BYTES[dtype]
+    what = f"reference model (frozen, {dtype})"
+    if zero.stage != 3:
+        return [Item(what, GPU, lp * params.total)]
+    shard = -(-params.dense // params.dense_dp) + -(-params.expert // params.expert_dp)
+    device = GPU if zero.offload_param == "none" else zero.offload_param
+    items = [Item(f"{what}, 1/{params.dense_dp} shard", device, lp * shard)]
+    if params.persistent:
+        items.append(Item(f"{what}, persistent small parameters (whole)", GPU,
+                          lp * params.persistent, note="below persistence threshold"))
+    return items
+
+
 def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
     """DeepSpeed's communication buffers and stage-3 working set."""
     lp = DTYPE_BYTES[dtype]
@@ -210,9 +228,8 @@ def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item
                           lp * min(zero.reduce_bucket_size, total), transient=True))
         items.append(Item("allgather bucket (after step)", GPU,
                           lp * min(zero.allgather_bucket_size, total), transient=True))
-    if s == 3:
-        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * min(zero.reduce_bucket_size,
-                                                                      total)))
+    if s == 3:  # allocated whole (contiguous_gradients, DeepSpeed's default), however small
+        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * zero.reduce_bucket_size))
         gathered = min(zero.max_live_parameters,
                        params.largest_layer + zero.prefetch_bucket_size, total)
         items.append(Item("gathered layer + prefetch", GPU, lp * gathered, transient=True,

@@ -21,6 +21,7 @@ from toolkit.train.config.schema import (
     CheckpointSection,
     DataSection,
     DeepSpeedSection,
+    DpoSection,
     ExportSection,
     LoggingSection,
     ModelSection,
@@ -32,8 +33,8 @@ from toolkit.train.config.schema import (
 )
 
 __all__ = [
-    "CheckpointSection", "ConfigError", "DataSection", "DeepSpeedSection", "ExportSection",
-    "LoggingSection", "ModelSection", "OptimSection", "ParallelSection", "RunPlan",
+    "CheckpointSection", "ConfigError", "DataSection", "DeepSpeedSection", "DpoSection",
+    "ExportSection", "LoggingSection", "ModelSection", "OptimSection", "ParallelSection", "RunPlan",
     "RuntimeSection", "TrainConfig", "TrainSection", "apply_overrides", "config_from_dict",
     "load_config", "parse_override", "plan", "total_steps", "validate",
 ]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError
 from toolkit.parallel.layout import LayoutError
-from toolkit.train.config.schema import TrainConfig
+from toolkit.train.config.schema import DpoSection, TrainConfig
+from toolkit.train.dpo import spec as dpo_spec
 
 
 def check_output_dir(cfg: TrainConfig) -> None:
@@ -62,6 +63,21 @@ def check_data(cfg: TrainConfig) -> None:
     if d.format != "auto" and d.mode == "pretrain":
         raise ConfigError(f"data.format={d.format} applies to sft only (pretraining reads "
                           "data.text_field): remove it or set data.mode=sft.")
+    if d.mode == "dpo" and (d.pack or d.format != "auto"):
+        key = "data.pack" if d.pack else f"data.format={d.format}"
+        raise ConfigError(f"{key} applies to sft only (data.mode=dpo reads prompt/chosen/rejected "
+                          "rows, one pair per sample): remove it.")
+
+
+def check_dpo(cfg: TrainConfig) -> None:
+    dpo_spec.check_settings(cfg.data.mode, cfg.dpo, DpoSection())
+    if cfg.data.mode != "dpo":
+        return
+    if cfg.model.config:
+        raise ConfigError("data.mode=dpo tunes a trained model: set model.path (the policy and, "
+                          "unless dpo.reference names another, the reference) instead of "
+                          "model.config.")
+    dpo_spec.check_reference(cfg.model.path, cfg.dpo.reference)
 
 
 def check_train(cfg: TrainConfig) -> None:
@@ -103,8 +119,8 @@ def check_logging(cfg: TrainConfig) -> None:
 
 
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
-    check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_train,
-    check_optim, check_checkpoint, check_logging,
+    check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_dpo,
+    check_train, check_optim, check_checkpoint, check_logging,
 )
 
 

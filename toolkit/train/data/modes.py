@@ -1,13 +1,15 @@
 """The data modes (``data.mode``): how the rows of a split become fixed-length samples. A mode
 is a module whose ``tokenize(parts, tokenizer, settings, procs, progress)`` returns (tokens
-[N, seq_len+1] int32, loss_mask [N, seq_len] uint8, stats); a new mode is a new module and its
-line in ``MODES``."""
+[N, seq_len+1] int32, loss_mask [N, seq_len] uint8, stats), or [N, rows, ...] for samples of
+several rows (``dpo``: a chosen and a rejected row); a new mode is a new module and its line in
+``MODES``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from toolkit.train.data.preference import tokenize as dpo
 from toolkit.train.data.pretrain import tokenize as pretrain
 from toolkit.train.data.progress import SplitProgress
 from toolkit.train.data.settings import DataSettings
@@ -15,7 +17,7 @@ from toolkit.train.data.sft import tokenize as sft
 from toolkit.train.data.sources import RowsPart
 
 Tokenize = Callable[..., tuple[Any, Any, dict[str, int]]]
-MODES: dict[str, Tokenize] = {"pretrain": pretrain, "sft": sft}
+MODES: dict[str, Tokenize] = {"pretrain": pretrain, "sft": sft, "dpo": dpo}
 
 
 def tokenize_split(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, num_proc: int,

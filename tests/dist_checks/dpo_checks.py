@@ -1,0 +1,152 @@
+"""Rank functions for the DPO checks (``toolkit.train.trainer.run`` with ``data.mode: dpo``).
+
+Every case runs the real trainer on the bundled preference pairs: the policy is the trainer
+tests' tiny Llama, the reference a second checkpoint (the same architecture, other weights), so
+the reference log-probabilities really come from another model. The layout cases are compared
+with the same config on one rank; the memory cases count what each rank holds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DPO_DATA = "bundled:examples/data/dpo.jsonl"
+STEPS, MICRO, GLOBAL, SEQ, LR, BETA = 3, 2, 8, 48, 1e-3, 0.1
+
+
+@dataclass(frozen=True)
+class DpoCase:
+    """One DPO run: the layout, the DeepSpeed settings, the reference kind."""
+
+    name: str
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    sp: bool = False
+    zero: int = 1
+    offload: str = "none"
+    precompute: bool = False
+    steps: int = STEPS
+    overrides: tuple[str, ...] = ()
+    memory: bool = False  # also count the bytes each rank holds before the first update
+    grads: bool = False  # also return every parameter's reduced gradient of the first step
+
+
+def make_reference(policy: str | Path, out: str | Path, seed: int = 99) -> str:
+    """A second checkpoint of the policy's architecture: its weights plus seeded noise."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.add_(0.03 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return str(out)
+
+
+def config(case: DpoCase, assets: dict[str, str], out: str | Path):
+    from toolkit.train.config import apply_overrides, config_from_dict
+
+    raw: dict[str, Any] = {
+        "output_dir": str(out),
+        "model": {"path": assets["dense"], "tokenizer": assets["tokenizer"]},
+        "parallel": {"tp": case.tp, "pp": case.pp, "vpp": case.vpp, "cp": case.cp,
+                     "sequence_parallel": case.sp},
+        "deepspeed": {"zero_stage": case.zero, "offload": case.offload},
+        "data": {"mode": "dpo", "sources": [DPO_DATA], "validation_split": 0.0,
+                 "cache_dir": assets["cache"]},
+        "dpo": {"beta": BETA, "reference": assets["reference"],
+                "precompute_reference": case.precompute},
+        "optim": {"lr": LR, "decay": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+                  "clip_grad": 1.0},
+        "train": {"steps": case.steps, "micro_batch": MICRO, "global_batch": GLOBAL,
+                  "seq_len": SEQ, "precision": "fp32", "seed": 1234},
+        "checkpoint": {"interval": 0, "keep_last": 0, "resume": "none"},
+        "logging": {"interval": 1},
+    }
+    return config_from_dict(apply_overrides(raw, case.overrides))
+
+
+def run_case(case: DpoCase, assets: dict[str, str], workdir: str) -> dict[str, Any]:
+    """Train ``case``; its per-step losses and metrics, what metrics.jsonl holds, and (with
+    ``case.memory``) the bytes this rank holds."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.train import trainer
+    from toolkit.train.dpo import objective as dpo_objective
+
+    out = Path(workdir) / case.name
+    seen: dict[str, Any] = {}
+    build_engine, make_objective = trainer.build_engine, dpo_objective.dpo_objective
+
+    def engine_spy(chunks, mpu, ds_config, **kwargs):
+        seen.update(tp=ps.get_tensor_model_parallel_world_size(),
+                    pp=ps.get_pipeline_model_parallel_world_size(),
+                    cp=ps.get_context_parallel_world_size(), dp=ps.get_data_parallel_world_size())
+        engine = build_engine(chunks, mpu, ds_config, **kwargs)
+        if case.memory:
+            _measure_before_first_step(engine, seen)
+        if case.grads:
+            from dist_checks.trainer_checks import _record_first_grads
+
+            _record_first_grads(engine, seen)
+        return engine
+
+    def objective_spy(*args, **kwargs):
+        objective = make_objective(*args, **kwargs)
+        seen["objective"] = objective
+        return objective
+
+    trainer.build_engine, dpo_objective.dpo_objective = engine_spy, objective_spy
+    try:
+        result = trainer.run(config(case, assets, out))
+    finally:
+        trainer.build_engine, dpo_objective.dpo_objective = build_engine, make_objective
+    seen.pop("objective", None)
+    records = []
+    if dist.get_rank() == 0:
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"case": case.name, "losses": result.losses, "metrics": result.metrics,
+            "records": records, "ds_config": result.ds_config, **seen}
+
+
+def _measure_before_first_step(engine, seen: dict[str, Any]) -> None:
+    """Before the first ``engine.step``: the engine's bytes (parameters, gradients, optimizer:
+    ``memory_checks.held_bytes``) and the reference model's (its parameters, ZeRO-3 shards
+    included), distinct storages."""
+    from dist_checks.memory_checks import held_bytes
+
+    step = engine.step
+
+    def measuring_step(*args, **kwargs):
+        if "held" not in seen:
+            seen["held"] = held_bytes(engine)
+            reference = getattr(seen.get("objective"), "reference", None)
+            chunks = getattr(reference, "chunks", [])
+            seen["reference_held"] = _param_bytes([p for c in chunks for p in c.parameters()])
+        return step(*args, **kwargs)
+
+    engine.step = measuring_step
+
+
+def _param_bytes(params: list[torch.Tensor]) -> int:
+    out: dict[int, int] = {}
+    for p in params:
+        for t in (p, getattr(p, "ds_tensor", None)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                st = t.untyped_storage()
+                out[st.data_ptr()] = max(out.get(st.data_ptr(), 0), st.nbytes())
+    return sum(out.values())
+
+
+def run_cases(cases: list[DpoCase], assets: dict[str, str], workdir: str) -> list[dict[str, Any]]:
+    return [run_case(c, assets, workdir) for c in cases]
