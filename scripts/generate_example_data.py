@@ -4,11 +4,12 @@
 
 pretrain.jsonl: {"text": ...} short documents of simple facts (arithmetic, capitals, animals,
 counting). sft.jsonl: half {"prompt", "response"} rows, half {"messages": [...]} chat rows (some
-with a system turn, some with two exchanges). dpo.jsonl: preference pairs, the SFT questions with
-the right answer chosen and a wrong one of the same shape rejected, in TRL's formats: string
-{"prompt", "chosen", "rejected"} rows, conversational rows, and conversational rows without a
-prompt (the shared user turn is the prompt). The facts are regular, so a tiny model learns them
-in a few hundred steps and the validation loss visibly falls.
+with a system turn, some with two exchanges). dpo.jsonl and dpo_text.jsonl: preference pairs,
+the SFT questions with the right answer chosen and a wrong one of the same shape rejected, in
+TRL's formats: conversational rows with a prompt and without one (the shared user turn is the
+prompt) in dpo.jsonl, string {"prompt", "chosen", "rejected"} rows in dpo_text.jsonl (one form
+per file: HF datasets reads a column that holds strings in some rows and lists in others as
+JSON text, which turns a string like " 3." into a number).
 """
 
 from __future__ import annotations
@@ -102,18 +103,18 @@ def wrong_answer(rng: random.Random, question: str, answer: str) -> str:
     return f"{other} comes after {day}."
 
 
-def preference_row(rng: random.Random, i: int) -> dict:
+def preference_row(rng: random.Random, text: bool, implicit: bool) -> dict:
     prompt, chosen = qa(rng)
     rejected = wrong_answer(rng, prompt, chosen)
-    if i % 3 == 0:
+    if text:
         return {"prompt": f"Question: {prompt}\nAnswer:", "chosen": f" {chosen}",
                 "rejected": f" {rejected}"}
     user = [{"role": "user", "content": prompt}]
-    if i % 3 == 1:
-        return {"prompt": user, "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": rejected}]}
-    return {"chosen": user + [{"role": "assistant", "content": chosen}],
-            "rejected": user + [{"role": "assistant", "content": rejected}]}
+    if implicit:
+        return {"chosen": user + [{"role": "assistant", "content": chosen}],
+                "rejected": user + [{"role": "assistant", "content": rejected}]}
+    return {"prompt": user, "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}]}
 
 
 def main() -> None:
@@ -141,9 +142,10 @@ def main() -> None:
                 row = {"messages": messages}
             f.write(json.dumps(row) + "\n")
     pref = random.Random(20270)  # its own stream: the files above stay as they were
-    with open(out / "dpo.jsonl", "w") as f:
-        for i in range(600):
-            f.write(json.dumps(preference_row(pref, i)) + "\n")
+    for name, count, text in (("dpo.jsonl", 400, False), ("dpo_text.jsonl", 200, True)):
+        with open(out / name, "w") as f:
+            for i in range(count):
+                f.write(json.dumps(preference_row(pref, text, implicit=i % 3 == 2)) + "\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from toolkit.train.data.preference import encode_preference_row
 from toolkit.train.dpo import spec
 from toolkit.train.dpo.losses import LOSSES, Pairs
 
-DPO_FILE = bundled.path("bundled:examples/data/dpo.jsonl")
+DPO_FILE = bundled.path("bundled:examples/data/dpo.jsonl")  # conversational rows
+TEXT_FILE = bundled.path("bundled:examples/data/dpo_text.jsonl")  # string rows
 runner = CliRunner()
 
 
@@ -55,14 +56,14 @@ def _trl(rows: list[dict], models: dict[str, str], **args):
                       processing_class=load_tokenizer(models["tokenizer"]))
 
 
-def _bundled_rows() -> list[dict]:
-    return [json.loads(line) for line in DPO_FILE.read_text().splitlines()]
+def _bundled_rows(path: Path = DPO_FILE) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _forms() -> dict[str, list[dict]]:
     """Each of TRL's preference forms, from the bundled pairs (TRL reads one form per set)."""
     rows = _bundled_rows()
-    strings = [r for r in rows if isinstance(r.get("prompt"), str)][:6]
+    strings = _bundled_rows(TEXT_FILE)[:6]
     implicit_strings = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] +
                          r["rejected"]} for r in strings]
     return {"strings": strings, "implicit_strings": implicit_strings,
@@ -90,7 +91,7 @@ def test_samples_hold_both_rows_and_mask_the_completions(models, tmp_path):
     tok = load_tokenizer(models["tokenizer"])
     settings = DataSettings(mode="dpo", sources=(str(DPO_FILE),), seq_len=48)
     data = prepare_data(settings, models["tokenizer"], tmp_path / "cache")
-    assert data.train.tokens.shape == (600, 2, 49) and data.train.loss_mask.shape == (600, 2, 48)
+    assert data.train.tokens.shape == (400, 2, 49) and data.train.loss_mask.shape == (400, 2, 48)
     for i, row in enumerate(_bundled_rows()[:20]):
         p, c, r = encode_preference_row(row, tok, settings)
         for j, completion in enumerate((c, r)):
@@ -105,8 +106,8 @@ def test_samples_hold_both_rows_and_mask_the_completions(models, tmp_path):
 
 
 def test_pairs_whose_prompt_fills_the_sequence_are_dropped_and_counted(models, tmp_path):
-    rows = _bundled_rows()[:10] + [{"prompt": "What is 1 plus 2? " * 20, "chosen": " 3.",
-                                    "rejected": " 4."}]
+    rows = _bundled_rows(TEXT_FILE)[:10] + [{"prompt": "What is 1 plus 2? " * 20,
+                                             "chosen": " 3.", "rejected": " 4."}]
     source = tmp_path / "pairs.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = DataSettings(mode="dpo", sources=(str(source),), seq_len=48)
@@ -120,9 +121,6 @@ BAD_ROWS = {
     "no_chosen": ({"prompt": "Hi", "rejected": " there."}, "has no 'chosen'"),
     "identical": ({"prompt": "Hi", "chosen": " there.", "rejected": " there."},
                   "'chosen' and 'rejected' are the same"),
-    "mixed": ({"prompt": "Hi", "chosen": " there.",
-               "rejected": [{"role": "assistant", "content": "there."}]},
-              "must both be strings or both be lists of turns"),
     "empty_prompt": ({"chosen": "Yes.", "rejected": "No."}, "the prompt is empty"),
 }
 
@@ -131,13 +129,24 @@ BAD_ROWS = {
 def test_bad_rows_are_refused_naming_file_and_line(models, tmp_path, case):
     row, words = BAD_ROWS[case]
     source = tmp_path / "pairs.jsonl"
-    source.write_text(json.dumps(_bundled_rows()[0]) + "\n" + json.dumps(row) + "\n")
+    source.write_text(json.dumps(_forms()["strings"][0]) + "\n" + json.dumps(row) + "\n")
     cache = tmp_path / "cache"
     with pytest.raises(DataError) as e:
         prepare_data(DataSettings(mode="dpo", sources=(str(source),), seq_len=48),
                      models["tokenizer"], cache)
     assert f"{source}:2:" in str(e.value) and words in str(e.value), str(e.value)
     assert not cache.exists() or not any(cache.iterdir())  # nothing written
+
+
+def test_a_file_mixing_strings_and_conversations_is_refused(models, tmp_path):
+    """HF datasets would read such a column as JSON text (' 3.' -> 3.0): one clear error."""
+    source = tmp_path / "pairs.jsonl"
+    rows = [_forms()["strings"][0], _forms()["conversational"][0]]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=f"{source}: 'prompt' holds strings in some rows and "
+                                        "lists of turns in others; put string rows"):
+        prepare_data(DataSettings(mode="dpo", sources=(str(source),), seq_len=48),
+                     models["tokenizer"], tmp_path / "cache")
 
 
 def test_conversations_need_a_chat_template(models, tmp_path):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-DPO_DATA = "bundled:examples/data/dpo.jsonl"
+DPO_DATA = ["bundled:examples/data/dpo.jsonl", "bundled:examples/data/dpo_text.jsonl"]
 STEPS, MICRO, GLOBAL, SEQ, LR, BETA = 3, 2, 8, 48, 1e-3, 0.1
 
 
@@ -62,7 +62,7 @@ def config(case: DpoCase, assets: dict[str, str], out: str | Path):
         "parallel": {"tp": case.tp, "pp": case.pp, "vpp": case.vpp, "cp": case.cp,
                      "sequence_parallel": case.sp},
         "deepspeed": {"zero_stage": case.zero, "offload": case.offload},
-        "data": {"mode": "dpo", "sources": [DPO_DATA], "validation_split": 0.0,
+        "data": {"mode": "dpo", "sources": DPO_DATA, "validation_split": 0.0,
                  "cache_dir": assets["cache"]},
         "dpo": {"beta": BETA, "reference": assets["reference"],
                 "precompute_reference": case.precompute},

@@ -14,7 +14,8 @@ completion starts where the tokenised prompt stops being a prefix of both tokeni
 ``seq_len + 1`` tokens per sequence (keep the start); a pair whose prompt fills that is dropped
 and counted. Refused, naming the row: no chosen or rejected, chosen equal to rejected, a
 conversation without a chat template (or with ``data.template=plain``), an empty prompt (its
-first completion token would have no context to be scored from).
+first completion token would have no context to be scored from), a file that mixes string and
+conversational rows (``_check_columns``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from toolkit.train.data.progress import SplitProgress
 from toolkit.train.data.settings import DataError, DataSettings
-from toolkit.train.data.sources import RowsPart, row_location
+from toolkit.train.data.sources import RowsPart, row_location, source_name
 
 FIELDS = ("chosen", "rejected")  # TRL's names
 
@@ -125,11 +126,25 @@ def pack_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]
     return tokens, mask[:, :, 1:].copy(), stats
 
 
+def _check_columns(part: RowsPart, settings: DataSettings) -> None:
+    """HF datasets reads a JSON column that holds strings in some rows and lists in others as
+    JSON text and decodes every value again, so a string like " 3." comes back as a number:
+    refused, naming the file."""
+    for key in (settings.prompt_field, *FIELDS):
+        feature = part.rows.features.get(key)
+        if type(feature).__name__ == "Json":
+            raise DataError(f"{source_name(part.source)}: '{key}' holds strings in some rows and "
+                            "lists of turns in others; put string rows and conversational rows "
+                            "in separate files (HF datasets would read the strings as JSON text: "
+                            "' 3.' becomes the number 3.0).")
+
+
 def tokenize(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, procs: int | None,
              progress: SplitProgress):
     """-> (tokens [N, 2, L+1] int32, loss_mask [N, 2, L] uint8, stats); sources in order."""
     pairs: list[tuple[list[int], list[int], list[int]]] = []
     for part in parts:
+        _check_columns(part, settings)
         source, index = part.source, part.index
 
         def enc(row, i, offset, source=source, index=index):
