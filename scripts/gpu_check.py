@@ -104,6 +104,10 @@ PARTS: list[Part] = [
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
          45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
+    Part("dpo", "DPO step time and peak memory (reference model / precomputed) vs SFT on the "
+         "same tokens, and the memory model's figures, 150M Llama, bf16", 45,
+         lambda j: _py("scripts/bench_dpo.py", "--json", str(j)),
+         _py("scripts/bench_dpo.py", "--help")),
 ]
 
 

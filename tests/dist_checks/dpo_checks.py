@@ -54,26 +54,18 @@ def make_reference(policy: str | Path, out: str | Path, seed: int = 99) -> str:
 
 
 def config(case: DpoCase, assets: dict[str, str], out: str | Path):
-    from toolkit.train.config import apply_overrides, config_from_dict
+    """The trainer tests' config (``trainer_checks.config``: model, layout, fp32, constant LR)
+    turned into a DPO run on the bundled pairs with this module's batch and LR."""
+    from dist_checks import trainer_checks as tc
 
-    raw: dict[str, Any] = {
-        "output_dir": str(out),
-        "model": {"path": assets["dense"], "tokenizer": assets["tokenizer"]},
-        "parallel": {"tp": case.tp, "pp": case.pp, "vpp": case.vpp, "cp": case.cp,
-                     "sequence_parallel": case.sp},
-        "deepspeed": {"zero_stage": case.zero, "offload": case.offload},
-        "data": {"mode": "dpo", "sources": DPO_DATA, "validation_split": 0.0,
-                 "cache_dir": assets["cache"]},
-        "dpo": {"beta": BETA, "reference": assets["reference"],
-                "precompute_reference": case.precompute},
-        "optim": {"lr": LR, "decay": "constant", "warmup_steps": 0, "weight_decay": 0.0,
-                  "clip_grad": 1.0},
-        "train": {"steps": case.steps, "micro_batch": MICRO, "global_batch": GLOBAL,
-                  "seq_len": SEQ, "precision": "fp32", "seed": 1234},
-        "checkpoint": {"interval": 0, "keep_last": 0, "resume": "none"},
-        "logging": {"interval": 1},
-    }
-    return config_from_dict(apply_overrides(raw, case.overrides))
+    dpo = (f"data.mode=dpo", f"data.sources=[{','.join(DPO_DATA)}]", f"dpo.beta={BETA}",
+           f"dpo.reference={assets['reference']}",
+           f"dpo.precompute_reference={case.precompute}", f"optim.lr={LR}",
+           f"train.micro_batch={MICRO}", f"train.global_batch={GLOBAL}", f"train.seq_len={SEQ}")
+    base = tc.Case(case.name, tp=case.tp, pp=case.pp, vpp=case.vpp, cp=case.cp, sp=case.sp,
+                   zero=case.zero, offload=case.offload, steps=case.steps,
+                   overrides=dpo + case.overrides)
+    return tc.config(base, assets, out)
 
 
 def run_case(case: DpoCase, assets: dict[str, str], workdir: str) -> dict[str, Any]:
@@ -150,3 +142,52 @@ def _param_bytes(params: list[torch.Tensor]) -> int:
 
 def run_cases(cases: list[DpoCase], assets: dict[str, str], workdir: str) -> list[dict[str, Any]]:
     return [run_case(c, assets, workdir) for c in cases]
+
+
+def validation_at_start(name: str, rows: str, assets: dict[str, str], workdir: str,
+                        seq_len: int) -> dict[str, Any]:
+    """mdtk's validation before the first update on the pairs of ``rows`` (policy: the dense
+    tiny Llama, reference: its perturbed copy): the loss and TRL's metrics."""
+    from toolkit.train import trainer
+
+    case = DpoCase(name, steps=1, overrides=(
+        f"data.validation_sources=[{rows}]", "train.eval_interval=1", f"train.seq_len={seq_len}"))
+    result = trainer.run(config(case, assets, Path(workdir) / name))
+    return {"loss": result.val_losses[0], **result.val_metrics[0]}
+
+
+def sft_then_dpo(workdir: str, sft_steps: int, dpo_steps: int) -> dict[str, Any]:
+    """The demo's story continued: the demo's tiny Llama fine-tuned with the bundled SFT
+    example, exported, then aligned with the bundled DPO example (the SFT model is the policy
+    and, frozen, the reference); the held-out pairs' metrics before and after."""
+    from toolkit import bundled
+    from toolkit.demo import make_tiny_checkpoint
+    from toolkit.train import trainer
+    from toolkit.train.config import load_config
+
+    root = Path(workdir) / "sft_then_dpo"
+    model = make_tiny_checkpoint(root / "tiny-llama")
+    quick = ["checkpoint.interval=0", "checkpoint.resume=none", "train.micro_batch=16",
+             f"data.cache_dir={root / 'cache'}"]
+    sft = load_config(bundled.SFT_EXAMPLE, [
+        f"output_dir={root / 'sft'}", f"model.path={model}", f"export.hf_dir={root / 'sft_hf'}",
+        f"train.steps={sft_steps}", "train.eval_interval=0", "optim.warmup_steps=3", *quick])
+    trainer.run(sft)
+    dpo = load_config("bundled:examples/dpo_tiny.yaml", [
+        f"output_dir={root / 'dpo'}", f"model.path={root / 'sft_hf'}", f"model.tokenizer={model}",
+        f"train.steps={dpo_steps}", f"train.eval_interval={dpo_steps}", "export.hf_dir=null",
+        "optim.warmup_steps=2", *quick])
+    result = trainer.run(dpo)
+    return {"val": result.val_metrics, "losses": result.losses}
+
+
+def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[DpoCase],
+                       validation: dict[str, str], seq_len: int, sft_steps: int,
+                       dpo_steps: int) -> dict[str, Any]:
+    """On one rank: the layout references, validation at step 0 per row form (vs TRL) and the
+    SFT -> DPO run of the demo model."""
+    return {"refs": run_cases(refs, assets, workdir),
+            "validation": {form: validation_at_start(f"val_{form}", rows, assets, workdir,
+                                                     seq_len)
+                           for form, rows in validation.items()},
+            "sft_then_dpo": sft_then_dpo(workdir, sft_steps, dpo_steps)}
