@@ -58,7 +58,7 @@ def config(case: DpoCase, assets: dict[str, str], out: str | Path):
     turned into a DPO run on the bundled pairs with this module's batch and LR."""
     from dist_checks import trainer_checks as tc
 
-    dpo = (f"data.mode=dpo", f"data.sources=[{','.join(DPO_DATA)}]", f"dpo.beta={BETA}",
+    dpo = ("data.mode=dpo", f"data.sources=[{','.join(DPO_DATA)}]", f"dpo.beta={BETA}",
            f"dpo.reference={assets['reference']}",
            f"dpo.precompute_reference={case.precompute}", f"optim.lr={LR}",
            f"train.micro_batch={MICRO}", f"train.global_batch={GLOBAL}", f"train.seq_len={SEQ}")
