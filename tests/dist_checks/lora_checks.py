@@ -31,12 +31,14 @@ def run_cases(cases: list[tc.Case], assets: dict[str, str], workdir: str) -> lis
 
 
 def _measure(engine: Any, seen: dict[str, Any]) -> None:
-    """Before the first ``engine.step``: bytes this rank holds for parameters, gradients and
-    optimizer states, and its trainable parameters."""
+    """Before the second ``engine.step`` (Adam creates its states at the first): bytes this
+    rank holds for parameters, gradients and optimizer states, and its trainable parameters."""
     step = engine.step
+    calls = [0]
 
     def measuring_step(*args: Any, **kwargs: Any) -> Any:
-        if "held_bytes" not in seen:
+        calls[0] += 1
+        if calls[0] == 2:
             seen["held_bytes"] = memory_checks.held_bytes(engine)
             seen["trainable"] = sum(int(getattr(p, "ds_numel", p.numel()))
                                     for p in engine.module.parameters() if p.requires_grad)

@@ -58,7 +58,7 @@ def to_peft(src: str | Path, dst: str | Path, *, base: str | None = None,
     read_config(folder)  # refuses what PEFT's loader would not reproduce
     _free(dst, overwrite)
     with building(dst) as tmp:
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True, exist_ok=True)
         shutil.copy2(folder / WEIGHTS, tmp / WEIGHTS)
         raw = json.loads((folder / CONFIG).read_text())
         raw["base_model_name_or_path"] = base or recorded
