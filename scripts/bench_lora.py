@@ -4,8 +4,8 @@ Both runs use the same model, data, layout and DeepSpeed settings; only ``peft.m
 They alternate for several rounds in the same ranks, so machine load hits both alike; the
 figures are medians after warm-up steps, with the spread (min..max) over rounds. Memory per
 rank: the bytes the DeepSpeed engine holds for parameters, gradients and optimizer states
-(counted before the first update, every storage once) and the process's peak memory
-(``mem_per_rank`` of metrics.jsonl: RSS on CPU, CUDA peak on a GPU).
+(counted before the second update, every storage once) and the process's peak memory during
+the run (reset before each run: peak RSS on CPU, CUDA's peak allocation on a GPU).
 
 CPU part (always): 2 gloo ranks, a small Llama, dp2 ZeRO-1 or tp2, fp32.
 GPU part (only with CUDA): Llama-3.2-1B's widths with 8 layers and a 32k vocab (0.5B) in bf16
@@ -42,9 +42,30 @@ GPU_LORA_MODEL = {**GPU_MODEL, "num_hidden_layers": 8, "vocab_size": 32000}
 LORA = {"method": "lora", "r": 16, "alpha": 32}
 
 
+def _reset_peak() -> None:
+    """Start this process's peak-memory count afresh (runs alternate in the same ranks)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    else:  # Linux: VmHWM restarts from the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak() -> int:
+    """This process's peak memory since ``_reset_peak``: CUDA allocated, or RSS on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
 def one_run(cfg) -> dict:
-    """``trainer.run`` with the engine's model-state bytes counted before its first update."""
-    from dist_checks import memory_checks
+    """``trainer.run`` with the engine's model-state bytes counted before its second update, and
+    the process's peak memory during the run."""
+    from dist_checks import lora_checks
 
     from toolkit.train import trainer
 
@@ -53,19 +74,11 @@ def one_run(cfg) -> dict:
 
     def spy(*args, **kwargs):
         engine = original(*args, **kwargs)
-        step = engine.step
-
-        def measuring_step(*a, **k):
-            if "held" not in seen:
-                seen["held"] = memory_checks.held_bytes(engine)
-                seen["trainable"] = sum(int(getattr(p, "ds_numel", p.numel()))
-                                        for p in engine.module.parameters() if p.requires_grad)
-            return step(*a, **k)
-
-        engine.step = measuring_step
+        lora_checks.measure_engine(engine, seen)  # before the 2nd update: Adam states exist
         return engine
 
     trainer.build_engine = spy
+    _reset_peak()
     try:
         trainer.run(cfg)
     finally:
@@ -74,8 +87,7 @@ def one_run(cfg) -> dict:
     metrics = Path(str(cfg.output_dir)) / "metrics.jsonl"
     if metrics.is_file():
         rows = [json.loads(line) for line in metrics.read_text().splitlines()][WARMUP:]
-    return {**seen, "step_s": [r["step_time_s"] for r in rows],
-            "peak": max((max(r["mem_per_rank"]) for r in rows), default=0)}
+    return {**seen, "step_s": [r["step_time_s"] for r in rows], "peak": _peak()}
 
 
 def compare(assets: dict, opts: dict) -> dict:
@@ -99,7 +111,7 @@ def summarize(rounds: dict) -> dict:
                 for r in rounds[mode]]
 
     out: dict = {}
-    for key in ("step_s", "held", "peak", "trainable"):
+    for key in ("step_s", "held_bytes", "peak", "trainable"):
         full, lora = med("full", key), med("lora", key)
         ratios = [b / a for a, b in zip(full, lora, strict=True)]
         out[key] = {"full": statistics.median(full), "lora": statistics.median(lora),
@@ -133,7 +145,7 @@ def gpu_part(args) -> dict | str:
 def _print(title: str, res: dict) -> None:
     print(f"\n{title}: LoRA r={LORA['r']} / full fine-tuning, median of {res['rounds']} "
           "alternating rounds (spread min..max)")
-    names = {"step_s": "step time (s)", "held": "engine state bytes / rank",
+    names = {"step_s": "step time (s)", "held_bytes": "engine state bytes / rank",
              "peak": "peak memory / rank", "trainable": "trainable params / rank"}
     for key, label in names.items():
         r = res[key]

@@ -17,10 +17,16 @@ from toolkit.testing.distributed import RankPool
 RTOL = 1e-5
 EXPORT = ("export.adapter_dir={work}/lora_tp2_sp/adapter",
           "export.hf_dir={work}/lora_tp2_sp/merged")
-SAVED = "lora_tp2_sp"  # also saves checkpoints at steps 2 and 4
+SAVED = "lora_tp2_sp"  # also saves checkpoints at steps 2 and 3 (the last)
 
 
-def _cases(work: str):
+def _imported(peft_folder: str) -> tuple[str, ...]:
+    return (f"peft.adapter={peft_folder}/lora",)  # made by PEFT: random B
+
+
+def _cases(work: str, peft_folder: str = ""):
+    """The two-rank layouts (full fine-tuning only for the engine bytes: 2 steps), the resume
+    at another layout, the four-rank layout (training on from an adapter PEFT made)."""
     export = tuple(x.format(work=work) for x in EXPORT)
     two = [
         lc.case(SAVED, tp=2, sp=True, extra=(*export, "checkpoint.interval=2")),
@@ -29,26 +35,25 @@ def _cases(work: str):
         lc.case("lora_cp2", cp=2), lc.case("lora_moe_ep2", model="moe", ep=2, ref="ref_lora_moe"),
         lc.case("dora_tp2", tp=2, dora=True, ref="ref_dora"),
         lc.case("dora_pp2", pp=2, dora=True, ref="ref_dora"),
-        lc.case("full_dp2_z2", zero=2, extra=("peft.method=none",), ref="none"),
+        lc.case("full_dp2_z2", zero=2, steps=2, extra=("peft.method=none",), ref="none"),
     ]
     ckpt = f"{work}/{SAVED}/checkpoints/step_0000002"
-    resume = [lc.case("resume_at_pp2", pp=2, extra=(f"checkpoint.resume={ckpt}",)),
-              lc.case("resume_at_tp2", tp=2, sp=True, extra=(f"checkpoint.resume={ckpt}",))]
-    four = [lc.case("lora_tp2_pp2", tp=2, pp=2)]
+    resume = [lc.case("resume_at_pp2", pp=2, extra=(f"checkpoint.resume={ckpt}",))]
+    four = [lc.case("lora_tp2_pp2", tp=2, pp=2, extra=_imported(peft_folder),
+                    ref="ref_imported")]
     return two, resume, four
 
 
-REFS = [lc.case("ref_lora"), lc.case("ref_dora", dora=True),
-        lc.case("ref_lora_moe", model="moe")]
+def _refs(peft_folder: str) -> list:
+    return [lc.case("ref_lora"), lc.case("ref_dora", dora=True),
+            lc.case("ref_lora_moe", model="moe"),
+            lc.case("ref_imported", extra=_imported(peft_folder))]
 
 
 @pytest.fixture(scope="module")
 def assets(trainer_assets):
     out, root = trainer_assets
-    import os
-
-    cache = os.environ.get("MDTK_LORA_DEV_CACHE")  # a developer's re-runs: results kept
-    out["work"] = str(Path(cache) / "work" if cache else root / "lora_runs")
+    out["work"] = str(root / "lora_runs")
     return out
 
 
@@ -58,39 +63,25 @@ def peft_folder(assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def refs(assets):
-    def make():
-        with RankPool(1) as pool:
-            return pool.run(lc.run_cases, REFS, assets, assets["work"], timeout=600)[0]
-    return {r["case"]: r for r in _cached("refs", make)}
-
-
-def _cached(name, make):
-    import os
-    import pickle
-
-    cache = os.environ.get("MDTK_LORA_DEV_CACHE")
-    path = Path(cache) / f"{name}.pkl" if cache else None
-    if path is not None and path.is_file():
-        return pickle.loads(path.read_bytes())
-    out = make()
-    if path is not None:
-        path.write_bytes(pickle.dumps(out))
-    return out
+def refs(assets, peft_folder):
+    with RankPool(1) as pool:
+        (out,) = pool.run(lc.run_cases, _refs(peft_folder), assets, assets["work"],
+                          timeout=600)
+    return {r["case"]: r for r in out}
 
 
 @pytest.fixture(scope="module")
 def two(rank_pool_2, assets):
     cases, resume, _ = _cases(assets["work"])
-    return _cached("two", lambda: rank_pool_2.run(
-        lc.two_rank_checks, cases, resume, assets, assets["work"], SAVED, timeout=900))
+    return rank_pool_2.run(lc.two_rank_checks, cases, resume, assets, assets["work"], SAVED,
+                           timeout=900)
 
 
 @pytest.fixture(scope="module")
 def four(rank_pool_4, assets, peft_folder):
-    _, _, cases = _cases(assets["work"])
-    return _cached("four", lambda: rank_pool_4.run(
-        lc.four_rank_checks, peft_folder, cases, assets, assets["work"], timeout=900))
+    _, _, cases = _cases(assets["work"], peft_folder)
+    return rank_pool_4.run(lc.four_rank_checks, peft_folder, cases, assets, assets["work"],
+                           timeout=900)
 
 
 def _by_case(per_rank: list[dict], key: str = "cases") -> dict[str, list[dict]]:
@@ -103,21 +94,26 @@ def _by_case(per_rank: list[dict], key: str = "cases") -> dict[str, list[dict]]:
 
 def test_layouts_give_the_single_rank_losses(two, four, refs):
     """tp2 (+SP), pp2, dp2 ZeRO-2 / ZeRO-3, cp2, Mixtral ep2, tp2 x pp2 (LoRA) and DoRA at tp2
-    and pp2: every step's loss equals the one-rank run's within 1e-5 relative (fp32)."""
-    cases, _, _ = _cases("")
+    and pp2: every step's loss equals the one-rank run's within 1e-5 relative (fp32). The
+    tp2 x pp2 run (and its reference) trains on from an adapter PEFT made (``peft.adapter``)."""
+    cases, _, four_cases = _cases("")
     runs = {**_by_case(two), **_by_case(four)}
     checked = []
-    for case in [*cases, *_cases("")[2]]:
+    for case in [*cases, *four_cases]:
         if case.ref == "none":
             continue
         ref = refs[case.ref or "ref_lora"]["losses"]
         assert len(ref) == lc.STEPS and ref[-1] < ref[0]  # the adapters train
+        assert len(runs[case.name]) == (4 if case in four_cases else 2)
         for r in runs[case.name]:
             assert r["losses"] == pytest.approx(ref, rel=RTOL, abs=0), case.name
             assert (r["tp"], r["pp"], r["cp"], r["ep"]) == (case.tp, case.pp, case.cp, case.ep)
             assert not r["left_initialised"]
         checked.append(case.name)
     assert len(checked) == 9
+    # the imported adapter (random B) is really the start: another first loss than fresh B = 0
+    first = refs["ref_imported"]["losses"][0]
+    assert abs(first - refs["ref_lora"]["losses"][0]) > 1e-3 * first
 
 
 def test_peft_made_adapter_gives_peft_logits_at_tp2_pp2(four):
@@ -144,17 +140,16 @@ def test_export_loads_in_peft_and_merges_like_peft(two, assets):
     assert not any("qkv" in k or "linear_" in k for k in keys)
 
 
-def test_resume_continues_exactly_at_the_same_and_another_layout(two):
-    runs = _by_case(two, "resume")
+def test_resume_continues_at_another_layout(two):
+    """Adapters and their Adam moments saved at tp2 + SP (step 2), resumed at pp2: the next
+    step's loss is the one of the runs that went on at either layout (1e-5 relative)."""
+    resumed = _by_case(two, "resume")["resume_at_pp2"]
     straight = _by_case(two)
-    tp2 = runs["resume_at_tp2"][0]
-    assert tp2["start"] == 2
-    # same layout (tp2 + SP): bit for bit the run that went on
-    assert tp2["losses"] == straight[SAVED][0]["losses"][2:]
-    pp2 = runs["resume_at_pp2"][0]
-    assert pp2["start"] == 2
-    assert pp2["losses"] == pytest.approx(tp2["losses"], rel=RTOL, abs=0)
-    assert pp2["losses"] == pytest.approx(straight["lora_pp2"][0]["losses"][2:], rel=RTOL, abs=0)
+    for r in resumed:
+        assert r["start"] == 2 and len(r["losses"]) == lc.STEPS - 2
+        assert r["losses"] == pytest.approx(straight[SAVED][0]["losses"][2:], rel=RTOL, abs=0)
+        assert r["losses"] == pytest.approx(straight["lora_pp2"][0]["losses"][2:], rel=RTOL,
+                                            abs=0)
 
 
 def _predicted(case: tc.Case, assets: dict[str, str], lora: bool) -> int:
@@ -216,7 +211,7 @@ def test_convert_and_inspect_a_lora_checkpoint(two, assets, tmp_path):
 
     runner = CliRunner()
     ckpt = Path(assets["work"]) / SAVED / "checkpoints"  # the root: its latest step
-    res = runner.invoke(app, ["inspect", str(ckpt / "step_0000004")])
+    res = runner.invoke(app, ["inspect", str(ckpt / "step_0000003")])
     assert res.exit_code == 0, res.output
     assert "adapter:      lora r=4 alpha=8" in res.output
     assert "targets:      down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in \

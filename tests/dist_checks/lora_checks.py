@@ -18,7 +18,7 @@ from dist_checks import trainer_checks as tc
 
 LORA = ("peft.method=lora", "peft.r=4", "peft.alpha=8")
 DORA = ("peft.method=dora", "peft.r=4", "peft.alpha=8")
-STEPS = 4
+STEPS = 3
 
 
 def case(name: str, *, dora: bool = False, extra: tuple[str, ...] = (), **kw: Any) -> tc.Case:
@@ -27,10 +27,10 @@ def case(name: str, *, dora: bool = False, extra: tuple[str, ...] = (), **kw: An
 
 
 def run_cases(cases: list[tc.Case], assets: dict[str, str], workdir: str) -> list[dict]:
-    return [tc.run_case(c, assets, workdir, on_engine=_measure) for c in cases]
+    return [tc.run_case(c, assets, workdir, on_engine=measure_engine) for c in cases]
 
 
-def _measure(engine: Any, seen: dict[str, Any]) -> None:
+def measure_engine(engine: Any, seen: dict[str, Any]) -> None:
     """Before the second ``engine.step`` (Adam creates its states at the first): bytes this
     rank holds for parameters, gradients and optimizer states, and its trainable parameters."""
     step = engine.step

@@ -40,8 +40,12 @@ def split_name(name: str) -> tuple[str, str] | None:
 
 
 def config_dict(spec: LoraSpec, base: str | None, fan_in_fan_out: bool) -> dict[str, Any]:
-    """``adapter_config.json`` as PEFT writes it (PEFT's own ``LoraConfig``)."""
+    """``adapter_config.json`` as PEFT writes it (PEFT's own ``LoraConfig``); a local ``base``
+    is recorded absolute, so the folder finds its base from any directory (hub ids stay)."""
     from peft import LoraConfig
+
+    if base and Path(base).exists():
+        base = str(Path(base).resolve())
 
     cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                      target_modules=sorted(spec.targets), use_dora=spec.dora,

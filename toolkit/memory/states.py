@@ -231,9 +231,9 @@ def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item
                           lp * min(zero.reduce_bucket_size, total), transient=True))
         items.append(Item("allgather bucket (after step)", GPU,
                           lp * min(zero.allgather_bucket_size, total), transient=True))
-    if s == 3:
-        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * min(zero.reduce_bucket_size,
-                                                                      total)))
+    if s == 3:  # allocated whole at engine start (contiguous_gradients, the generator's
+        # setting), however few parameters train: a LoRA run's adapters fill a sliver of it
+        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * zero.reduce_bucket_size))
         gathered = min(zero.max_live_parameters,
                        params.largest_layer + zero.prefetch_bucket_size, total + params.frozen)
         items.append(Item("gathered layer + prefetch", GPU, lp * gathered, transient=True,
