@@ -204,3 +204,13 @@ def test_merge_equals_peft_merge_and_unload_bitwise(trainer_models, tmp_path):
         plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
         changed = [k for k in mine if not torch.equal(plain[k], mine[k])]
         assert len(changed) == 5 * 4  # every adapted projection of the 4 layers, nothing else
+
+
+def test_family_without_adaptable_projections_is_refused():
+    """A mapping with no linear projection (Llama's table cut to its embedding and norms, as a
+    family without LoRA support would be): one clear error, whatever the targets."""
+    table = {k: v for k, v in _table(LLAMA).items() if "embedding" in k or "norm" in k}
+    assert table
+    for wanted in (None, ["q_proj"]):
+        with pytest.raises(LoraError, match="its mapping has no linear projection LoRA can adapt"):
+            resolve_targets(table, wanted, "llama-cut")
