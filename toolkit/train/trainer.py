@@ -26,6 +26,7 @@ from toolkit import parallel, runtime
 from toolkit.atomic import write_text
 from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
+from toolkit.train import lora as lora_run
 from toolkit.train import reshard
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
@@ -80,6 +81,8 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     export_dir: str | None = None
     export_max_abs_diff: float | None = None  # HF export vs the trained model's logits
+    adapter_dir: str | None = None  # peft: the HF PEFT folder (export.adapter_dir)
+    adapter_max_abs_diff: float | None = None  # PEFT's model with it vs the trained model
     ds_config: dict[str, Any] = field(default_factory=dict)
     ds_notes: list[str] = field(default_factory=list)
 
@@ -106,6 +109,7 @@ class RunState:
     ds_config: dict[str, Any]
     ds_notes: list[str]
     total_steps: int
+    lora: Any = None  # the LoraSpec of a LoRA / DoRA run (None: full fine-tuning)
 
     @property
     def checkpoints(self) -> CheckpointManager:
@@ -176,11 +180,12 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
             raise ConfigError(f"data: token id {top} in the {split} split is outside the model's "
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
     mask_vocab_padding(chunks, vocab)
+    lora = lora_run.attach_adapters(cfg, chunks, adapter) if cfg.peft.method != "none" else None
     sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, mpu.get_data_parallel_rank_without_cp(), cfg.train.seed,
                                  cfg.data.shuffle)
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
-                    notes, total)
+                    notes, total, lora)
 
 
 def _train(state: RunState, engine) -> TrainResult:
@@ -211,7 +216,7 @@ def _train(state: RunState, engine) -> TrainResult:
             writer.close()
         if progress is not None:
             progress.close()
-    if cfg.export.hf_dir:
+    if cfg.export.hf_dir or cfg.export.adapter_dir:
         _export(state, engine, result)
     if rank == 0:
         summary = dataclasses.asdict(result)
@@ -314,7 +319,11 @@ def _save(state: RunState, engine, step: int) -> Path:
     from toolkit.train import faults
 
     def write_engine(folder: Path) -> None:
-        engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=False)
+        if state.lora is not None:  # the adapters and their optimizer state only
+            lora_run.save_state(folder, engine, state.chunks, state.adapter, state.lora,
+                                state.cfg.model.path)
+        else:
+            engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=False)
         faults.test_hook("save", step)  # tests kill a rank here, mid-save
 
     path = state.checkpoints.save(_training_state(state, step), write_engine)
@@ -330,6 +339,8 @@ def _resume(state: RunState, engine) -> int:
     if path is None:
         return 0
     saved = load_training_state(path)
+    if state.lora is not None or lora_run.has_state(path):
+        return _resume_adapters(state, engine, path, saved)
     # Another layout (or ZeRO stage): resharded through the mapping; the same one: DeepSpeed's
     # native load of its per-rank shards.
     stage = reshard.saved_stage(path)
@@ -354,10 +365,29 @@ def _resume(state: RunState, engine) -> int:
     return saved.step
 
 
+def _resume_adapters(state: RunState, engine, path: Path, saved) -> int:
+    """Resume a LoRA / DoRA run: its adapters and their optimizer state, at any layout."""
+    cfg = state.cfg
+    check_resume(saved, layout=state.plan.layout, global_batch=state.plan.global_batch,
+                 seed=cfg.train.seed, data_fingerprint=state.data.key,
+                 dp_change_ok=state.sampler.supports_dp_change, reshard_ok=True)
+    lora_run.load_state(path, engine, state.chunks, state.lora, saved.step,
+                        saved.consumed_samples)
+    same = reshard.same_layout(saved.layout, state.plan.layout)
+    if not same or not load_rng(path, dist.get_rank()):
+        torch.manual_seed(cfg.train.seed + saved.step)
+    how = "" if same else f" (from {_describe(saved.layout)})"
+    _log(f"resumed adapters from {path} at step {saved.step}{how}")
+    return saved.step
+
+
 def _export(state: RunState, engine, result: TrainResult) -> None:
     from toolkit.train.export import export
 
     cfg = state.cfg
+    if state.lora is not None:
+        lora_run.export(cfg, engine, state.chunks, state.adapter, state.lora, result, _log)
+        return
     result.export_dir, result.export_max_abs_diff = export(
         engine, state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
     if result.export_dir is not None:
