@@ -18,6 +18,12 @@
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_data.py MEGATRON_LM_CHECKOUT \\
         [--mb 200] [--workers 1 2] [--rounds 3] [--prefixes 1000] [--work DIR] [--json OUT]
+    python scripts/bench_data.py --gpu-train OUT.json     # scripts/gpu_check.py's part
+
+3. ``--gpu-train OUT.json`` (one GPU, no Megatron-LM checkout): the bundled corpus in two halves
+   made indexed datasets by ``mdtk data preprocess``, blended 0.25 / 0.75, and ``mdtk train``
+   pretraining the tiny Llama on them for 30 steps in bf16 on one rank; written: the losses,
+   tokens/s, the data phase and the share of each source's tokens.
 
 Megatron-LM's tool needs two stand-ins here (``six``; the triton-only batch-invariant kernels
 module), put on its ``PYTHONPATH`` by a generated ``sitecustomize.py``
@@ -29,8 +35,11 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
+import os
 import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -152,7 +161,6 @@ def make_prefixes(folder: Path, count: int, tok: Path, corpus: Path) -> list[str
 def blend_startup(work: Path, prefixes: list[str], tok: Path) -> dict:
     """First and second start of a 1-step run over the blend (one rank, CPU)."""
     import random
-    import shutil
 
     from toolkit.demo import make_tiny_checkpoint
 
@@ -182,9 +190,63 @@ def blend_startup(work: Path, prefixes: list[str], tok: Path) -> dict:
     return out
 
 
+GPU_TRAIN = {"steps": 30, "micro_batch": 4, "global_batch": 16, "seq_len": 256,
+             "precision": "bf16"}
+
+
+def gpu_train(work: Path, out: Path) -> dict:
+    """Part 3: ``mdtk train`` on a 0.25 / 0.75 blend of two indexed prefixes, one rank."""
+    from toolkit import bundled
+    from toolkit.demo import make_tiny_checkpoint
+    from toolkit.train.data.preprocess import TokenizeSpec, preprocess
+
+    hf = make_tiny_checkpoint(work / "gpu-hf", overrides={"vocab_size": 1024})
+    lines = (bundled.path(bundled.DATA) / "pretrain.jsonl").read_text().splitlines(True)
+    prefixes = []
+    for i, part in enumerate((lines[: len(lines) // 2], lines[len(lines) // 2:])):
+        (work / f"gpu-corpus{i}.jsonl").write_text("".join(part))
+        s = preprocess([str(work / f"gpu-corpus{i}.jsonl")], TokenizeSpec(str(hf), append_eod=True),
+                       str(work / f"gpu-src{i}"), progress=False)
+        prefixes.append(s.outputs["text"])
+    run = work / "gpu-run"
+    cfg = work / "gpu-train.json"
+    cfg.write_text(json.dumps({
+        "output_dir": str(run), "model": {"path": str(hf)},
+        "data": {"mode": "pretrain", "sources": prefixes, "weights": [0.25, 0.75],
+                 "validation_split": 0.0, "cache_dir": str(work / "gpu-cache")},
+        "optim": {"lr": 1e-3, "warmup_steps": 2}, "train": GPU_TRAIN,
+        "checkpoint": {"interval": 0, "resume": "none"}, "logging": {"interval": 1}}))
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.rmtree(work / "gpu-cache", ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+                           "-m", "toolkit.cli", "train", str(cfg)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - t0
+    log = done.stdout + done.stderr
+    if done.returncode:
+        raise SystemExit(f"mdtk train failed:\n{log[-3000:]}")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    by_source = rows[-1]["tokens_by_source"]
+    first = next(k for k in by_source if k.endswith("src0_text_document"))
+    found = re.search(r"data ready in ([\d.]+) s", log)
+    result = {"train": GPU_TRAIN, "weights": [0.25, 0.75], "wall_s": wall,
+              "data_s": float(found.group(1)) if found else None,
+              "losses": [r["loss"] for r in rows],
+              "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[2:]),
+              "share_first_source": by_source[first] / sum(by_source.values()),
+              "tokens_by_source": by_source}
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "losses"}))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkout", type=Path, help="Megatron-LM source checkout (core_v0.16.1)")
+    p.add_argument("checkout", type=Path, nargs="?",
+                   help="Megatron-LM source checkout (core_v0.16.1); not for --gpu-train")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "bench_data")
     p.add_argument("--mb", type=int, default=200)
     p.add_argument("--vocab", type=int, default=32000)
@@ -192,8 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prefixes", type=int, default=1000)
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--gpu-train", type=Path, metavar="OUT",
+                   help="only part 3 (one GPU): mdtk train over an indexed blend; JSON to OUT")
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
+    if a.gpu_train:
+        gpu_train(a.work, a.gpu_train)
+        return 0
+    if a.checkout is None:
+        p.error("give a Megatron-LM checkout (or --gpu-train OUT)")
     corpus = a.work / f"corpus-{a.mb}mb.jsonl"
     t0 = time.perf_counter()
     docs = make_corpus(corpus, a.mb)
