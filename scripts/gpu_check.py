@@ -108,6 +108,10 @@ PARTS: list[Part] = [
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
          45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
+    Part("indexed_data", "mdtk train on a 0.25/0.75 blend of two Megatron indexed prefixes "
+         "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
+         lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
+         _py("scripts/bench_data.py", "--help")),
 ]
 
 

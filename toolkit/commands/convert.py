@@ -173,7 +173,8 @@ def _to_trainer(src: Path, dst: Path, **layout) -> None:
 
 
 def inspect(
-    path: Path = typer.Argument(..., help="A checkpoint folder of any supported format."),
+    path: Path = typer.Argument(..., help="A checkpoint folder of any supported format, or a "
+                                "Megatron indexed dataset (PREFIX of PREFIX.bin/.idx)."),
     hf_config: Path | None = typer.Option(None, "--hf-config", help="Folder with config.json "
                                           "for checkpoints that carry none."),
     source_format: str | None = typer.Option(None, "--from", help="Format, when detection is "
@@ -182,10 +183,17 @@ def inspect(
 ) -> None:
     """Describe a checkpoint: format, architecture, layout, dtypes, parameter count, files, and
     the consistency problems found (missing or truncated files, shapes that differ from
-    config.json, missing ranks). Exit 1 when there are problems."""
+    config.json, missing ranks). For an indexed dataset PREFIX: documents, sequences, tokens,
+    dtype, the largest token id and whose dtype codes the index uses (megatron-core or
+    DeepSpeed). Exit 1 when there are problems."""
     import dataclasses
     import json
 
+    from toolkit.train.data.indexed_format import looks_indexed
+
+    if looks_indexed(str(path)):
+        _inspect_indexed(str(path), as_json)
+        return
     from toolkit.convert import inspect as run_inspect
 
     info = run_inspect(path, hf_config=hf_config, source_format=source_format)
@@ -228,6 +236,27 @@ def inspect(
         else:
             typer.echo("problems:     none found")
     if info.problems:
+        raise typer.Exit(1)
+
+
+def _inspect_indexed(prefix: str, as_json: bool) -> None:
+    """A Megatron indexed dataset: which writer's dtype codes, dtype, documents, tokens, the
+    largest token id (a scan of the .bin); a file the trainer would refuse: exit 1."""
+    import json
+
+    from toolkit.train.data.indexed_format import describe
+
+    d = describe(prefix)
+    if as_json:
+        typer.echo(json.dumps(d, indent=1))
+    else:
+        for key, value in d.items():
+            if key != "problems":
+                typer.echo(f"{key + ':':14s}{value:,}" if isinstance(value, int)
+                           else f"{key + ':':14s}{value}")
+        typer.echo("problems:" + "".join(f"\n  - {p}" for p in d["problems"])
+                   if d["problems"] else "problems:     none found")
+    if d["problems"]:
         raise typer.Exit(1)
 
 

@@ -39,6 +39,7 @@ from toolkit.train.checkpointing import (
 )
 from toolkit.train.config import ConfigError, TrainConfig
 from toolkit.train.data import (
+    DataError,
     DataSettings,
     GlobalBatchSampler,
     PreparedData,
@@ -46,6 +47,8 @@ from toolkit.train.data import (
     prepare_data_distributed,
     step_batches,
 )
+from toolkit.train.data.blend import SourceTokens
+from toolkit.train.data.pretrain import check_token_ids
 from toolkit.train.ds_config import deepspeed_config
 from toolkit.train.engine import (
     EngineError,
@@ -131,7 +134,7 @@ def run(cfg: TrainConfig) -> TrainResult:
         state = _prepare(cfg, mpu, run_plan, model)
         engine = build_engine(state.chunks, mpu, state.ds_config, checked=True)
         return _train(state, engine)
-    except (LayoutError, EngineError, ResumeError) as e:
+    except (LayoutError, EngineError, ResumeError, DataError) as e:
         raise ConfigError(str(e)) from e
     finally:
         if engine is not None:
@@ -149,6 +152,9 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
         layout = run_plan.layout
         layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes: checked on load
         model = RunModel.of(cfg)
+        if cfg.data.mode == "pretrain":  # indexed sources' token ids vs the vocab, scanned once
+            check_token_ids(cfg.data.sources + cfg.data.validation_sources, cfg.data_cache_dir,
+                            model.shape.vocab)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     out = Path(str(cfg.output_dir))
@@ -163,9 +169,12 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
 def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -> RunState:
     """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
     layout = run_plan.layout
+    t0 = time.perf_counter()
     data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
                                     cfg.data_cache_dir, cfg.data.num_proc)
     total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
+    data.train.reserve(total * run_plan.global_batch)
+    _log(f"data ready in {time.perf_counter() - t0:.2f} s")
     with runtime.failing_together():  # sized from this node's memory; written on rank 0
         ds_config, notes = deepspeed_config(cfg, run_plan, model, total)
         if dist.get_rank() == 0:
@@ -181,9 +190,10 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
     mask_vocab_padding(chunks, vocab)
     lora = lora_run.attach_adapters(cfg, chunks, adapter) if cfg.peft.method != "none" else None
-    sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
+    num_samples, shuffle = data.train.sampler_args(cfg.data.shuffle)
+    sampler = GlobalBatchSampler(num_samples, run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, mpu.get_data_parallel_rank_without_cp(), cfg.train.seed,
-                                 cfg.data.shuffle)
+                                 shuffle)
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
                     notes, total, lora)
 
@@ -240,6 +250,7 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
     if start < total and stop.requested():  # asked before this run trained anything
         raise faults.TrainingStopped(start, None, stop.reason or "")
     saved = start
+    fed = SourceTokens.of(data.train, cfg.train.seq_len, run_plan.global_batch, start)
     for step in range(start, total):
         faults.test_hook("step", step, stop)
         t0 = time.perf_counter()
@@ -250,6 +261,8 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
         seconds = time.perf_counter() - t0
         result.losses.append(res.loss)
         done = step + 1
+        if fed is not None:
+            fed.add(step)
         val = None
         if data.validation is not None and cfg.train.eval_interval and (
                 done % cfg.train.eval_interval == 0 or done == total):
@@ -263,7 +276,8 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
                     step=done, loss=res.loss, lr=res.lr, grad_norm=res.grad_norm,
                     tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
                     mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds,
-                    consumed_samples=sampler.consumed_samples(done), val_loss=val))
+                    consumed_samples=sampler.consumed_samples(done), val_loss=val,
+                    tokens_by_source=fed.totals() if fed is not None else None))
         if progress is not None:
             progress.update(done, res.loss, val)
         if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):

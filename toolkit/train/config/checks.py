@@ -9,7 +9,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, UserError
 from toolkit.parallel.layout import LayoutError
 from toolkit.train.config.schema import TrainConfig
 
@@ -62,6 +62,19 @@ def check_data(cfg: TrainConfig) -> None:
     if d.format != "auto" and d.mode == "pretrain":
         raise ConfigError(f"data.format={d.format} applies to sft only (pretraining reads "
                           "data.text_field): remove it or set data.mode=sft.")
+    if not d.shuffle and d.mode == "pretrain":
+        raise ConfigError("data.shuffle=false applies to sft only: pretraining reads megatron-core "
+                          "GPTDataset's shuffled samples (seeded by train.seed).")
+    if d.weights and d.mode != "pretrain":
+        raise ConfigError("data.weights blends pretraining sources: remove it or set "
+                          "data.mode=pretrain.")
+    from toolkit.train.data.pretrain import check_sources, check_weights
+
+    try:
+        check_weights(d.weights, d.sources)
+        check_sources(d.sources + d.validation_sources, d.mode)  # headers and sizes, no scan
+    except UserError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_train(cfg: TrainConfig) -> None:

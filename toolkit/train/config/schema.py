@@ -76,6 +76,7 @@ class DataSection:
     sources: list[str] = opt(factory=list)
     validation_sources: list[str] = opt(factory=list)
     validation_split: float = opt(0.05, minimum=0.0)
+    weights: list[float] = opt(factory=list)
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
