@@ -17,10 +17,14 @@ from toolkit.commands.options import (
     DTYPE,
     FLASH,
     GPUS,
+    LORA_R,
+    LORA_TARGETS,
     MODEL_OR_NONE,
     NODES,
+    PEFT,
     PRECOMPUTE_REF,
     SEQ,
+    lora_of,
 )
 from toolkit.commands.printing import fail
 
@@ -71,7 +75,8 @@ def plan_cmd(
     data: list[str] = DATA, data_mode: str = DATA_MODE, tokenizer: str | None = TOKENIZER,
     output_dir: str | None = OUTPUT_DIR, steps: int | None = STEPS,
     sweep_gpus: str | None = SWEEP, plot: Path = PLOT, dpo: bool = DPO,
-    precompute_reference: bool = PRECOMPUTE_REF,
+    precompute_reference: bool = PRECOMPUTE_REF, peft: str = PEFT, lora_r: int = LORA_R,
+    lora_targets: str | None = LORA_TARGETS,
 ) -> None:
     """Rank layouts (tp, pp, vpp, cp, ep, dp), ZeRO stage, offload, recompute and micro-batch
     by estimated step time among those the memory model says fit."""
@@ -89,7 +94,8 @@ def plan_cmd(
         model, tokens, price, gpu, gpu_mem, nodes=nodes, gpus_per_node=gpus_per_node,
         cpu_mem=cpu_mem, seq_len=seq_len, global_batch=global_batch, dtype=dtype, flash=flash,
         top=top, allow_cp=allow_cp, per_layout=per_layout, emit_rank=emit_rank,
-        dpo=dpo, precompute_reference=precompute_reference, device_overrides=overrides)
+        dpo=dpo, precompute_reference=precompute_reference, device_overrides=overrides,
+        lora=lora_of(peft, lora_r, lora_targets))
     if sweep_gpus is not None:
         try:
             report = sweep_counts(request, sweep_gpus)
@@ -135,7 +141,8 @@ def _table(report, top: int) -> None:
 
     s, work, result = report.setting, report.work, report.result
     shape, cluster, tokens, price = s.shape, s.cluster, s.tokens, report.price
-    typer.echo(f"{shape.name} ({_params(shape.num_params())} params) on {cluster.nodes} x "
+    lora = f", {_params(shape.trainable_params())} trainable" if shape.lora else ""
+    typer.echo(f"{shape.name} ({_params(shape.num_params())} params{lora}) on {cluster.nodes} x "
                f"{cluster.gpus_per_node} {s.device.key}, seq {work.seq_len}, global batch "
                f"{work.global_batch}, {work.dtype}")
     head = ["#", "layout", "ZeRO", "offload", "recompute", "micro x acc", "GiB/GPU", "step s",

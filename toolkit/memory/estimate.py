@@ -157,7 +157,7 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
                              if zero.stage == 3 else 0)
         items = model_state_items(params, zero, train.dtype) + buffer_items(
             params, zero, train.dtype)
-        if train.reference_model:
+        if train.reference_model and not params.frozen:  # LoRA: the policy, adapters off
             items += reference_items(params, zero, train.dtype)
         for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():
             items.append(Item(what, GPU, int(nbytes), transient=not what.startswith(

@@ -95,7 +95,8 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
     matmul, elem, head_flops = model_terms(model)
     fwd_mm = sum(2.0 * matmul[i] for i in layers) * tokens / c.tp
     fwd_att = 4.0 * model.q_dim * s * tokens / c.tp * len(layers)
-    mm, att = passes * fwd_mm, passes * fwd_att
+    frozen = 1 if model.lora and passes > 1 else 0  # LoRA: frozen weights, no weight gradient
+    mm, att = (passes - frozen) * fwd_mm, passes * fwd_att
     if c.recompute == "selective":
         att += fwd_att
     elem_bytes = sum(w / st.sp_div + inner / c.tp for w, inner in (elem[i] for i in layers))
@@ -105,7 +106,7 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
         elem_bytes += (EAGER_SCORE_PASSES * e * model.heads / c.tp * s * tokens
                        * len(layers) * score_passes)
     if is_last:  # the head is not recomputed: forward and backward (or forward only)
-        mm += min(passes, 3) * head_flops * tokens / c.tp
+        mm += (min(passes, 3) - frozen) * head_flops * tokens / c.tp
         elem_bytes += eff.logits_bytes * tokens * model.padded_vocab(c.tp) / c.tp
     return (mm / (st.peak * eff.matmul) + att / (st.peak * eff.attention)
             + elem_bytes / (st.net.device.hbm * eff.memory))
@@ -168,9 +169,9 @@ def reference_forward(st: StepInputs, first: RankParams, last: RankParams) -> fl
     sends, _, _ = pipeline_sends(st)
     seconds += sends / 2  # forward activations only
     if c.zero == 3:
-        params = max(first, last, key=lambda r: r.total)
+        held = max(r.total + r.frozen for r in (first, last))  # LoRA: the base, adapters off
         link = st.net.link(c.dp * c.cp, c.tp, st.eff)
-        gather = ring_time(params.total * st.e, params.dense_dp, "allgather", link.bandwidth,
+        gather = ring_time(held * st.e, first.dense_dp, "allgather", link.bandwidth,
                            link.latency)
         seconds += max(0.0, st.m * gather - st.m * mean)
     return seconds

@@ -27,6 +27,7 @@ from toolkit.train.config.schema import (
     ModelSection,
     OptimSection,
     ParallelSection,
+    PeftSection,
     RuntimeSection,
     TrainConfig,
     TrainSection,
@@ -34,7 +35,8 @@ from toolkit.train.config.schema import (
 
 __all__ = [
     "CheckpointSection", "ConfigError", "DataSection", "DeepSpeedSection", "DpoSection",
-    "ExportSection", "LoggingSection", "ModelSection", "OptimSection", "ParallelSection", "RunPlan",
+    "ExportSection", "LoggingSection", "ModelSection", "OptimSection", "ParallelSection",
+    "PeftSection", "RunPlan",
     "RuntimeSection", "TrainConfig", "TrainSection", "apply_overrides", "config_from_dict",
     "load_config", "parse_override", "plan", "total_steps", "validate",
 ]

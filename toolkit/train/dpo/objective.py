@@ -95,10 +95,19 @@ def _everywhere(flag: bool) -> bool:
 
 
 def dpo_objective(cfg, layout, mpu, ds_config: dict[str, Any], policy_config: dict[str, Any],
-                  precomputed: ref.PrecomputedReference | None) -> DpoObjective:
-    """The run's DPO objective; its reference: ``precomputed`` when given, else the reference
-    model (built here, after the policy)."""
+                  precomputed: ref.PrecomputedReference | None,
+                  policy_chunks: Sequence[Any] = ()) -> DpoObjective:
+    """The run's DPO objective; its reference: ``precomputed`` when given; with LoRA / DoRA the
+    policy's own chunks with every adapter switched off (TRL's reference for a PEFT model: no
+    second copy); else the reference model (built here, after the policy)."""
     d = cfg.dpo
     loss = DpoLoss(beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing)
-    reference = precomputed or build_model_reference(cfg, layout, mpu, ds_config, policy_config)
-    return DpoObjective(loss, reference)
+    if precomputed is not None:
+        return DpoObjective(loss, precomputed)
+    if cfg.peft.method != "none":
+        from toolkit.lora.layers import adapters_disabled
+
+        chunks = list(policy_chunks)
+        return DpoObjective(loss, ref.ModelReference(
+            chunks, cfg.train.seq_len, context=lambda: adapters_disabled(chunks)))
+    return DpoObjective(loss, build_model_reference(cfg, layout, mpu, ds_config, policy_config))
