@@ -4,11 +4,13 @@ losses at every layout, a DPO run after SFT learns the preferences, memory as th
 - TRL: validation before the first update (policy: the trainer tests' tiny Llama, reference: a
   perturbed copy, i.e. two different checkpoints) on 8 held-out pairs, string rows and
   conversational rows, against ``DPOTrainer.evaluate()`` on CPU in fp32 on the same rows.
-- Layouts: the first steps' losses and TRL metrics at tp2 (+sp, precomputed reference), pp2,
-  cp2, dp2 ZeRO-3 (the reference partitioned like the policy; and precomputed), tp2 x pp2 equal
-  the single-rank run (model reference) within 1e-5 relative, fp32.
+- Layouts: the first 2 steps' losses and TRL metrics at tp2 (+sp, precomputed reference), cp2,
+  dp2 ZeRO-3 (the reference partitioned like the policy), tp2 x pp2 equal the single-rank run
+  (model reference) within 1e-5 relative, fp32.
 - Memory: at dp2 ZeRO-3, per rank, the engine's and the reference model's bytes against the
-  memory model's model states, with and without ``precompute_reference``.
+  memory model's model states, with and without a reference model.
+- LoRA: the reference is the policy with its adapters off, equal to the base's precomputed
+  log-probabilities.
 Bad rows, bad configs, the loss table vs TRL and the CLI are tests/test_dpo.py (no ranks).
 """
 
@@ -33,12 +35,14 @@ VAL_SEQ, VAL_PAIRS = 64, 8
 SFT_STEPS, DPO_STEPS = 30, 16
 CASES_2 = [
     DpoCase("tp2_sp_pre", tp=2, sp=True, precompute=True),
-    DpoCase("pp2", pp=2),
     DpoCase("cp2", cp=2),
     DpoCase("dp2_zero3", zero=3, memory=True),
-    DpoCase("dp2_zero3_pre", zero=3, precompute=True, memory=True),
 ]
-CASES_4 = [DpoCase("tp2_pp2", tp=2, pp=2)]
+CASES_4 = [DpoCase("tp2_pp2", tp=2, pp=2)]  # pipeline (and tp with it)
+# LoRA at dp2: the reference is the policy with its adapters off, vs the base checkpoint's
+# log-probabilities precomputed (the same model, loaded on its own)
+LORA_CASES = [DpoCase("lora", overrides=dc.LORA),
+              DpoCase("lora_pre", precompute=True, overrides=dc.LORA)]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,8 @@ def results_1(assets):
 
 @pytest.fixture(scope="module")
 def results_n(rank_pool_2, rank_pool_4, assets):
-    two = rank_pool_2.run(dc.run_cases, CASES_2, assets, assets["work"], timeout=600)
+    two = rank_pool_2.run(dc.run_cases, CASES_2 + LORA_CASES, assets, assets["work"],
+                          timeout=600)
     four = rank_pool_4.run(dc.run_cases, CASES_4, assets, assets["work"], timeout=600)
     out: dict[str, list[dict]] = {}
     for rank_results in two + four:
@@ -138,18 +143,38 @@ def _predicted(model_dir: str, ds_config: dict, reference: bool) -> int:
 
 
 def test_memory_with_and_without_precomputed_reference(results_n, assets):
+    """One dp2 ZeRO-3 run: the engine's bytes plus the reference model's against the model with
+    a reference model; the engine's alone (what a precomputed run holds: the same policy engine,
+    no reference model) against the model without one."""
     report = []
-    for name, reference in (("dp2_zero3", True), ("dp2_zero3_pre", False)):
-        for rank, r in enumerate(results_n[name]):
-            measured = r["held"] + r["reference_held"]
+    for rank, r in enumerate(results_n["dp2_zero3"]):
+        assert r["reference_held"] > 0
+        for reference, measured in ((True, r["held"] + r["reference_held"]), (False, r["held"])):
             predicted = _predicted(assets["dense"], r["ds_config"], reference)
             err = (measured - predicted) / predicted
-            report.append(f"{name} rank {rank}: engine {r['held']} + reference "
-                          f"{r['reference_held']} = {measured}, predicted {predicted} "
-                          f"({100 * err:+.2f}%)")
+            report.append(f"rank {rank}, reference model {reference}: engine {r['held']} + "
+                          f"reference {r['reference_held'] if reference else 0} = {measured}, "
+                          f"predicted {predicted} ({100 * err:+.2f}%)")
             assert abs(err) < 0.05, report[-1]
-            assert (r["reference_held"] > 0) == reference, report[-1]
     print("\n".join(report))
+
+
+def test_lora_reference_is_the_policy_with_adapters_off(results_n):
+    """With LoRA the reference model is the policy's own chunks with the adapters switched off:
+    no second model, and the same losses and metrics as the base checkpoint's precomputed
+    log-probabilities. Step 0: the adapters start at zero (policy = reference, loss ln 2); step
+    1: the trained adapters move the policy away from the reference."""
+    import math
+
+    for mine, pre in zip(results_n["lora"], results_n["lora_pre"], strict=True):
+        assert mine["losses"][0] == pytest.approx(math.log(2), rel=1e-6)
+        assert abs(mine["losses"][1] - math.log(2)) > 1e-4
+        assert mine["losses"] == pytest.approx(pre["losses"], rel=LOSS_RTOL, abs=0)
+        for a, b in zip(mine["metrics"], pre["metrics"], strict=True):
+            for name in METRICS:
+                rel = LOSS_RTOL if name.startswith("logps") else 0
+                assert a[name] == pytest.approx(b[name], rel=rel, abs=1e-5), name
+        assert mine["reference_is_policy"]
 
 
 def test_dpo_after_sft_learns_the_held_out_preferences(results_1):

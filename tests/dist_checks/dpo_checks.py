@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 DPO_DATA = ["bundled:examples/data/dpo.jsonl", "bundled:examples/data/dpo_text.jsonl"]
-STEPS, MICRO, GLOBAL, SEQ, LR, BETA = 3, 2, 8, 48, 1e-3, 0.1
+STEPS, MICRO, GLOBAL, SEQ, LR, BETA = 2, 2, 8, 48, 1e-3, 0.1
+LORA = ("peft.method=lora", "peft.r=4", "dpo.reference=null")  # the reference: adapters off
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ def run_case(case: DpoCase, assets: dict[str, str], workdir: str) -> dict[str, A
     def objective_spy(*args, **kwargs):
         objective = make_objective(*args, **kwargs)
         seen["objective"] = objective
+        mine, policy = getattr(objective.reference, "chunks", []), list(args[6])
+        seen["reference_is_policy"] = bool(mine) and all(
+            a is b for a, b in zip(mine, policy, strict=True))
         return objective
 
     trainer.build_engine, dpo_objective.dpo_objective = engine_spy, objective_spy
