@@ -104,6 +104,10 @@ PARTS: list[Part] = [
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
          45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
+    Part("zeropp", "ZeRO++ quantizer kernels (qwZ int8, qgZ int4) vs a copy, 8192 x 8192 bf16: "
+         "time, error; includes the op's JIT build", 45,
+         lambda j: _py("scripts/bench_zeropp.py", "--json", str(j)),
+         _py("scripts/bench_zeropp.py", "--help")),
 ]
 
 

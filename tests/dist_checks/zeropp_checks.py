@@ -19,6 +19,7 @@ from dist_checks import memory_checks as mc
 from dist_checks import trainer_checks as tc
 
 MICRO, GAS = 2, 2
+STEPS = 3  # trainer steps: the first losses of the issue's parity check
 
 
 def ds_config(world: int, dtype: str, **zeropp: Any) -> dict[str, Any]:
@@ -124,15 +125,14 @@ def refused(config: dict[str, Any]) -> str:
     return ""
 
 
-def engine_checks(world: int, hpz: int) -> dict[str, Any]:
-    """Plain ZeRO-3 and hpZ in fp32 and bf16 (losses, memory, traffic), then qwZ and qgZ."""
+def engine_checks(world: int, hpz: int, dtype: str = "fp32") -> dict[str, Any]:
+    """Plain ZeRO-3 and hpZ in ``dtype`` (losses, memory, traffic), then qwZ and qgZ."""
     from toolkit import parallel
 
     out: dict[str, Any] = {}
-    for dtype in ("fp32", "bf16"):
-        for name, extra in (("plain", {}), ("hpz", {"zero_hpz_partition_size": hpz})):
-            out[f"{name}_{dtype}"] = run_engine(ds_config(world, dtype, **extra))
-            parallel.destroy()  # DeepSpeed keeps the hpZ group until its groups are destroyed
+    for name, extra in (("plain", {}), ("hpz", {"zero_hpz_partition_size": hpz})):
+        out[name] = run_engine(ds_config(world, dtype, **extra))
+        parallel.destroy()  # DeepSpeed keeps the hpZ group until its groups are destroyed
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         out[key] = refused(ds_config(world, "bf16", **{key: True}))
         parallel.destroy()
@@ -144,8 +144,8 @@ def trainer_checks_zeropp(assets: dict[str, str], workdir: str) -> dict[str, Any
     refusals of qwZ on CPU and hpZ at tp2 (before any engine)."""
     seen: dict[str, Any] = {}
     out: dict[str, Any] = {}
-    for case in (tc.Case("zero3_dp4", zero=3),
-                 tc.Case("zero3_dp4_hpz2", zero=3,
+    for case in (tc.Case("zero3_dp4", zero=3, steps=STEPS),
+                 tc.Case("zero3_dp4_hpz2", zero=3, steps=STEPS,
                          overrides=("deepspeed.hpz_partition_size=2",))):
         with spying(seen):
             out[case.name] = tc.run_case(case, assets, workdir)
@@ -169,8 +169,8 @@ def spying(seen: dict[str, Any]):
 
     original = trainer.build_engine
 
-    def spy(chunks, mpu, ds_config):
-        engine = original(chunks, mpu, ds_config)
+    def spy(chunks, mpu, ds_config, **kw):
+        engine = original(chunks, mpu, ds_config, **kw)
         seen["zero"] = dict(ds_config["zero_optimization"])
         group = groups._get_zero_param_intra_parallel_group()
         seen["hpz_group"] = 1 if group is None else \

@@ -121,9 +121,12 @@ def zero_with_pipeline(stage: int, pp: int) -> str | None:
     """Why ZeRO ``stage`` cannot run with ``pp`` pipeline stages, or None (one wording for the
     memory model, the generator and the trainer's request)."""
     if pp > 1 and stage >= 2:
+        why = ("ZeRO-3 needs every rank to run the same modules" if stage == 3 else
+               "DeepSpeed's pipeline engine refuses ZeRO-2, which reduces gradients at every "
+               "micro-batch; mdtk's memory model and configs follow it")
         return (f"ZeRO stage {stage} with pp={pp}: DeepSpeed cannot combine ZeRO-2/3 with "
-                "pipeline parallelism (it reduces gradients at every micro-batch). Use stage 0 "
-                "or 1 with pp > 1, or pp=1.")
+                f"pipeline parallelism ({why}). Use stage 1 with pp > 1 (in DeepSpeed 0.19 it "
+                "holds the same memory as stage 2), or pp=1.")
     return None
 
 

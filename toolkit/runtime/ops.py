@@ -88,23 +88,6 @@ def prebuild(ops: tuple[str, ...] | list[str] = OPS, log=print) -> dict[str, str
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m toolkit.runtime.ops [OP ...]``: build the named ops (default: all)."""
-    names = (argv if argv is not None else sys.argv[1:]) or list(OPS)
-    unknown = sorted(set(names) - set(OPS))
-    if unknown:
-        print(f"unknown op(s) {unknown}: choose from {list(OPS)}", file=sys.stderr)
-        return 2
-    status = prebuild(names)
-    for name, s in status.items():
-        print(f"DeepSpeed op {name}: {s}")
-    return 0 if all(s == "ok" for s in status.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def quantizer_missing() -> str | None:
     """Why DeepSpeed's quantizer kernels (ZeRO++ qwZ/qgZ: int8 weight gathers, int4 gradient
     all-to-alls) cannot run on this machine, or None when they can (built or buildable)."""
@@ -123,3 +106,21 @@ def quantizer_missing() -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure means the kernels are not usable here
         return f"DeepSpeed's quantizer op is not usable here ({type(e).__name__}: {e})"
     return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m toolkit.runtime.ops [OP ...]``: build the named ops (default: all)."""
+    names = (argv if argv is not None else sys.argv[1:]) or list(OPS)
+    unknown = sorted(set(names) - set(OPS))
+    if unknown:
+        print(f"unknown op(s) {unknown}: choose from {list(OPS)}", file=sys.stderr)
+        return 2
+    status = prebuild(names)
+    for name, s in status.items():
+        print(f"DeepSpeed op {name}: {s}")
+    return 0 if all(s == "ok" for s in status.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
