@@ -85,11 +85,11 @@ def _pytest_read(path: Path) -> dict:
                                for k in ("tests", "failures", "errors", "skipped")}}
 
 
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py"]
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
-    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 90,
+    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 120,
          lambda j: _py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        f"--junitxml={j}", *GPU_TESTS),
          _py("-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p", "no:cacheprovider",

@@ -5,6 +5,8 @@
   partitions included) and every collective of the second step counted by group size at
   DeepSpeed's communication backend (what the planner's traffic model predicts); then qwZ and
   qgZ, which DeepSpeed cannot run on CPU: their error is returned.
+- ``quantized_checks``: qwZ + qgZ against plain ZeRO-3 where the kernels exist (GPU,
+  tests/test_gpu_zeropp.py).
 - ``trainer_checks_zeropp``: mdtk's trainer at dp4 with ZeRO-3 and with ZeRO-3 + hpZ 2, and the
   refusals of what cannot run here (qwZ on CPU, hpZ with tensor parallelism).
 """
@@ -89,7 +91,8 @@ def run_engine(config: dict[str, Any], steps: int = 2) -> dict[str, Any]:
     model = mc.tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, config=copy.deepcopy(config),
                                       model_parameters=model.parameters())
-    tokens, labels = mc._batch(model.config.vocab_size, MICRO, seed=dist.get_rank())
+    tokens, labels = (t.to(engine.device) for t in
+                      mc._batch(model.config.vocab_size, MICRO, seed=dist.get_rank()))
     log: list[tuple[str, int, int]] = []
     on = {"on": False}
     losses, held, secondary = [], 0, 0
@@ -135,6 +138,18 @@ def engine_checks(world: int, hpz: int, dtype: str = "fp32") -> dict[str, Any]:
         parallel.destroy()  # DeepSpeed keeps the hpZ group until its groups are destroyed
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         out[key] = refused(ds_config(world, "bf16", **{key: True}))
+        parallel.destroy()
+    return out
+
+
+def quantized_checks(world: int = 1) -> dict[str, Any]:
+    """On GPUs (DeepSpeed's quantizer kernels): bf16 ZeRO-3 plain, then with qwZ + qgZ."""
+    from toolkit import parallel
+
+    out: dict[str, Any] = {}
+    for name, extra in (("plain", {}), ("quantized", {"zero_quantized_weights": True,
+                                                       "zero_quantized_gradients": True})):
+        out[name] = run_engine(ds_config(world, "bf16", **extra), steps=3)
         parallel.destroy()
     return out
 
