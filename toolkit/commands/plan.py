@@ -17,10 +17,14 @@ from toolkit.commands.options import (
     DTYPE,
     FLASH,
     GPUS,
+    LORA_R,
+    LORA_TARGETS,
     MODEL_OR_NONE,
     NETWORK,
     NODES,
+    PEFT,
     SEQ,
+    lora_of,
 )
 from toolkit.commands.printing import fail, print_traffic
 
@@ -70,7 +74,8 @@ def plan_cmd(
     hbm_gbps: float | None = HBM, emit: Path | None = EMIT, emit_rank: int = EMIT_RANK,
     data: list[str] = DATA, data_mode: str = DATA_MODE, tokenizer: str | None = TOKENIZER,
     output_dir: str | None = OUTPUT_DIR, steps: int | None = STEPS,
-    sweep_gpus: str | None = SWEEP, plot: Path = PLOT,
+    sweep_gpus: str | None = SWEEP, plot: Path = PLOT, peft: str = PEFT, lora_r: int = LORA_R,
+    lora_targets: str | None = LORA_TARGETS,
     network: str = NETWORK, allow_quantized_comm: bool = ALLOW_QUANTIZED,
 ) -> None:
     """Rank layouts (tp, pp, vpp, cp, ep, dp), ZeRO stage, offload, recompute and micro-batch
@@ -89,7 +94,8 @@ def plan_cmd(
         model, tokens, price, gpu, gpu_mem, nodes=nodes, gpus_per_node=gpus_per_node,
         cpu_mem=cpu_mem, seq_len=seq_len, global_batch=global_batch, dtype=dtype, flash=flash,
         top=top, allow_cp=allow_cp, network=network, allow_quantized=allow_quantized_comm,
-        per_layout=per_layout, emit_rank=emit_rank, device_overrides=overrides)
+        per_layout=per_layout, emit_rank=emit_rank, device_overrides=overrides,
+        lora=lora_of(peft, lora_r, lora_targets))
     if sweep_gpus is not None:
         try:
             report = sweep_counts(request, sweep_gpus)
@@ -135,7 +141,8 @@ def _table(report, top: int) -> None:
 
     s, work, result = report.setting, report.work, report.result
     shape, cluster, tokens, price = s.shape, s.cluster, s.tokens, report.price
-    typer.echo(f"{shape.name} ({_params(shape.num_params())} params) on {cluster.nodes} x "
+    lora = f", {_params(shape.trainable_params())} trainable" if shape.lora else ""
+    typer.echo(f"{shape.name} ({_params(shape.num_params())} params{lora}) on {cluster.nodes} x "
                f"{cluster.gpus_per_node} {s.device.key}, seq {work.seq_len}, global batch "
                f"{work.global_batch}, {work.dtype}")
     head = ["#", "layout", "ZeRO", "offload", "recompute", "micro x acc", "GiB/GPU", "step s",

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.checkpoint import CheckpointError
+from toolkit.convert.adapters import is_adapter
 from toolkit.convert.sources import detect, open_checkpoint
 
 
@@ -24,6 +25,7 @@ class Info:
     files: list[str] = field(default_factory=list)
     iteration: int | None = None
     problems: list[str] = field(default_factory=list)
+    adapter: dict[str, Any] | None = None  # LoRA / DoRA: method, r, alpha, targets, parameters
 
 
 def inspect(path: str | Path, *, hf_config: str | Path | None = None,
@@ -31,6 +33,8 @@ def inspect(path: str | Path, *, hf_config: str | Path | None = None,
     """What a checkpoint folder holds, and the consistency problems found (never raises for a
     damaged checkpoint: the problems are listed)."""
     path = Path(path)
+    if source_format in (None, "hf-peft") and is_adapter(path):
+        return _adapter_info(path)
     try:
         fmt = source_format or detect(path)
     except CheckpointError as err:
@@ -56,4 +60,18 @@ def inspect(path: str | Path, *, hf_config: str | Path | None = None,
             info.tensors += 1
     finally:
         op.source.close()
+    return info
+
+
+def _adapter_info(path: Path) -> Info:
+    from toolkit.convert.adapters import describe
+
+    info = Info(path, "hf-peft")
+    try:
+        info.adapter = describe(path)
+    except (ValueError, OSError) as err:
+        info.problems.append(f"{type(err).__name__}: {err}")
+        return info
+    info.parameters, info.tensors = info.adapter["parameters"], info.adapter["tensors"]
+    info.files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
     return info
