@@ -85,11 +85,11 @@ def _pytest_read(path: Path) -> dict:
                                for k in ("tests", "failures", "errors", "skipped")}}
 
 
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py"]
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
-    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 90,
+    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 120,
          lambda j: _py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        f"--junitxml={j}", *GPU_TESTS),
          _py("-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p", "no:cacheprovider",
@@ -108,13 +108,17 @@ PARTS: list[Part] = [
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
          45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
+    Part("zeropp", "ZeRO++ quantizer kernels (qwZ int8, qgZ int4) vs a copy, 8192 x 8192 bf16: "
+         "time, error; includes the op's JIT build", 45,
+         lambda j: _py("scripts/bench_zeropp.py", "--json", str(j)),
+         _py("scripts/bench_zeropp.py", "--help")),
     Part("indexed_data", "mdtk train on a 0.25/0.75 blend of two Megatron indexed prefixes "
          "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
          lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
          _py("scripts/bench_data.py", "--help")),
     Part("dpo", "DPO step time and peak memory (reference model / precomputed) vs SFT on the "
-         "same tokens, and the memory model's figures, 150M Llama, bf16", 45,
-         lambda j: _py("scripts/bench_dpo.py", "--json", str(j)),
+         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 35,
+         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--json", str(j)),
          _py("scripts/bench_dpo.py", "--help")),
 ]
 

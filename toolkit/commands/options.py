@@ -39,6 +39,13 @@ DPO = typer.Option(False, "--dpo", help="Preference tuning (DPO): each sample is
 PRECOMPUTE_REF = typer.Option(False, "--precompute-reference", help="With --dpo: the reference "
                               "log-probabilities are computed before training (dpo."
                               "precompute_reference), so no reference model is held.")
+NETWORK = typer.Option("ib", "--network", help="Inter-node network: ib (the device's own: one "
+                       "400 Gb/s NDR NIC per GPU on DGX/HGX H100/H200/B200) or ethernet (one "
+                       "100 GbE port per node, assumed). Decides whether ZeRO++ pays.")
+ALLOW_QUANTIZED = typer.Option(False, "--allow-quantized-comm", help="Let ZeRO-3 plans on several "
+                               "nodes use ZeRO++'s lossy qwZ (int8 parameter gathers) and qgZ "
+                               "(int4 gradient reduction) where they pay; CUDA kernels, GPUs "
+                               "only. Without it only the exact hpZ is weighed.")
 PEFT = typer.Option("none", "--peft", help="none, lora or dora: train adapters only (the base "
                     "frozen in --dtype: no gradients, no optimizer states for it).")
 LORA_R = typer.Option(16, "--lora-r", min=1, help="Adapter rank with --peft.")

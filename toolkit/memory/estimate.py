@@ -118,6 +118,19 @@ def is_activation(item: Item) -> bool:
     return item.what.startswith(ACTIVATION_LINES)
 
 
+def zero_with_pipeline(stage: int, pp: int) -> str | None:
+    """Why ZeRO ``stage`` cannot run with ``pp`` pipeline stages, or None (one wording for the
+    memory model, the generator and the trainer's request)."""
+    if pp > 1 and stage >= 2:
+        why = ("ZeRO-3 needs every rank to run the same modules" if stage == 3 else
+               "DeepSpeed's pipeline engine refuses ZeRO-2, which reduces gradients at every "
+               "micro-batch; mdtk's memory model and configs follow it")
+        return (f"ZeRO stage {stage} with pp={pp}: DeepSpeed cannot combine ZeRO-2/3 with "
+                f"pipeline parallelism ({why}). Use stage 1 with pp > 1 (in DeepSpeed 0.19 it "
+                "holds the same memory as stage 2), or pp=1.")
+    return None
+
+
 def num_microbatches(train: TrainShape, dp: int) -> int:
     """Gradient-accumulation steps: global = micro * accumulation * dp must hold exactly."""
     if train.global_batch is None:
@@ -141,12 +154,9 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
                           num_query_groups=model.kv_heads, num_experts=model.experts or None,
                           vocab_size=model.vocab, ffn_hidden_size=model.ffn,
                           seq_len=train.seq_len)
-    if layout.pp > 1 and zero.stage >= 2:
-        raise LayoutError(
-            f"ZeRO stage {zero.stage} with pp={layout.pp}: DeepSpeed cannot combine ZeRO-2/3 "
-            "with pipeline parallelism (it reduces gradients at every micro-batch). Use stage 0 "
-            "or 1 with pp > 1, or pp=1."
-        )
+    problem = zero_with_pipeline(zero.stage, layout.pp)
+    if problem:
+        raise LayoutError(problem)
     m = num_microbatches(train, layout.dp)
     candidates = []
     stages = sorted({0, layout.pp - 1}) if pipeline_stage is None else [pipeline_stage]

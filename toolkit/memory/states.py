@@ -15,6 +15,10 @@ tests/dist_checks/memory_checks.py):
   master, m, v to NVMe (host keeps swap buffers); parameter offload moves the 16-bit partitions.
   Stage 1/2 offload keeps a 16-bit staging partition of the updated parameters and two gradient
   staging buffers of the largest tensor's size on the GPU; stage 3 keeps its gradient partition.
+- ZeRO++ (stage 3): hpZ keeps a secondary copy of the parameters sharded over its group of
+  ``hpz`` ranks (``ds_secondary_tensor``: 1/hpz of every partitioned tensor, from the first
+  forward of a step until the optimizer step frees it); qwZ gathers int8 (a receive buffer and
+  an fp16 dequantized copy of what is gathered); qgZ reduces int4 (buffers of one bucket).
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ class ZeroOptions:
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     overlap_comm: bool = True
+    hpz: int = 1  # zero_hpz_partition_size: ranks of hpZ's secondary partition (1: off)
+    quantized_weights: bool = False  # zero_quantized_weights (qwZ)
+    quantized_gradients: bool = False  # zero_quantized_gradients (qgZ)
+
+    @property
+    def zeropp(self) -> bool:
+        """Any ZeRO++ option on."""
+        return self.hpz > 1 or self.quantized_weights or self.quantized_gradients
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -62,6 +74,11 @@ class ZeroOptions:
                              "silently runs it as CPU offload).")
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ValueError("optimizer offload needs ZeRO stage >= 1.")
+        if self.hpz < 1:
+            raise ValueError(f"hpz={self.hpz}: the hpZ partition size is >= 1 (1 = off).")
+        if self.zeropp and self.stage != 3:
+            raise ValueError(f"ZeRO++ (hpZ, qwZ, qgZ) needs ZeRO stage 3 (stage {self.stage} "
+                             "ignores it).")
 
 
 @dataclass(frozen=True)
@@ -259,10 +276,37 @@ def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item
         if zero.offload_param == NVME:
             items.append(Item("parameter swap buffers (pinned)", CPU,
                               lp * zero.param_buffer_count * zero.param_buffer_size))
+        items += zeropp_items(params, zero, dtype, gathered)
     if zero.offload_optimizer == NVME:
         shard = -(-total // max(1, params.dense_dp))
         sub = min(zero.sub_group_size, shard)
         items.append(Item("optimizer swap buffers (pinned)", CPU,
                           4 * zero.optimizer_buffer_count * sub,
                           note="buffer_count x sub_group_size fp32"))
+    return items
+
+
+def zeropp_items(params: RankParams, zero: ZeroOptions, dtype: str, gathered: int) -> list[Item]:
+    """ZeRO++'s memory (DeepSpeed 0.19 ``partition_parameters.py``, ``coalesced_collectives.py``).
+    hpZ: the secondary partition, 1/hpz of every partitioned (non-persistent) tensor in the
+    parameter dtype, on the GPU (with parameter offload: on the host) from the first forward of
+    a step to the optimizer step. qwZ: the int8 receive buffer of the gathered parameters and
+    their fp16 dequantized flat copy (the kernel works in fp16; each parameter is copied out of
+    it in the training dtype).
+    qgZ: int4 send and receive buffers of one reduce bucket."""
+    lp = DTYPE_BYTES[dtype]
+    items: list[Item] = []
+    if zero.hpz > 1:
+        device = GPU if zero.offload_param == "none" else zero.offload_param
+        partitioned = params.dense - params.persistent
+        items.append(Item(f"hpZ secondary parameter partition ({dtype}, 1/{zero.hpz})", device,
+                          lp * -(-partitioned // zero.hpz),
+                          note="zero_hpz_partition_size; freed at each optimizer step"))
+    if zero.quantized_weights:
+        items.append(Item("qwZ int8 gather buffer + fp16 dequantized copy", GPU, 3 * gathered,
+                          transient=True, note="zero_quantized_weights"))
+    if zero.quantized_gradients:
+        items.append(Item("qgZ int4 all-to-all buffers (one bucket)", GPU,
+                          min(zero.reduce_bucket_size, params.total), transient=True,
+                          note="zero_quantized_gradients: 2 x 0.5 bytes per element"))
     return items

@@ -63,6 +63,15 @@ def deepspeed_json(model: ModelShape, work: Workload, plan: Planned, cluster: Cl
                   layout=c.layout(), stage=str(c.zero), lr=lr,
                   headroom=budget.headroom, gpu_reserve=budget.gpu_reserve)
     notes: list[str] = []
+    if c.hpz > 1:
+        notes.append(f"ZeRO++ hpZ: zero_hpz_partition_size={c.hpz} (a secondary parameter copy "
+                     f"sharded inside each node; exact). Its groups are {c.hpz} consecutive "
+                     "ranks: each node's ranks must be numbered consecutively, as torchrun and "
+                     "mdtk launch do.")
+    if c.qwz or c.qgz:
+        notes.append("ZeRO++ qwZ/qgZ (allowed with --allow-quantized-comm): lossy int8 "
+                     "parameter gathers / int4 gradient reduction; DeepSpeed's CUDA quantizer "
+                     "kernels, so the run needs GPUs (mdtk's CPU mode refuses it).")
     return build_config(req, option, c.layout().resolve(cluster.world_size), notes), notes
 
 
@@ -161,7 +170,8 @@ def emit(report: PlanReport, folder: Path, model_arg: str, *, rank: int = 1,
     ds_config, notes = deepspeed_json(report.setting.shape, work, plan, cluster,
                                       report.setting.budget)
     raw = trainer_yaml(plan, work, run, str(ds_path))
-    lint_report = lint(ds_config, world_size=cluster.world_size, layout=plan.candidate.layout())
+    lint_report = lint(ds_config, world_size=cluster.world_size, layout=plan.candidate.layout(),
+                       gpus_per_node=cluster.gpus_per_node)
     if lint_report.errors:
         raise EmitError("the emitted DeepSpeed config failed the lint:\n  "
                         + "\n  ".join(lint_report.errors))

@@ -6,7 +6,7 @@ kept apart (one unit per dict), and every traffic kind names the link it travels
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from toolkit.memory import ModelShape
 from toolkit.memory.states import DTYPE_BYTES, RankParams
@@ -30,6 +30,7 @@ from toolkit.planner.cost import (
     tp_collectives_per_layer,
     zero_traffic,
 )
+from toolkit.planner.zeropp import Zero3Group, ZeroPP, kernel_bytes, ring_split, zero3_transfers
 
 # -- the step, one named part each ---------------------------------------------------------------
 
@@ -224,39 +225,75 @@ class Overlap:
     after_step: float = 0.0
 
 
-def data_parallel(st: StepInputs, params: RankParams, pipe: Pipeline
-                  ) -> tuple[Overlap, dict[str, float], Link]:
-    """Data parallel / ZeRO over dp x cp (dense) and the expert-data-parallel group (experts):
-    (seconds by overlap, bytes by kind, link). Exposure: gradients reduced at every micro-batch
-    hide behind all backward passes, a once-per-step reduction only behind the last one; ZeRO-3
-    gathers (prefetched) hide behind any compute; the ZeRO-1/2 parameter all-gather follows the
-    step (Megatron: overlapped with the next forward)."""
+@dataclass
+class DataParallel:
+    """The data-parallel collectives of one step: seconds by overlap, and by kind the payload
+    bytes (volume), what one rank sends over the GPU link and across nodes, and the link."""
+
+    overlap: Overlap = field(default_factory=Overlap)
+    volumes: dict[str, float] = field(default_factory=dict)
+    intra: dict[str, float] = field(default_factory=dict)
+    inter: dict[str, float] = field(default_factory=dict)
+    links: dict[str, str] = field(default_factory=dict)
+
+    def add(self, kind: str, link: str, volume: float, intra: float, inter: float) -> None:
+        if not volume and kind not in self.volumes:
+            return  # an empty group (no experts): no traffic kind
+        for d, v in ((self.volumes, volume), (self.intra, intra), (self.inter, inter)):
+            d[kind] = d.get(kind, 0.0) + v
+        self.links[kind] = link
+
+
+def data_parallel(st: StepInputs, params: RankParams, pipe: Pipeline) -> DataParallel:
+    """Data parallel / ZeRO over dp x cp (dense) and the expert-data-parallel group (experts).
+    Exposure: gradients reduced at every micro-batch hide behind all backward passes, a
+    once-per-step reduction only behind the last one; ZeRO-3 gathers (prefetched) hide behind
+    any compute; the ZeRO-1/2 parameter all-gather follows the step (Megatron: overlapped with
+    the next forward). ZeRO-3's dense collectives, with the plan's ZeRO++ options, are
+    ``toolkit.planner.zeropp``'s."""
     c, m, fw = st.c, st.m, st.framework
     link = st.net.link(c.dp * c.cp, c.tp, st.eff)
-    out, volumes = Overlap(), {}
+    out = DataParallel()
     fwd_mean = pipe.t_mean - pipe.bwd_mean
-    for n, count in ((params.dense_dp, params.dense), (params.expert_dp, params.expert)):
+    groups = [(params.dense_dp, params.dense), (params.expert_dp, params.expert)]
+    if c.zero == 3:
+        group = Zero3Group(st.net, st.eff, params.dense_dp, c.tp, st.model.hidden)
+        zpp = ZeroPP(c.hpz, c.qwz, c.qgz)
+        for t in zero3_transfers(group, params.dense, m, st.e, st.e_grad, zpp):
+            out.add(t.kind, t.link, t.payload, t.intra, t.inter)
+            if t.hides == "anywhere":
+                out.overlap.anywhere += t.seconds
+            elif t.calls > 1:
+                out.overlap.backward += t.seconds
+            else:  # one reduction: only the last backward hides it
+                out.overlap.after_step += max(0.0, t.seconds - pipe.bwd_mean)
+        groups = groups[1:]
+    per_node = min(c.dp * c.cp, max(1, st.net.gpus_per_node // c.tp))
+    for n, count in groups:
         traffic = zero_traffic(c.zero, count, n, m, st.e, st.e_grad, fw.grad_reduce_per_micro)
         for kind, nbytes in traffic.items():
-            volumes[f"dp_{kind}"] = volumes.get(f"dp_{kind}", 0.0) + nbytes
             calls = 1
             if kind == "reducescatter" and (fw.grad_reduce_per_micro or c.zero == 3):
                 calls = m
             elif kind == "allgather" and c.zero == 3:
                 calls = 2 * m
+            factor = (2.0 if kind == "allreduce" else 1.0) * (n - 1) / n
+            out.add(f"dp_{kind}", link.name, nbytes,
+                    *ring_split(factor * nbytes, n, min(n, per_node)))
             t = calls * ring_time(nbytes / calls, n, kind, link.bandwidth, link.latency)
             if kind == "allgather":
                 if c.zero == 3:
-                    out.anywhere += t
+                    out.overlap.anywhere += t
                 else:
-                    out.after_step += max(0.0, t - fwd_mean) if fw.param_gather_overlap else t
+                    out.overlap.after_step += (max(0.0, t - fwd_mean) if fw.param_gather_overlap
+                                               else t)
             elif kind == "reducescatter" and calls > 1:
-                out.backward += t
+                out.overlap.backward += t
             elif kind == "reducescatter" or fw.zero0_overlap:
-                out.after_step += max(0.0, t - pipe.bwd_mean)
+                out.overlap.after_step += max(0.0, t - pipe.bwd_mean)
             else:
-                out.after_step += t
-    return out, volumes, link
+                out.overlap.after_step += t
+    return out
 
 
 @dataclass(frozen=True)
@@ -288,12 +325,18 @@ def optimizer_step(st: StepInputs, params: RankParams) -> OptimizerStep:
 def zero_buffers(st: StepInputs, params: RankParams) -> float:
     """ZeRO's memory-bound copies, every micro-batch: ZeRO-3 writes each gathered parameter
     twice (forward, backward; 16-bit); gradients reduced per micro-batch are first copied into
-    the framework's reduce buffers."""
+    the framework's reduce buffers. ZeRO++'s quantization kernels add theirs (per step)."""
     c, fw = st.c, st.framework
     copies = 4.0 * params.total if c.zero == 3 else 0.0
     if c.zero >= 1 and (fw.grad_reduce_per_micro or c.zero == 3):
         copies += fw.grad_copy_bytes * params.total
-    return st.m * copies / (st.net.device.hbm * st.eff.memory)
+    quantized = 0.0
+    if c.qwz or c.qgz:
+        group = Zero3Group(st.net, st.eff, params.dense_dp, c.tp, st.model.hidden)
+        zpp = ZeroPP(c.hpz, c.qwz, c.qgz and group.nodes > 1)
+        quantized = kernel_bytes(params.dense, st.m, st.work.dtype, st.e, zpp, group.n,
+                                 group.per_node)
+    return (st.m * copies + quantized) / (st.net.device.hbm * st.eff.memory)
 
 
 def exposed_dp(st: StepInputs, pipe: Pipeline, overlap: Overlap) -> float:
@@ -318,9 +361,10 @@ def step_cost(model: ModelShape, work: Workload, c: Candidate, net: Network,
     if pp_link is not None:
         volumes["pp"], links["pp"] = pp_bytes, pp_link.name
     params = max(first, last, key=lambda r: r.total)
-    overlap, dp_volumes, dp_link = data_parallel(st, params, pipe)
-    volumes.update(dp_volumes)
-    links.update(dict.fromkeys(dp_volumes, dp_link.name))
+    dp = data_parallel(st, params, pipe)
+    overlap = dp.overlap
+    volumes.update(dp.volumes)
+    links.update(dp.links)
     opt = optimizer_step(st, params)
     volumes["offload_to_host"], volumes["offload_to_device"] = opt.to_host, opt.to_device
     if c.offload != "none":
@@ -340,4 +384,4 @@ def step_cost(model: ModelShape, work: Workload, c: Candidate, net: Network,
         optimizer=opt.seconds, offload=opt.offload, step=step, num_microbatches=m,
         reference=reference, tokens_per_s_per_gpu=per_gpu,
         mfu=model_flops(model, work.seq_len) * per_gpu / st.peak,
-        volumes=volumes, links=links)
+        volumes=volumes, links=links, sent_intra=dp.intra, sent_inter=dp.inter)

@@ -88,6 +88,26 @@ def prebuild(ops: tuple[str, ...] | list[str] = OPS, log=print) -> dict[str, str
     return status
 
 
+def quantizer_missing() -> str | None:
+    """Why DeepSpeed's quantizer kernels (ZeRO++ qwZ/qgZ: int8 weight gathers, int4 gradient
+    all-to-alls) cannot run on this machine, or None when they can (built or buildable)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.ops.op_builder import QuantizerBuilder
+
+        builder = QuantizerBuilder()
+        accelerator = get_accelerator().device_name()
+        if type(builder).__name__ == "NotImplementedBuilder":
+            return (f"DeepSpeed's {accelerator} accelerator has no quantizer op (DeepSpeed raises "
+                    "'ValueError: This op had not been implemented on CPU backend.')")
+        if not builder.is_compatible(verbose=False):
+            return (f"DeepSpeed's quantizer op cannot be built on this {accelerator} machine "
+                    "(CUDA toolkit or torch version; see `mdtk env`)")
+    except Exception as e:  # noqa: BLE001 - any failure means the kernels are not usable here
+        return f"DeepSpeed's quantizer op is not usable here ({type(e).__name__}: {e})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m toolkit.runtime.ops [OP ...]``: build the named ops (default: all)."""
     names = (argv if argv is not None else sys.argv[1:]) or list(OPS)
@@ -103,3 +123,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

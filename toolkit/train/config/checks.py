@@ -49,6 +49,16 @@ def check_deepspeed(cfg: TrainConfig) -> None:
     if ds.config != "auto" and not Path(ds.config).is_file():
         raise ConfigError(f"deepspeed.config={ds.config!r}: no such file; give a DeepSpeed JSON "
                           "or 'auto' to generate one.")
+    zeropp = [k for k, on in (("hpz_partition_size", ds.hpz_partition_size > 1),
+                              ("quantized_weights", ds.quantized_weights),
+                              ("quantized_gradients", ds.quantized_gradients)) if on]
+    if zeropp and ds.config != "auto":
+        raise ConfigError(f"deepspeed.{zeropp[0]} with deepspeed.config={ds.config}: the file "
+                          "decides; set zero_hpz_partition_size / zero_quantized_weights / "
+                          "zero_quantized_gradients in its zero_optimization block instead.")
+    if zeropp and ds.zero_stage not in (3, "auto"):
+        raise ConfigError(f"deepspeed.{zeropp[0]} (ZeRO++) needs deepspeed.zero_stage 3 (or "
+                          f"auto), not {ds.zero_stage}: only ZeRO-3 uses it.")
 
 
 def check_data(cfg: TrainConfig) -> None:

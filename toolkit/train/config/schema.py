@@ -5,8 +5,9 @@
 
 Key names are fixed by the project's CLI contract (scripts override them):
 ``output_dir``; ``parallel.tp/pp/vpp/cp/ep/etp/sequence_parallel``; ``deepspeed.zero_stage/
-offload/config``; ``train.steps/epochs/micro_batch/global_batch/seq_len/seed/precision/recompute/
-eval_interval``; ``optim.*``; ``checkpoint.*``; ``export.hf_dir``; ``logging.*``.
+offload/config/hpz_partition_size/quantized_weights/quantized_gradients``; ``train.steps/epochs/
+micro_batch/global_batch/seq_len/seed/precision/recompute/eval_interval``; ``optim.*``;
+``checkpoint.*``; ``export.hf_dir``; ``logging.*``.
 """
 
 from __future__ import annotations
@@ -54,11 +55,18 @@ class DeepSpeedSection:
     ``zero_stage``/``offload`` (``auto`` there lets the generator choose from its memory model);
     a path uses the user's JSON (linted by the generator's check first).
     ``offload``: cpu/nvme moves optimizer states (ZeRO >= 1); at ZeRO-3 the generator also moves
-    the parameters there only when the optimizer alone does not make the run fit."""
+    the parameters there only when the optimizer alone does not make the run fit.
+    ZeRO++ (ZeRO-3, tp = pp = 1; written into the generated JSON): ``hpz_partition_size`` keeps
+    a secondary copy of the parameters sharded over that many ranks (the GPUs per node) so most
+    gathers stay inside the node (exact); ``quantized_weights`` (int8 gathers, qwZ) and
+    ``quantized_gradients`` (int4 reduction, qgZ) are lossy and need CUDA kernels."""
 
     zero_stage: int | str = opt(1, choices=(0, 1, 2, 3, "auto"))
     offload: str = opt("none", choices=("none", "cpu", "nvme", "auto"))
     nvme_path: str | None = None
+    hpz_partition_size: int = opt(1, minimum=1)
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
     config: str = "auto"
 
 
