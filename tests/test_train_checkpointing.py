@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from toolkit.parallel import ParallelLayout
+from toolkit.train.checkpoint_folders import CheckpointManager
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
     STATE_FILE,
-    CheckpointManager,
     ResumeError,
     TrainingState,
     capture_rng_state,

@@ -138,7 +138,8 @@ def inspect(
 ) -> None:
     """Describe a checkpoint: format, architecture, layout, dtypes, parameter count, files, and
     the consistency problems found (missing or truncated files, shapes that differ from
-    config.json, missing ranks). Exit 1 when there are problems."""
+    config.json, missing ranks; for a trainer checkpoint, files whose size or xxh3-128 checksum
+    differs from its manifest). Exit 1 when there are problems."""
     import dataclasses
     import json
 
@@ -165,6 +166,8 @@ def inspect(
             typer.echo(f"quantized:    {info.quantization}")
         if info.tensors:
             typer.echo(f"parameters:   {info.parameters:,} in {info.tensors} tensors")
+        if info.manifest:
+            typer.echo(f"manifest:     {info.manifest}")
         typer.echo(f"files:        {len(info.files)}")
         for f in info.files[:20]:
             typer.echo(f"  {f}")
