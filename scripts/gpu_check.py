@@ -104,6 +104,11 @@ PARTS: list[Part] = [
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
          45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
+    Part("checkpoint", "async checkpoint stall vs synchronous save vs DeepSpeed save_checkpoint, "
+         "Llama-3.2-1B shape (4 layers), bf16 ZeRO-1, GPU engine, pinned host copy", 60,
+         lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "4",
+                       "--rounds", "2", "--seq", "512", "--json", str(j)),
+         _py("scripts/bench_checkpoint.py", "--help")),
 ]
 
 

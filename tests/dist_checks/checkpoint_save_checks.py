@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import resource
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -15,6 +16,16 @@ from typing import Any
 import torch
 
 from dist_checks import trainer_checks as tc
+
+
+def all_checks(workdir: str, small: str, fsize_limit: int | None,
+               assets: dict[str, str]) -> dict[str, Any]:
+    """Every check of this file in one pool job (tests/test_checkpoint_saves.py)."""
+    root = Path(workdir)
+    return {"engine": async_matches_sync(str(root / "engine")),
+            "disk": full_disk(small, fsize_limit),
+            "trainer": trainer_saves(assets, str(root)),
+            "pretrain": pretrain_tiny(assets["tokenizer"], str(root))}
 
 
 # -- a real ZeRO-2 engine through the saver ------------------------------------------------------
@@ -176,8 +187,6 @@ def full_disk(root: str, fsize_limit: int | None) -> dict[str, Any]:
 def _padding(root: str, fsize_limit: int | None):
     """On the small tmpfs: a file taking all but a little of the free space while a save runs
     (so a save fails at a file of the engine, whatever its exact sizes)."""
-    import shutil
-
     import torch.distributed as dist
 
     pad = Path(root) / "padding"
@@ -197,14 +206,14 @@ def _padding(root: str, fsize_limit: int | None):
 # -- the trainer -------------------------------------------------------------------------------
 def _run(case: tc.Case, assets: dict[str, str], out: Path) -> dict[str, Any]:
     """The trainer's run of ``case`` in ``out``; its losses, start, and rank 0's log."""
+    from toolkit.errors import UserError
     from toolkit.train import trainer
-    from toolkit.train.config import ConfigError
 
     text = io.StringIO()
     try:
         with contextlib.redirect_stdout(text):
             result = trainer.run(tc.config(case, assets, out))
-    except ConfigError as e:
+    except UserError as e:
         return {"error": str(e), "log": text.getvalue()}
     return {"losses": result.losses, "start": result.start_step, "log": text.getvalue()}
 
@@ -233,10 +242,13 @@ def trainer_saves(assets: dict[str, str], workdir: str) -> dict[str, Any]:
         data[len(data) // 2] ^= 0x01
         largest.write_bytes(bytes(data))
         out["flipped"] = largest.relative_to(damaged).as_posix()
+        shutil.copytree(damaged, root / "damaged" / damaged.name)  # the resume below replaces it
     dist.barrier()
     longer = tc.Case("saves_async", steps=6, overrides=(*every, "checkpoint.async=true"))
     out["auto"] = _run(longer, assets, root / "async")
-    named = tc.Case("saves_named", steps=6, overrides=(f"checkpoint.resume={damaged}",))
+    copy = root / "damaged" / damaged.name
+    out["damaged_copy"] = str(copy)
+    named = tc.Case("saves_named", steps=6, overrides=(f"checkpoint.resume={copy}",))
     out["named"] = _run(named, assets, root / "named")
     return out
 
@@ -249,6 +261,7 @@ def pretrain_tiny(tokenizer: str, workdir: str) -> dict[str, Any]:
     out = Path(workdir) / "pretrain_tiny"
     cfg = load_config("bundled:examples/pretrain_tiny.yaml", [
         f"output_dir={out}", f"model.tokenizer={tokenizer}", "train.steps=2",
+        "optim.warmup_steps=1",
         "train.eval_interval=0", "data.validation_split=0", "checkpoint.interval=2",
         f"data.cache_dir={out / 'cache'}", "train.seq_len=32"])
     result = trainer.run(cfg)
