@@ -29,11 +29,13 @@ def all_checks(workdir: str, small: str, fsize_limit: int | None,
 
 
 # -- a real ZeRO-2 engine through the saver ------------------------------------------------------
-def _engine(seed: int):
+def zero2_engine(seed: int, width: int = 32):
+    """A real DeepSpeed ZeRO-2 engine (2 ranks, micro-batch 2) of a small MLP."""
     import deepspeed
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.Tanh(),
+                                torch.nn.Linear(2 * width, 1))
     config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
               "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -43,9 +45,10 @@ def _engine(seed: int):
     return engine
 
 
-def _step(engine, k: int, rank: int) -> float:
+def train_step(engine, k: int, rank: int, width: int = 32) -> float:
+    """Step ``k`` of ``zero2_engine``: batch ``k`` (rank's half) plus RNG-drawn noise."""
     g = torch.Generator().manual_seed(100 + k)
-    x, y = torch.randn(4, 32, generator=g), torch.randn(4, 1, generator=g)
+    x, y = torch.randn(4, width, generator=g), torch.randn(4, 1, generator=g)
     sl = slice(2 * rank, 2 * rank + 2)
     noise = torch.randn(2, 1) * 1e-3  # consumes the global torch RNG, like dropout would
     loss = ((engine(x[sl]) + noise - y[sl]) ** 2).mean()
@@ -91,17 +94,17 @@ def async_matches_sync(root: str) -> dict[str, Any]:
 
     runtime.prepare_deepspeed()
     rank = dist.get_rank()
-    engine = _engine(seed=0)
+    engine = zero2_engine(seed=0)
     sync = Saver(CheckpointManager(Path(root) / "sync"))
     later = Saver(CheckpointManager(Path(root) / "async"), asynchronous=True)
     later.prepare(engine)
     for k in range(3):
-        _step(engine, k, rank)
+        train_step(engine, k, rank)
     sync_path = sync.save(engine, _state(3))
     gate = _gated(later)
     returned = later.save(engine, _state(3))  # None: in flight
     during = sorted(p.name for p in (Path(root) / "async").iterdir())
-    uninterrupted = [_step(engine, k, rank) for k in (3, 4, 5)]
+    uninterrupted = [train_step(engine, k, rank) for k in (3, 4, 5)]
     pending_polls = [later.poll() for _ in range(2)]  # the writer is held: not published
     gate.set()
     async_path = later.finish()
@@ -109,12 +112,12 @@ def async_matches_sync(root: str) -> dict[str, Any]:
     params = sum(p.numel() for p in engine.module.parameters())
     engine.destroy()
 
-    resumed_engine = _engine(seed=5)
+    resumed_engine = zero2_engine(seed=5)
     loaded, _ = resumed_engine.load_checkpoint(str(async_path), tag="engine")
     from toolkit.train.checkpointing import load_rng
 
     load_rng(async_path, rank)
-    resumed = [_step(resumed_engine, k, rank) for k in (3, 4, 5)]
+    resumed = [train_step(resumed_engine, k, rank) for k in (3, 4, 5)]
     resumed_engine.destroy()
     dist.barrier()
     return {"returned": returned, "during": during, "pending_polls": pending_polls,
@@ -153,10 +156,10 @@ def full_disk(root: str, fsize_limit: int | None) -> dict[str, Any]:
 
     runtime.prepare_deepspeed()
     rank = dist.get_rank()
-    engine = _engine(seed=0)
+    engine = zero2_engine(seed=0)
     manager = CheckpointManager(Path(root) / "ck")
     out: dict[str, Any] = {}
-    _step(engine, 0, rank)
+    train_step(engine, 0, rank)
     first = Saver(manager).save(engine, _state(1))
     out["first"] = str(first)
     logged: list[str] = []
@@ -165,7 +168,7 @@ def full_disk(root: str, fsize_limit: int | None) -> dict[str, Any]:
             ("async", Saver(manager, asynchronous=True), 3),
             ("continue", Saver(manager, asynchronous=True, on_error="continue",
                                log=logged.append), 4)):
-        _step(engine, step, rank)
+        train_step(engine, step, rank)
         with _file_size_limit(fsize_limit), _padding(root, fsize_limit):
             try:
                 saver.save(engine, _state(step))
@@ -177,7 +180,7 @@ def full_disk(root: str, fsize_limit: int | None) -> dict[str, Any]:
         out[f"{name}_listing"] = sorted(p.name for p in manager.root.iterdir())
         out[f"{name}_latest"] = (manager.root / "latest").read_text().strip()
     out["continue_log"] = logged
-    out["after"] = _step(engine, 5, rank)  # trains on
+    out["after"] = train_step(engine, 5, rank)  # trains on
     out["first_intact"] = [str(p) for p in manager.verify(first)]
     engine.destroy()
     return out
