@@ -188,15 +188,16 @@ def full_disk(root: str, fsize_limit: int | None) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _padding(root: str, fsize_limit: int | None):
-    """On the small tmpfs: a file taking all but a little of the free space while a save runs
-    (so a save fails at a file of the engine, whatever its exact sizes)."""
+    """On the small tmpfs: a file taking all but 48 KiB of the free space while a save runs:
+    room for DeepSpeed's recovery scripts (44 KiB, copied by rank 0 inside ``save_checkpoint``),
+    not for the engine files after them (so an asynchronous save fails in its writer thread)."""
     import torch.distributed as dist
 
     pad = Path(root) / "padding"
     if fsize_limit is None and dist.get_rank() == 0:
         free = shutil.disk_usage(root).free
         with open(pad, "wb") as f:
-            f.write(b"\0" * max(free - 8192, 0))
+            f.write(b"\0" * max(free - (48 << 10), 0))
     dist.barrier()
     try:
         yield

@@ -214,7 +214,9 @@ class Saver:
         self.manager.abandon(flight.tmp)
         latest = self.manager.latest()
         more = f" (and on {len(failures) - 1} more ranks)" if len(failures) > 1 else ""
-        space = (f"; {root} has {_size(usage[2])} free of {_size(usage[0])}" if usage else "")
+        space = (f"; {root} has {_size(usage[2])} free of {_size(usage[0])}"
+                 + (" (the file system is full)" if usage[2] < usage[0] // 100 else "")
+                 if usage else "")
         message = (
             f"checkpoint of step {flight.state.step} could not be saved: {failures[0]}{more}"
             f"{space}. The partial folder {flight.tmp.name} was removed; "
