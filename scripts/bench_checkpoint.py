@@ -16,7 +16,9 @@ and Adam states in the checkpoint). Each round, alternating:
 - ``async``: ``Saver.save`` with ``checkpoint.async: true``, then training steps with
   ``Saver.poll`` at each boundary until the checkpoint is published: the stall is the time the
   loop spent inside ``save`` and ``poll`` (``SaveTiming.blocked_s``); also the step time while the
-  writer thread runs vs without.
+  writer thread runs vs without. It saves the state the synchronous save just saved, so the
+  two manifests (every file's size and xxh3-128) must be equal (``async_files_identical_to_sync``;
+  on a GPU this checks the host copies of CUDA tensors too).
 
 Prints medians and spreads (min-max) of the rounds after a warm-up save of each kind, and the
 ratios ``async stall / sync save`` and ``sync save / deepspeed save``.
@@ -97,7 +99,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     idle = [train_step(engine, args.seq) for _ in range(2)][1:]
     runs: dict[str, list[float]] = {"deepspeed_s": [], "sync_s": [], "async_stall_s": [],
                                     "async_total_s": [], "step_idle_s": [], "step_writing_s": []}
-    size = 0
+    size, same = 0, []
     for r in range(args.rounds + 1):  # round 0 warms up every path
         folder = work / f"ds_{r}"
         start = time.perf_counter()
@@ -105,17 +107,19 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         ds = time.perf_counter() - start
         size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
         shutil.rmtree(folder)
+        idle.append(train_step(engine, args.seq))
         start = time.perf_counter()
-        sync.save(engine, _state(r + 1))
+        sync_manifest = (sync.save(engine, _state(r + 1)) / "manifest.json").read_text()
         synced = time.perf_counter() - start
         shutil.rmtree(work / "sync")
-        idle.append(train_step(engine, args.seq))
-        later.save(engine, _state(r + 1))
+        later.save(engine, _state(r + 1))  # the same state: the same files are expected
         writing = []
         while later.flight is not None:
             writing.append(train_step(engine, args.seq))
             later.poll()
         timing = later.timings[-1]
+        same.append((work / "async" / f"step_{r + 1:07d}" / "manifest.json").read_text()
+                    == sync_manifest)  # every file's size and xxh3-128
         shutil.rmtree(work / "async")
         during = statistics.median(writing)
         print(f"round {r}{' (warm-up)' if r == 0 else ''}: deepspeed {ds:.2f} s, mdtk sync "
@@ -132,6 +136,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     med = {k: v["median"] for k, v in stats.items()}
     return {"params": params, "layers": args.layers, "precision": args.precision,
             "checkpoint_bytes": size, "staging_bytes": later.pool.bytes, "rounds": args.rounds,
+            "async_files_identical_to_sync": all(same),
             "stats": stats, "stall_over_sync": med["async_stall_s"] / med["sync_s"],
             "stall_over_sync_per_round": [a / s for a, s in zip(runs["async_stall_s"],
                                                                  runs["sync_s"], strict=True)],
@@ -175,7 +180,8 @@ def main() -> int:
     print(f"async stall / sync save: {out['stall_over_sync']:.3f} (per round "
           f"{', '.join(f'{x:.3f}' for x in out['stall_over_sync_per_round'])}); sync save / "
           f"deepspeed save_checkpoint: {out['sync_over_deepspeed']:.2f}; steps while writing: "
-          f"{out['step_slowdown_while_writing']:.2f}x")
+          f"{out['step_slowdown_while_writing']:.2f}x; async files identical to sync: "
+          f"{out['async_files_identical_to_sync']}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
