@@ -101,6 +101,10 @@ PARTS: list[Part] = [
                        "--gpu-micro", str(TRAIN["micro"]), "--gpu-accum", str(TRAIN["accum"]),
                        "--gpu-steps", str(TRAIN["steps"]), "--json", str(j)),
          _py("scripts/bench_train.py", "--help")),
+    Part("lora", "LoRA r=16 vs full fine-tuning through mdtk train: step time and memory, "
+         "a 0.5B Llama (Llama-3.2-1B widths, 8 layers), bf16, seq 2048", 45,
+         lambda j: _py("scripts/bench_lora.py", "--skip-cpu", "--json", str(j)),
+         _py("scripts/bench_lora.py", "--help")),
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
          45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
@@ -109,6 +113,10 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "4",
                        "--rounds", "2", "--seq", "512", "--json", str(j)),
          _py("scripts/bench_checkpoint.py", "--help")),
+    Part("indexed_data", "mdtk train on a 0.25/0.75 blend of two Megatron indexed prefixes "
+         "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
+         lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
+         _py("scripts/bench_data.py", "--help")),
 ]
 
 

@@ -56,6 +56,7 @@ COMMAND_MODULES: list[str] = [
     "toolkit.commands.plan",
     "toolkit.commands.verify",
     "toolkit.commands.convert",
+    "toolkit.commands.data",
     "toolkit.commands.train",
     "toolkit.commands.demo",
 ]

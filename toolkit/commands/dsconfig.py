@@ -48,6 +48,7 @@ def ds_config(
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the JSON here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the reasoning."),
     deepspeed_parse: bool = DEEPSPEED_PARSE,
+    peft: str = opt.PEFT, lora_r: int = opt.LORA_R, lora_targets: str | None = opt.LORA_TARGETS,
 ) -> None:
     """Choose ZeRO stage and offload for MODEL on the cluster, explain why, write the config."""
     layout = opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel)
@@ -63,7 +64,7 @@ def ds_config(
     auto = recompute == "auto"
     try:
         request = Request(
-            model=load_model_shape(model),
+            model=load_model_shape(model, lora=opt.lora_of(peft, lora_r, lora_targets)),
             cluster=opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem, nvme_path, nvme_size),
             train=TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                              dtype=dtype, recompute="none" if auto else recompute,

@@ -10,6 +10,7 @@ import typer
 from toolkit.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
+    from toolkit.lora import LoraSpec
     from toolkit.memory import Cluster
 
 MODEL = typer.Option(..., "--model", help="Preset name, config.json, folder or hub id.")
@@ -31,6 +32,21 @@ DTYPE = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32.")
 RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
 FLASH = typer.Option(True, "--flash/--no-flash", help="Flash attention (no s^2 scores).")
 AS_JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+PEFT = typer.Option("none", "--peft", help="none, lora or dora: train adapters only (the base "
+                    "frozen in --dtype: no gradients, no optimizer states for it).")
+LORA_R = typer.Option(16, "--lora-r", min=1, help="Adapter rank with --peft.")
+LORA_TARGETS = typer.Option(None, "--lora-targets", help="With --peft: comma-separated HF "
+                            "projection names (default: every linear layer of the blocks).")
+
+
+def lora_of(peft: str, r: int, targets: str | None) -> LoraSpec | None:
+    """The adapters ``--peft`` / ``--lora-r`` / ``--lora-targets`` describe (None: full)."""
+    from toolkit.lora import LoraSpec
+
+    if peft == "none":
+        return None
+    names = frozenset(t.strip() for t in (targets or "").split(",") if t.strip())
+    return LoraSpec(method=peft, r=r, targets=names)
 
 
 def cluster_of(nodes: int, gpus: int, gpu_mem: str, cpu_mem: str, nvme_path: str | None = None,

@@ -10,7 +10,20 @@ from pathlib import Path
 
 import typer
 
-from toolkit.commands.options import AS_JSON, CPU_MEM, DTYPE, FLASH, GPUS, MODEL_OR_NONE, NODES, SEQ
+from toolkit.commands.options import (
+    AS_JSON,
+    CPU_MEM,
+    DTYPE,
+    FLASH,
+    GPUS,
+    LORA_R,
+    LORA_TARGETS,
+    MODEL_OR_NONE,
+    NODES,
+    PEFT,
+    SEQ,
+    lora_of,
+)
 from toolkit.commands.printing import fail
 
 GPU = typer.Option("h100", "--gpu", help="Device: h100, h200, a100-80gb, a100-40gb, l40s, b200, "
@@ -59,7 +72,8 @@ def plan_cmd(
     hbm_gbps: float | None = HBM, emit: Path | None = EMIT, emit_rank: int = EMIT_RANK,
     data: list[str] = DATA, data_mode: str = DATA_MODE, tokenizer: str | None = TOKENIZER,
     output_dir: str | None = OUTPUT_DIR, steps: int | None = STEPS,
-    sweep_gpus: str | None = SWEEP, plot: Path = PLOT,
+    sweep_gpus: str | None = SWEEP, plot: Path = PLOT, peft: str = PEFT, lora_r: int = LORA_R,
+    lora_targets: str | None = LORA_TARGETS,
 ) -> None:
     """Rank layouts (tp, pp, vpp, cp, ep, dp), ZeRO stage, offload, recompute and micro-batch
     by estimated step time among those the memory model says fit."""
@@ -77,7 +91,7 @@ def plan_cmd(
         model, tokens, price, gpu, gpu_mem, nodes=nodes, gpus_per_node=gpus_per_node,
         cpu_mem=cpu_mem, seq_len=seq_len, global_batch=global_batch, dtype=dtype, flash=flash,
         top=top, allow_cp=allow_cp, per_layout=per_layout, emit_rank=emit_rank,
-        device_overrides=overrides)
+        device_overrides=overrides, lora=lora_of(peft, lora_r, lora_targets))
     if sweep_gpus is not None:
         try:
             report = sweep_counts(request, sweep_gpus)
@@ -123,7 +137,8 @@ def _table(report, top: int) -> None:
 
     s, work, result = report.setting, report.work, report.result
     shape, cluster, tokens, price = s.shape, s.cluster, s.tokens, report.price
-    typer.echo(f"{shape.name} ({_params(shape.num_params())} params) on {cluster.nodes} x "
+    lora = f", {_params(shape.trainable_params())} trainable" if shape.lora else ""
+    typer.echo(f"{shape.name} ({_params(shape.num_params())} params{lora}) on {cluster.nodes} x "
                f"{cluster.gpus_per_node} {s.device.key}, seq {work.seq_len}, global batch "
                f"{work.global_batch}, {work.dtype}")
     head = ["#", "layout", "ZeRO", "offload", "recompute", "micro x acc", "GiB/GPU", "step s",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.checkpoint import CheckpointError, manifest
+from toolkit.convert.adapters import is_adapter
 from toolkit.convert.sources import detect, open_checkpoint
 
 
@@ -26,6 +27,7 @@ class Info:
     iteration: int | None = None
     manifest: str | None = None  # what the manifest check found (None: no manifest)
     problems: list[str] = field(default_factory=list)
+    adapter: dict[str, Any] | None = None  # LoRA / DoRA: method, r, alpha, targets, parameters
 
 
 def inspect(path: str | Path, *, hf_config: str | Path | None = None,
@@ -33,6 +35,8 @@ def inspect(path: str | Path, *, hf_config: str | Path | None = None,
     """What a checkpoint folder holds, and the consistency problems found (never raises for a
     damaged checkpoint: the problems are listed)."""
     path = Path(path)
+    if source_format in (None, "hf-peft") and is_adapter(path):
+        return _adapter_info(path)
     try:
         fmt = source_format or detect(path)
     except CheckpointError as err:
@@ -92,3 +96,17 @@ def _check_manifest(path: Path, info: Info) -> None:
                      + (f"{len(damaged)} damaged" if damaged else
                         f"sizes and {manifest.ALGORITHM} checksums intact"))
     info.problems.extend(f"damaged: {folder.name}/{p}" for p in damaged)
+
+
+def _adapter_info(path: Path) -> Info:
+    from toolkit.convert.adapters import describe
+
+    info = Info(path, "hf-peft")
+    try:
+        info.adapter = describe(path)
+    except (ValueError, OSError) as err:
+        info.problems.append(f"{type(err).__name__}: {err}")
+        return info
+    info.parameters, info.tensors = info.adapter["parameters"], info.adapter["tensors"]
+    info.files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    return info

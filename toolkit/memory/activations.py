@@ -192,6 +192,10 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
     held = in_flight_microbatches(layout, stage, num_microbatches)
     out = {f"activations ({len(stored_layers)} layers x {held:g} micro-batches in flight)":
            stored * held}
+    if model.lora and train.recompute != "full":  # each adapter's A x (r per token; the
+        # projection's input is saved by A instead of by the frozen weight, which saves none)
+        adapted = model.lora_projections(params.layers)
+        out["LoRA adapter activations"] = adapted * model.lora_rank * e * sb * held
     if train.recompute != "none" and working:
         out["recompute working set (one layer)"] = working
     vocab = model.padded_vocab(tp) if tp > 1 else model.vocab

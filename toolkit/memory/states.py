@@ -88,9 +88,11 @@ class RankParams:
     largest_layer: int  # one decoder layer on this rank: what stage 3 gathers at once
     largest_tensor: int
     layers: tuple[int, ...] = field(default=())
+    frozen: int = 0  # LoRA: the base weights (no gradients, no optimizer states)
 
     @property
     def total(self) -> int:
+        """Trainable parameters (all of them without LoRA)."""
         return self.dense + self.expert
 
 
@@ -118,7 +120,7 @@ def rank_params(model: ModelShape, layout: ParallelLayout, stage: int = 0,
     vocab = model.padded_vocab(tp) if uses_megatron(layout) else model.vocab
     layers = set(stage_layers(model, layout, stage))
     first, last = stage == 0, stage == layout.pp - 1
-    dense = expert = persistent = largest_tensor = 0
+    dense = expert = frozen = persistent = largest_tensor = 0
     per_layer: dict[int, int] = {}
     for t in model.tensors(vocab=vocab):
         if t.layer is None:
@@ -132,21 +134,26 @@ def rank_params(model: ModelShape, layout: ParallelLayout, stage: int = 0,
             continue
         if t.split == EXPERT:
             n = t.numel // (layout.ep * etp)
-            expert += n
         else:
             n = t.numel if t.split == REP else t.numel // tp
+        if not t.trainable:
+            frozen += n
+        elif t.split == EXPERT:
+            expert += n
+        else:
             dense += n
         if t.layer is not None:
             per_layer[t.layer] = per_layer.get(t.layer, 0) + n
         if n < persistence_threshold:
             persistent += n
         local_experts = max(1, model.experts // layout.ep)
-        largest_tensor = max(largest_tensor, n // local_experts if t.split == EXPERT else n)
+        if t.trainable:
+            largest_tensor = max(largest_tensor, n // local_experts if t.split == EXPERT else n)
     dense_dp = layout.dp_cp
     expert_dp = max(1, dense_dp * tp // (layout.ep * etp))
     return RankParams(dense=dense, expert=expert, dense_dp=dense_dp, expert_dp=expert_dp,
                       persistent=persistent, largest_layer=max(per_layer.values(), default=0),
-                      largest_tensor=largest_tensor, layers=tuple(sorted(layers)))
+                      largest_tensor=largest_tensor, layers=tuple(sorted(layers)), frozen=frozen)
 
 
 def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
@@ -156,7 +163,7 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
     lp = DTYPE_BYTES[dtype]
     mixed = dtype != "fp32"
     s = zero.stage
-    items: list[Item] = []
+    items: list[Item] = frozen_items(params, zero, dtype)
     groups = [("", params.dense, params.dense_dp), ("expert ", params.expert, params.expert_dp)]
     for prefix, n, dp in groups:
         if n == 0:
@@ -210,6 +217,20 @@ def checkpoint_staging_item(params: RankParams, zero: ZeroOptions, dtype: str) -
     return Item("checkpoint staging (async save: host copy of the rank's files)", CPU, total)
 
 
+def frozen_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
+    """LoRA's frozen base weights: in the training dtype, without gradients, fp32 master copies or
+    optimizer states; ZeRO-3 partitions them like every other parameter."""
+    if not params.frozen:
+        return []
+    lp = DTYPE_BYTES[dtype]
+    if zero.stage == 3:
+        device = GPU if zero.offload_param == "none" else zero.offload_param
+        shard = -(-params.frozen // params.dense_dp)
+        return [Item(f"frozen base parameters ({dtype}, 1/{params.dense_dp} shard)", device,
+                     lp * shard)]
+    return [Item(f"frozen base parameters ({dtype})", GPU, lp * params.frozen)]
+
+
 def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
     """DeepSpeed's communication buffers and stage-3 working set."""
     lp = DTYPE_BYTES[dtype]
@@ -224,11 +245,11 @@ def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item
                           lp * min(zero.reduce_bucket_size, total), transient=True))
         items.append(Item("allgather bucket (after step)", GPU,
                           lp * min(zero.allgather_bucket_size, total), transient=True))
-    if s == 3:
-        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * min(zero.reduce_bucket_size,
-                                                                      total)))
+    if s == 3:  # allocated whole at engine start (contiguous_gradients, the generator's
+        # setting), however few parameters train: a LoRA run's adapters fill a sliver of it
+        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * zero.reduce_bucket_size))
         gathered = min(zero.max_live_parameters,
-                       params.largest_layer + zero.prefetch_bucket_size, total)
+                       params.largest_layer + zero.prefetch_bucket_size, total + params.frozen)
         items.append(Item("gathered layer + prefetch", GPU, lp * gathered, transient=True,
                           note="stage3_max_live_parameters bounds it"))
         if zero.offload_param == NVME:

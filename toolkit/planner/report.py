@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.lora import LoraSpec
 from toolkit.memory import GIB, Cluster, ModelShape, load_model_shape, parse_bytes
 from toolkit.planner.cost import Workload
 from toolkit.planner.devices import Device, get_device
@@ -60,6 +61,7 @@ class PlanRequest:
     per_layout: bool = False
     emit_rank: int = 1  # the search keeps at least this many plans
     device_overrides: dict[str, float | None] = field(default_factory=dict)  # get_device's
+    lora: LoraSpec | None = None  # train adapters only (--peft)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Setting:
 
 def resolve(req: PlanRequest) -> Setting:
     device = get_device(req.gpu, **req.device_overrides)
-    shape = load_model_shape(req.model)
+    shape = load_model_shape(req.model, lora=req.lora)
     count = parse_count(req.tokens)
     gpu_mem = parse_bytes(req.gpu_mem) if req.gpu_mem else int(device.memory_gib * GIB)
     cluster = Cluster(nodes=req.nodes, gpus_per_node=req.gpus_per_node, gpu_mem=gpu_mem,

@@ -94,7 +94,8 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
     matmul, elem, head_flops = model_terms(model)
     fwd_mm = sum(2.0 * matmul[i] for i in layers) * tokens / c.tp
     fwd_att = 4.0 * model.q_dim * s * tokens / c.tp * len(layers)
-    mm, att = passes * fwd_mm, passes * fwd_att
+    frozen = 1 if model.lora else 0  # LoRA: frozen weights need no weight gradient
+    mm, att = (passes - frozen) * fwd_mm, passes * fwd_att
     if c.recompute == "selective":
         att += fwd_att
     elem_bytes = sum(w / st.sp_div + inner / c.tp for w, inner in (elem[i] for i in layers))
@@ -104,7 +105,7 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
         elem_bytes += (EAGER_SCORE_PASSES * e * model.heads / c.tp * s * tokens
                        * len(layers) * score_passes)
     if is_last:
-        mm += 3 * head_flops * tokens / c.tp
+        mm += (3 - frozen) * head_flops * tokens / c.tp
         elem_bytes += eff.logits_bytes * tokens * model.padded_vocab(c.tp) / c.tp
     return (mm / (st.peak * eff.matmul) + att / (st.peak * eff.attention)
             + elem_bytes / (st.net.device.hbm * eff.memory))

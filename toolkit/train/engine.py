@@ -111,7 +111,10 @@ def build_engine(
     _mark_pipeline_replicas(chunks)
     if experts:
         _register_expert_groups(experts)
-    engine = _initialize(module, config, mpu, lr_scheduler, has_experts=bool(experts))
+    # frozen experts (LoRA) still need their groups (DeepSpeed broadcasts them over the
+    # expert-data-parallel group) but no MoE optimizer groups
+    trained = any(p.requires_grad for p in experts)
+    engine = _initialize(module, config, mpu, lr_scheduler, has_experts=trained)
     # One engine.step() per optimizer step: the schedule already accumulated the micro-batches.
     engine.set_gradient_accumulation_boundary(True)
     return engine
@@ -120,7 +123,7 @@ def build_engine(
 def _initialize(module, config, mpu, lr_scheduler, *, has_experts: bool):
     import deepspeed
 
-    params = list(module.parameters())
+    params = [p for p in module.parameters() if p.requires_grad]  # LoRA: the adapters only
     if not has_experts:
         engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config,
                                           mpu=mpu, lr_scheduler=lr_scheduler)

@@ -90,6 +90,7 @@ class StepMetrics:
     step_time_s: float | None = None
     consumed_samples: int | None = None
     val_loss: float | None = None
+    tokens_by_source: dict[str, int] | None = None  # pretraining: tokens trained per source
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -123,6 +124,8 @@ class MetricsWriter:
         self._file.flush()
         scalars = {k: v for k, v in dataclasses.asdict(m).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        for name, tokens in (m.tokens_by_source or {}).items():
+            scalars[f"tokens_by_source/{name}"] = tokens
         if m.mem_per_rank:
             scalars["mem_max_rank_gib"] = max(m.mem_per_rank) / 2**30
         if self._tb is not None:

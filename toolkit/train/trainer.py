@@ -26,6 +26,7 @@ from toolkit import parallel, runtime
 from toolkit.atomic import write_text
 from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
+from toolkit.train import lora as lora_run
 from toolkit.train import reshard
 from toolkit.train.checkpoint_folders import CheckpointManager
 from toolkit.train.checkpointing import (
@@ -38,6 +39,7 @@ from toolkit.train.checkpointing import (
 )
 from toolkit.train.config import ConfigError, TrainConfig
 from toolkit.train.data import (
+    DataError,
     DataSettings,
     GlobalBatchSampler,
     PreparedData,
@@ -45,6 +47,8 @@ from toolkit.train.data import (
     prepare_data_distributed,
     step_batches,
 )
+from toolkit.train.data.blend import SourceTokens
+from toolkit.train.data.pretrain import check_token_ids
 from toolkit.train.ds_config import deepspeed_config
 from toolkit.train.engine import (
     EngineError,
@@ -81,6 +85,8 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     export_dir: str | None = None
     export_max_abs_diff: float | None = None  # HF export vs the trained model's logits
+    adapter_dir: str | None = None  # peft: the HF PEFT folder (export.adapter_dir)
+    adapter_max_abs_diff: float | None = None  # PEFT's model with it vs the trained model
     ds_config: dict[str, Any] = field(default_factory=dict)
     ds_notes: list[str] = field(default_factory=list)
 
@@ -107,6 +113,7 @@ class RunState:
     ds_config: dict[str, Any]
     ds_notes: list[str]
     total_steps: int
+    lora: Any = None  # the LoraSpec of a LoRA / DoRA run (None: full fine-tuning)
 
     @property
     def checkpoints(self) -> CheckpointManager:
@@ -139,7 +146,7 @@ def run(cfg: TrainConfig) -> TrainResult:
         state = _prepare(cfg, mpu, run_plan, model)
         engine = build_engine(state.chunks, mpu, state.ds_config, checked=True)
         return _train(state, engine)
-    except (LayoutError, EngineError, ResumeError) as e:
+    except (LayoutError, EngineError, ResumeError, DataError) as e:
         raise ConfigError(str(e)) from e
     finally:
         if engine is not None:
@@ -157,6 +164,9 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
         layout = run_plan.layout
         layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes: checked on load
         model = RunModel.of(cfg)
+        if cfg.data.mode == "pretrain":  # indexed sources' token ids vs the vocab, scanned once
+            check_token_ids(cfg.data.sources + cfg.data.validation_sources, cfg.data_cache_dir,
+                            model.shape.vocab)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     out = Path(str(cfg.output_dir))
@@ -171,9 +181,12 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
 def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -> RunState:
     """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
     layout = run_plan.layout
+    t0 = time.perf_counter()
     data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
                                     cfg.data_cache_dir, cfg.data.num_proc)
     total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
+    data.train.reserve(total * run_plan.global_batch)
+    _log(f"data ready in {time.perf_counter() - t0:.2f} s")
     with runtime.failing_together():  # sized from this node's memory; written on rank 0
         ds_config, notes = deepspeed_config(cfg, run_plan, model, total)
         if dist.get_rank() == 0:
@@ -188,11 +201,13 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
             raise ConfigError(f"data: token id {top} in the {split} split is outside the model's "
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
     mask_vocab_padding(chunks, vocab)
-    sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
+    lora = lora_run.attach_adapters(cfg, chunks, adapter) if cfg.peft.method != "none" else None
+    num_samples, shuffle = data.train.sampler_args(cfg.data.shuffle)
+    sampler = GlobalBatchSampler(num_samples, run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, mpu.get_data_parallel_rank_without_cp(), cfg.train.seed,
-                                 cfg.data.shuffle)
+                                 shuffle)
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
-                    notes, total)
+                    notes, total, lora)
 
 
 def _train(state: RunState, engine) -> TrainResult:
@@ -219,7 +234,7 @@ def _train(state: RunState, engine) -> TrainResult:
     saver = Saver(state.checkpoints, asynchronous=cfg.checkpoint.async_,
                   on_error=cfg.checkpoint.on_save_error, log=_log)
     try:
-        if start < total:
+        if start < total and state.lora is None:
             saver.prepare(engine)
         with stop, heartbeat:
             _loop(state, engine, result, start, stop, heartbeat, saver, writer, progress)
@@ -229,7 +244,7 @@ def _train(state: RunState, engine) -> TrainResult:
             writer.close()
         if progress is not None:
             progress.close()
-    if cfg.export.hf_dir:
+    if cfg.export.hf_dir or cfg.export.adapter_dir:
         _export(state, engine, result)
     if rank == 0:
         summary = dataclasses.asdict(result)
@@ -254,6 +269,7 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
     if start < total and stop.requested():  # asked before this run trained anything
         raise faults.TrainingStopped(start, None, stop.reason or "")
     saved = start
+    fed = SourceTokens.of(data.train, cfg.train.seq_len, run_plan.global_batch, start)
     for step in range(start, total):
         faults.test_hook("step", step, stop)
         t0 = time.perf_counter()
@@ -264,6 +280,8 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
         seconds = time.perf_counter() - t0
         result.losses.append(res.loss)
         done = step + 1
+        if fed is not None:
+            fed.add(step)
         val = None
         if data.validation is not None and cfg.train.eval_interval and (
                 done % cfg.train.eval_interval == 0 or done == total):
@@ -277,17 +295,18 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
                     step=done, loss=res.loss, lr=res.lr, grad_norm=res.grad_norm,
                     tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
                     mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds,
-                    consumed_samples=sampler.consumed_samples(done), val_loss=val))
+                    consumed_samples=sampler.consumed_samples(done), val_loss=val,
+                    tokens_by_source=fed.totals() if fed is not None else None))
         if progress is not None:
             progress.update(done, res.loss, val)
         if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
-            saver.save(engine, _training_state(state, done))
+            _checkpoint(state, engine, saver, done)
             saved = done
         else:
             saver.poll()
         heartbeat.beat(done)
         if done < total and stop.requested():
-            path = saver.save(engine, _training_state(state, done)) if saved != done else None
+            path = _checkpoint(state, engine, saver, done) if saved != done else None
             path = saver.finish() or path
             raise faults.TrainingStopped(done, path and str(path), stop.reason or "")
     saver.finish()
@@ -333,6 +352,30 @@ def _absolute_model_paths(config: dict) -> dict:
     return {**config, "model": model}
 
 
+def _checkpoint(state: RunState, engine, saver: Saver, step: int) -> Path | None:
+    """Save step ``step``: through ``saver`` (synchronous or asynchronous), or for LoRA runs
+    (the adapters and their optimizer state, small) synchronously by ``_save``."""
+    if state.lora is not None:
+        return _save(state, engine, step)
+    return saver.save(engine, _training_state(state, step))
+
+
+def _save(state: RunState, engine, step: int) -> Path:
+    from toolkit.train import faults
+
+    def write_engine(folder: Path) -> None:
+        if state.lora is not None:  # the adapters and their optimizer state only
+            lora_run.save_state(folder, engine, state.chunks, state.adapter, state.lora,
+                                state.cfg.model.path)
+        else:
+            engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=False)
+        faults.test_hook("save", step)  # tests kill a rank here, mid-save
+
+    path = state.checkpoints.save(_training_state(state, step), write_engine)
+    _log(f"saved checkpoint {path}")
+    return path
+
+
 def _resume(state: RunState, engine) -> int:
     """The step to start from: 0, or the step of the checkpoint ``checkpoint.resume`` names
     (engine, RNG and data position restored after the run is checked to be the same one)."""
@@ -343,6 +386,8 @@ def _resume(state: RunState, engine) -> int:
     if path is None:
         return 0
     saved = load_training_state(path)
+    if state.lora is not None or lora_run.has_state(path):
+        return _resume_adapters(state, engine, path, saved)
     # Another layout (or ZeRO stage): resharded through the mapping; the same one: DeepSpeed's
     # native load of its per-rank shards.
     stage = reshard.saved_stage(path)
@@ -367,10 +412,29 @@ def _resume(state: RunState, engine) -> int:
     return saved.step
 
 
+def _resume_adapters(state: RunState, engine, path: Path, saved) -> int:
+    """Resume a LoRA / DoRA run: its adapters and their optimizer state, at any layout."""
+    cfg = state.cfg
+    check_resume(saved, layout=state.plan.layout, global_batch=state.plan.global_batch,
+                 seed=cfg.train.seed, data_fingerprint=state.data.key,
+                 dp_change_ok=state.sampler.supports_dp_change, reshard_ok=True)
+    lora_run.load_state(path, engine, state.chunks, state.lora, saved.step,
+                        saved.consumed_samples)
+    same = reshard.same_layout(saved.layout, state.plan.layout)
+    if not same or not load_rng(path, dist.get_rank()):
+        torch.manual_seed(cfg.train.seed + saved.step)
+    how = "" if same else f" (from {_describe(saved.layout)})"
+    _log(f"resumed adapters from {path} at step {saved.step}{how}")
+    return saved.step
+
+
 def _export(state: RunState, engine, result: TrainResult) -> None:
     from toolkit.train.export import export
 
     cfg = state.cfg
+    if state.lora is not None:
+        lora_run.export(cfg, engine, state.chunks, state.adapter, state.lora, result, _log)
+        return
     result.export_dir, result.export_max_abs_diff = export(
         engine, state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
     if result.export_dir is not None:

@@ -26,6 +26,7 @@ from toolkit.train.config.schema import (
     ModelSection,
     OptimSection,
     ParallelSection,
+    PeftSection,
     RuntimeSection,
     TrainConfig,
     TrainSection,
@@ -33,7 +34,7 @@ from toolkit.train.config.schema import (
 
 __all__ = [
     "CheckpointSection", "ConfigError", "DataSection", "DeepSpeedSection", "ExportSection",
-    "LoggingSection", "ModelSection", "OptimSection", "ParallelSection", "RunPlan",
+    "LoggingSection", "ModelSection", "OptimSection", "ParallelSection", "PeftSection", "RunPlan",
     "RuntimeSection", "TrainConfig", "TrainSection", "apply_overrides", "config_from_dict",
     "load_config", "parse_override", "plan", "total_steps", "validate",
 ]

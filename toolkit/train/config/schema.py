@@ -75,6 +75,7 @@ class DataSection:
     sources: list[str] = opt(factory=list)
     validation_sources: list[str] = opt(factory=list)
     validation_split: float = opt(0.05, minimum=0.0)
+    weights: list[float] = opt(factory=list)
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -141,9 +142,31 @@ class CheckpointSection:
 
 
 @dataclass
+class PeftSection:
+    """Parameter-efficient fine-tuning (docs/training.md, "LoRA and DoRA"). ``method``: none
+    (full fine-tuning), lora or dora. ``target_modules``: HF projection names (q_proj, ...;
+    null: every linear layer of the blocks). ``adapter``: an HF PEFT folder to continue from
+    (its own r, alpha, targets and method apply). ``rslora``: scale by alpha/sqrt(r)."""
+
+    method: str = opt("none", choices=("none", "lora", "dora"))
+    r: int = opt(16, minimum=1)
+    alpha: float = opt(32.0, minimum=0.0)
+    dropout: float = opt(0.0, minimum=0.0)
+    target_modules: list[str] | None = None
+    rslora: bool = False
+    adapter: str | None = None
+
+
+@dataclass
 class ExportSection:
+    """``hf_dir``: the trained model as an HF folder (with peft: the base with the adapters
+    merged in float32, written in the model's dtype). ``adapter_dir`` (peft only): the adapters
+    as an HF PEFT folder. ``verify``: reload each with transformers / PEFT and compare its
+    logits with the live model's."""
+
     hf_dir: str | None = None
-    verify: bool = True  # reload the export with transformers and compare its logits
+    adapter_dir: str | None = None
+    verify: bool = True
 
 
 @dataclass
@@ -176,6 +199,7 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    peft: PeftSection = field(default_factory=PeftSection)
     export: ExportSection = field(default_factory=ExportSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)

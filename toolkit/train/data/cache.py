@@ -33,6 +33,13 @@ class TokenizedSplit:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def reserve(self, num_samples: int) -> None:
+        """Nothing to build: every sample is on disk (a pretraining stream builds its blend)."""
+
+    def sampler_args(self, shuffle: bool) -> tuple[int, bool]:
+        """(num_samples, shuffle) for ``GlobalBatchSampler``."""
+        return len(self), shuffle
+
     def batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, Any]:
         """Tensors for one micro-batch: tokens/labels/position_ids int64 [b, s], loss_mask
         float32 [b, s] (labels are valid ids everywhere; the mask says which count)."""
@@ -118,6 +125,10 @@ def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | P
     renamed, so a crashed or concurrent writer never leaves a half-written entry behind."""
     if settings.mode not in MODES:
         raise DataError(f"data.mode={settings.mode!r}: choose {' or '.join(MODES)}.")
+    if settings.mode == "pretrain":  # Megatron indexed datasets (pretrain.py), not .npy samples
+        from toolkit.train.data.pretrain import prepare
+
+        return prepare(settings, tokenizer_path, cache_dir, num_proc)
     key = cache_key(settings, tokenizer_path)
     cache = Path(cache_dir)
     final = cache / key
@@ -154,8 +165,8 @@ def prepare_data_distributed(settings: DataSettings, tokenizer_path: str, cache_
 
     from toolkit import runtime
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return prepare_data(settings, tokenizer_path, cache_dir, num_proc)
+    if settings.mode == "pretrain" or not (dist.is_available() and dist.is_initialized()):
+        return prepare_data(settings, tokenizer_path, cache_dir, num_proc)  # pretrain: collective
     with runtime.failing_together():
         if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
             prepare_data(settings, tokenizer_path, cache_dir, num_proc)
