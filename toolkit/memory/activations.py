@@ -61,6 +61,7 @@ class TrainShape:
     fused: bool = True  # False: megatron-core's unfused kernels (mdtk's local spec on CPU)
     pairs: bool = False  # DPO: each sample is a chosen and a rejected sequence (2 rows)
     reference_model: bool = False  # DPO: a frozen reference copy of the weights is held
+    async_checkpoint: bool = False  # a host copy of the rank's checkpoint files, kept for the run
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

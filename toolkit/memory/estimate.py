@@ -19,6 +19,7 @@ from toolkit.memory.states import (
     RankParams,
     ZeroOptions,
     buffer_items,
+    checkpoint_staging_item,
     model_state_items,
     rank_params,
     reference_items,
@@ -169,6 +170,8 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
             params, zero, train.dtype)
         if train.reference_model and not params.frozen:  # LoRA: the policy, adapters off
             items += reference_items(params, zero, train.dtype)
+        if train.async_checkpoint:
+            items.append(checkpoint_staging_item(params, zero, train.dtype))
         for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():
             items.append(Item(what, GPU, int(nbytes), transient=not what.startswith(
                 "activations")))
