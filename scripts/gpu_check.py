@@ -96,7 +96,7 @@ PARTS: list[Part] = [
              *GPU_TESTS),
          _pytest_read),
     Part("train_mfu", "mdtk train vs a bare megatron-core loop, Llama-3.2-1B shape, bf16, "
-         f"seq {TRAIN['seq']}, micro {TRAIN['micro']} x {TRAIN['accum']}", 90,
+         f"seq {TRAIN['seq']}, micro {TRAIN['micro']} x {TRAIN['accum']}", 75,  # 70 s on an H100
          lambda j: _py("scripts/bench_train.py", "--skip-cpu", "--gpu-seq", str(TRAIN["seq"]),
                        "--gpu-micro", str(TRAIN["micro"]), "--gpu-accum", str(TRAIN["accum"]),
                        "--gpu-steps", str(TRAIN["steps"]), "--json", str(j)),
@@ -106,12 +106,17 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_lora.py", "--skip-cpu", "--json", str(j)),
          _py("scripts/bench_lora.py", "--help")),
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
-         45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
+         35, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
     Part("zeropp", "ZeRO++ quantizer kernels (qwZ int8, qgZ int4) vs a copy, 8192 x 8192 bf16: "
          "time, error; includes the op's JIT build", 45,
          lambda j: _py("scripts/bench_zeropp.py", "--json", str(j)),
          _py("scripts/bench_zeropp.py", "--help")),
+    Part("checkpoint", "async checkpoint stall vs synchronous save vs DeepSpeed save_checkpoint, "
+         "Llama-3.2-1B shape (4 layers), bf16 ZeRO-1, GPU engine, pinned host copy", 60,
+         lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "4",
+                       "--rounds", "2", "--seq", "512", "--json", str(j)),
+         _py("scripts/bench_checkpoint.py", "--help")),
     Part("indexed_data", "mdtk train on a 0.25/0.75 blend of two Megatron indexed prefixes "
          "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
          lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),

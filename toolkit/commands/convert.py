@@ -183,7 +183,8 @@ def inspect(
 ) -> None:
     """Describe a checkpoint: format, architecture, layout, dtypes, parameter count, files, and
     the consistency problems found (missing or truncated files, shapes that differ from
-    config.json, missing ranks). For an indexed dataset PREFIX: documents, sequences, tokens,
+    config.json, missing ranks; for a trainer checkpoint, files whose size or xxh3-128 checksum
+    differs from its manifest). For an indexed dataset PREFIX: documents, sequences, tokens,
     dtype, the largest token id and whose dtype codes the index uses (megatron-core or
     DeepSpeed). Exit 1 when there are problems."""
     import dataclasses
@@ -224,6 +225,8 @@ def inspect(
             typer.echo(f"quantized:    {info.quantization}")
         if info.tensors:
             typer.echo(f"parameters:   {info.parameters:,} in {info.tensors} tensors")
+        if info.manifest:
+            typer.echo(f"manifest:     {info.manifest}")
         typer.echo(f"files:        {len(info.files)}")
         for f in info.files[:20]:
             typer.echo(f"  {f}")

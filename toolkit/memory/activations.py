@@ -59,6 +59,7 @@ class TrainShape:
     dropout: bool = False  # Llama-style models train without dropout
     capacity_factor: float | None = None  # MoE: None = dropless (average load)
     fused: bool = True  # False: megatron-core's unfused kernels (mdtk's local spec on CPU)
+    async_checkpoint: bool = False  # a host copy of the rank's checkpoint files, kept for the run
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

@@ -19,6 +19,7 @@ from toolkit.memory.states import (
     RankParams,
     ZeroOptions,
     buffer_items,
+    checkpoint_staging_item,
     model_state_items,
     rank_params,
 )
@@ -166,6 +167,8 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
                              if zero.stage == 3 else 0)
         items = model_state_items(params, zero, train.dtype) + buffer_items(
             params, zero, train.dtype)
+        if train.async_checkpoint:
+            items.append(checkpoint_staging_item(params, zero, train.dtype))
         for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():
             items.append(Item(what, GPU, int(nbytes), transient=not what.startswith(
                 "activations")))

@@ -220,6 +220,20 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
     return items
 
 
+def checkpoint_staging_item(params: RankParams, zero: ZeroOptions, dtype: str) -> Item:
+    """Host memory of asynchronous checkpoints (the trainer's ``checkpoint.async``): a copy of
+    what the worst rank writes, kept for the run. Data-parallel rank 0 writes the module state
+    (16-bit parameters; its own shard at stage 3) besides its optimizer partition (fp32 master
+    weights + Adam m, v; all of them at stage 0)."""
+    lp = DTYPE_BYTES[dtype]
+    total = 0
+    for n, dp in ((params.dense, params.dense_dp), (params.expert, params.expert_dp)):
+        shard = -(-n // dp) if zero.stage >= 1 else n
+        master = MASTER_BYTES if (dtype != "fp32" or zero.stage >= 1) else 0
+        total += lp * (shard if zero.stage == 3 else n) + (master + ADAM_STATE_BYTES) * shard
+    return Item("checkpoint staging (async save: host copy of the rank's files)", CPU, total)
+
+
 def frozen_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
     """LoRA's frozen base weights: in the training dtype, without gradients, fp32 master copies or
     optimizer states; ZeRO-3 partitions them like every other parameter."""

@@ -38,24 +38,10 @@ from toolkit.parallel.layout import ParallelLayout
 from toolkit.planner.cost import MDTK, Candidate, Efficiency, Network, StepCost, Workload
 from toolkit.planner.devices import DEVICES, Device
 from toolkit.planner.step import step_cost
-from toolkit.planner.zeropp_notes import zeropp_notes
+from toolkit.planner.zeropp_notes import Scored, zeropp_notes
 
 TIERS = ("none", CPU, NVME)
 TIE = 1e-3  # step times this close count as equal
-
-
-@dataclass(frozen=True)
-class Scored:
-    """One option that fits, with its step cost."""
-
-    option: Option
-    request: Request
-    cost: StepCost
-    order: int
-
-    @property
-    def lossy(self) -> bool:
-        return self.option.zero.quantized_weights or self.option.zero.quantized_gradients
 
 
 @dataclass(frozen=True)

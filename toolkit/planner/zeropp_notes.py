@@ -3,18 +3,29 @@ ds-config`` prints, with the modeled step time and cross-node bytes with and wit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from toolkit.dsconfig.generator import Option, Request
 from toolkit.memory import GIB
 from toolkit.planner.cost import StepCost
 
-if TYPE_CHECKING:
-    from toolkit.planner.zero_auto import Scored
-
 GB = 1e9
 LOSSY = ("lossy: int8 parameter gathers (qwZ) and int4 gradient reduction (qgZ), in DeepSpeed's "
          "CUDA quantizer kernels (GPUs only)")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One option that fits, with its step cost (here, below zero_auto, which ranks them)."""
+
+    option: Option
+    request: Request
+    cost: StepCost
+    order: int
+
+    @property
+    def lossy(self) -> bool:
+        return self.option.zero.quantized_weights or self.option.zero.quantized_gradients
 
 
 def _traffic(cost: StepCost) -> str:

@@ -28,9 +28,9 @@ from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
 from toolkit.train import lora as lora_run
 from toolkit.train import reshard
+from toolkit.train.checkpoint_folders import CheckpointManager
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
-    CheckpointManager,
     ResumeError,
     TrainingState,
     check_resume,
@@ -72,6 +72,7 @@ from toolkit.train.schedule import LRSchedule
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter
     from toolkit.train.faults import Heartbeat, StopGuard
+    from toolkit.train.saver import Saver
 
 
 @dataclass
@@ -116,7 +117,18 @@ class RunState:
 
     @property
     def checkpoints(self) -> CheckpointManager:
-        return CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
+        c = self.cfg.checkpoint
+        return CheckpointManager(self.cfg.checkpoint_dir, c.keep_last, c.keep_every,
+                                 describe=self._describe_model)
+
+    def _describe_model(self, folder: Path) -> None:
+        """A checkpoint's ``hf_config/``: config.json as read, tokenizer and generation config
+        from the local model and tokenizer folders (a hub id stays in trainer_state.json)."""
+        from toolkit.checkpoint.deepspeed import write_hf_config
+
+        local = [Path(p) for p in (self.cfg.model.path, self.cfg.tokenizer_path)
+                 if p and Path(p).is_dir()]
+        write_hf_config(folder, self.model.hf_config, local)
 
 
 def run(cfg: TrainConfig) -> TrainResult:
@@ -215,13 +227,19 @@ def _train(state: RunState, engine) -> TrainResult:
         _log(f"validation loss before training: {result.val_losses[0]:.4f}")
     progress = _progress(total, start) if rank == 0 else None
     from toolkit.train import faults  # imported here: the import block is shared with reshard
+    from toolkit.train.saver import Saver
 
     stop = faults.StopGuard(faults.stop_file(out))
     heartbeat = faults.Heartbeat(cfg.runtime.heartbeat_timeout_s, rank)
+    saver = Saver(state.checkpoints, asynchronous=cfg.checkpoint.async_,
+                  on_error=cfg.checkpoint.on_save_error, log=_log)
     try:
+        if start < total and state.lora is None:
+            saver.prepare(engine)
         with stop, heartbeat:
-            _loop(state, engine, result, start, stop, heartbeat, writer, progress)
+            _loop(state, engine, result, start, stop, heartbeat, saver, writer, progress)
     finally:
+        saver.close()
         if writer is not None:
             writer.close()
         if progress is not None:
@@ -236,9 +254,10 @@ def _train(state: RunState, engine) -> TrainResult:
 
 
 def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGuard,
-          heartbeat: Heartbeat, writer: MetricsWriter | None, progress) -> None:
-    """The steps from ``start``; at each boundary a requested stop (``faults``) saves and
-    raises ``faults.TrainingStopped`` on every rank."""
+          heartbeat: Heartbeat, saver: Saver, writer: MetricsWriter | None, progress) -> None:
+    """The steps from ``start``; at each boundary the save in flight is published when written
+    (``saver.poll``) and a requested stop (``faults``) saves, waits for the save and raises
+    ``faults.TrainingStopped`` on every rank. The run's end waits for the last save."""
     from toolkit.train import faults
 
     cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
@@ -281,12 +300,16 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
         if progress is not None:
             progress.update(done, res.loss, val)
         if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
-            _save(state, engine, done)
+            _checkpoint(state, engine, saver, done)
             saved = done
+        else:
+            saver.poll()
         heartbeat.beat(done)
         if done < total and stop.requested():
-            path = _save(state, engine, done) if saved != done else None
+            path = _checkpoint(state, engine, saver, done) if saved != done else None
+            path = saver.finish() or path
             raise faults.TrainingStopped(done, path and str(path), stop.reason or "")
+    saver.finish()
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -329,6 +352,14 @@ def _absolute_model_paths(config: dict) -> dict:
     return {**config, "model": model}
 
 
+def _checkpoint(state: RunState, engine, saver: Saver, step: int) -> Path | None:
+    """Save step ``step``: through ``saver`` (synchronous or asynchronous), or for LoRA runs
+    (the adapters and their optimizer state, small) synchronously by ``_save``."""
+    if state.lora is not None:
+        return _save(state, engine, step)
+    return saver.save(engine, _training_state(state, step))
+
+
 def _save(state: RunState, engine, step: int) -> Path:
     from toolkit.train import faults
 
@@ -349,7 +380,9 @@ def _resume(state: RunState, engine) -> int:
     """The step to start from: 0, or the step of the checkpoint ``checkpoint.resume`` names
     (engine, RNG and data position restored after the run is checked to be the same one)."""
     cfg = state.cfg
-    path = state.checkpoints.resolve_resume(cfg.checkpoint.resume)
+    path = state.checkpoints.resolve_resume(
+        cfg.checkpoint.resume, checksums=cfg.checkpoint.verify == "checksums",
+        warn=lambda text: _log(f"warning: {text}"))
     if path is None:
         return 0
     saved = load_training_state(path)

@@ -12,13 +12,12 @@ micro_batch/global_batch/seq_len/seed/precision/recompute/eval_interval``; ``opt
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from toolkit.parallel.layout import ParallelLayout
-from toolkit.train.config.typed import opt, plain
+from toolkit.train.config.typed import as_dict, opt
 from toolkit.train.data import MODES, SFT_FORMATS
 
 
@@ -132,13 +131,22 @@ class TrainSection:
 @dataclass
 class CheckpointSection:
     """``dir`` defaults to ``{output_dir}/checkpoints``; ``interval: 0`` saves only at the end;
-    ``keep_last: 0`` keeps all; ``resume``: auto (latest complete, else start fresh) | none | a
-    checkpoint folder."""
+    ``keep_last: 0`` keeps all, ``keep_every: N`` also keeps every checkpoint whose step is a
+    multiple of N (0: none); ``resume``: auto (the newest intact checkpoint, else start fresh) |
+    none | a checkpoint folder. ``async``: the steps go on while the checkpoint is written (a
+    host copy of the state is taken first; ``latest`` moves once every file is written);
+    ``verify``: what resume checks against each checkpoint's manifest (``checksums``: every
+    file's size and xxh3-128; ``sizes``: sizes only); ``on_save_error``: ``stop`` the run with
+    the error, or ``continue`` training without that checkpoint (a warning)."""
 
     dir: str | None = None
     interval: int = opt(0, minimum=0)
     keep_last: int = opt(2, minimum=0)
+    keep_every: int = opt(0, minimum=0)
     resume: str = "auto"
+    async_: bool = False
+    verify: str = opt("checksums", choices=("checksums", "sizes"))
+    on_save_error: str = opt("stop", choices=("stop", "continue"))
 
 
 @dataclass
@@ -218,4 +226,4 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/YAML-safe dict (tuples become lists); ``config_from_dict`` reads it back."""
-        return plain(dataclasses.asdict(self))
+        return as_dict(self)
