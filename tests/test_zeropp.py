@@ -329,8 +329,9 @@ def test_trainer_runs_hpz_at_dp4_equal_to_plain_zero3(trainer_4):
     for r in trainer_4:
         plain, hpz = r["zero3_dp4"], r["zero3_dp4_hpz2"]
         assert hpz["used"]["zero"]["zero_hpz_partition_size"] == 2
-        assert hpz["used"]["hpz_group"] == 2 and hpz["used"]["secondary_params"] > 0
-        assert plain["used"]["hpz_group"] == 1 and plain["used"]["secondary_params"] == 0
+        assert hpz["used"]["hpz_group"] == 2 and hpz["used"]["secondary_params"] > 0, hpz["used"]
+        assert plain["used"]["hpz_group"] == 1 and plain["used"]["secondary_params"] == 0, \
+            plain["used"]
         assert (hpz["dp"], hpz["stage"]) == (4, 3)
         assert hpz["losses"] == pytest.approx(plain["losses"], rel=LOSS_RTOL, abs=0)
         assert hpz["losses"][-1] < hpz["losses"][0] - 0.5

@@ -157,14 +157,14 @@ def quantized_checks(world: int = 1) -> dict[str, Any]:
 def trainer_checks_zeropp(assets: dict[str, str], workdir: str) -> dict[str, Any]:
     """mdtk's trainer: dp4 ZeRO-3 with and without hpZ 2 (and what the run used), then the
     refusals of qwZ on CPU and hpZ at tp2 (before any engine)."""
-    seen: dict[str, Any] = {}
     out: dict[str, Any] = {}
     for case in (tc.Case("zero3_dp4", zero=3, steps=STEPS),
                  tc.Case("zero3_dp4_hpz2", zero=3, steps=STEPS,
                          overrides=("deepspeed.hpz_partition_size=2",))):
+        seen: dict[str, Any] = {}  # one per case: a value left by the previous case is not kept
         with spying(seen):
             out[case.name] = tc.run_case(case, assets, workdir)
-        out[case.name]["used"] = dict(seen)
+        out[case.name]["used"] = seen
     refusals = (tc.Case("refuse_qwz_cpu", zero=3,
                         overrides=("deepspeed.quantized_weights=true",)),
                 tc.Case("refuse_hpz_tp2", zero=3, tp=2,
