@@ -3,7 +3,7 @@
 GPU time comes rarely, in windows of about 15 minutes with the machine's start included, so one
 command runs everything and writes one JSON and one Markdown summary to OUT:
 
-    python scripts/gpu_check.py OUT [--budget 420] [--only a,b] [--wheels DIR]
+    python scripts/gpu_check.py OUT [--budget 460] [--only a,b] [--wheels DIR]
     python scripts/gpu_check.py OUT --dry-run          # on CPU: the plan, every command checked
     python scripts/gpu_check.py --prepare-wheels DIR   # here: wheels the GPU image lacks (lock)
     python scripts/gpu_check.py --record OUT/gpu_check.json   # here: docs/benchmarks.md's GPU part
@@ -121,6 +121,10 @@ PARTS: list[Part] = [
          "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
          lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
          _py("scripts/bench_data.py", "--help")),
+    Part("dpo", "DPO step time and peak memory (reference model / precomputed) vs SFT on the "
+         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 35,
+         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--json", str(j)),
+         _py("scripts/bench_dpo.py", "--help")),
 ]
 
 
@@ -437,7 +441,7 @@ def dry_run(out: Path, parts: list[Part], budget: float) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", type=Path, help="folder for gpu_check.json / .md")
-    ap.add_argument("--budget", type=float, default=420.0,
+    ap.add_argument("--budget", type=float, default=460.0,
                     help=f"seconds for the whole check (at most {MAX_WALL_S})")
     ap.add_argument("--only", help="comma-separated parts to run (default: all)")
     ap.add_argument("--dry-run", action="store_true",

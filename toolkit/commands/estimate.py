@@ -24,6 +24,7 @@ def estimate_cmd(
     stage: int = typer.Option(0, "--stage", min=0, max=3),
     offload_optimizer: str = typer.Option("none", "--offload-optimizer", help="none/cpu/nvme"),
     offload_param: str = typer.Option("none", "--offload-param", help="none/cpu/nvme"),
+    dpo: bool = opt.DPO, precompute_reference: bool = opt.PRECOMPUTE_REF,
     peft: str = opt.PEFT, lora_r: int = opt.LORA_R, lora_targets: str | None = opt.LORA_TARGETS,
     as_json: bool = opt.AS_JSON,
 ) -> None:
@@ -35,7 +36,8 @@ def estimate_cmd(
         shape = load_model_shape(model, lora=opt.lora_of(peft, lora_r, lora_targets))
         cluster = opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem)
         train = TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
-                           dtype=dtype, recompute=recompute, flash_attention=flash)
+                           dtype=dtype, recompute=recompute, flash_attention=flash,
+                           **opt.dpo_shape(dpo, precompute_reference))
         zero = zero_options(shape, stage, offload_optimizer, offload_param)
         est = estimate(shape, train, opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel), zero,
                        cluster.world_size)

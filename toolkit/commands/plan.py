@@ -14,6 +14,7 @@ from toolkit.commands.options import (
     ALLOW_QUANTIZED,
     AS_JSON,
     CPU_MEM,
+    DPO,
     DTYPE,
     FLASH,
     GPUS,
@@ -23,6 +24,7 @@ from toolkit.commands.options import (
     NETWORK,
     NODES,
     PEFT,
+    PRECOMPUTE_REF,
     SEQ,
     lora_of,
 )
@@ -51,7 +53,7 @@ EMIT = typer.Option(None, "--emit", help="Write train.yaml + ds_config.json of t
                     "into this folder.")
 EMIT_RANK = typer.Option(1, "--emit-rank", min=1, help="Which plan --emit writes.")
 DATA = typer.Option(None, "--data", help="With --emit: training data (repeat).")
-DATA_MODE = typer.Option("pretrain", "--data-mode", help="pretrain or sft.")
+DATA_MODE = typer.Option("pretrain", "--data-mode", help="pretrain or sft (--dpo: dpo).")
 TOKENIZER = typer.Option(None, "--tokenizer", help="With --emit: tokenizer (default: the model "
                          "folder).")
 OUTPUT_DIR = typer.Option(None, "--output-dir", help="With --emit: the run's output_dir (default "
@@ -74,7 +76,8 @@ def plan_cmd(
     hbm_gbps: float | None = HBM, emit: Path | None = EMIT, emit_rank: int = EMIT_RANK,
     data: list[str] = DATA, data_mode: str = DATA_MODE, tokenizer: str | None = TOKENIZER,
     output_dir: str | None = OUTPUT_DIR, steps: int | None = STEPS,
-    sweep_gpus: str | None = SWEEP, plot: Path = PLOT, peft: str = PEFT, lora_r: int = LORA_R,
+    sweep_gpus: str | None = SWEEP, plot: Path = PLOT, dpo: bool = DPO,
+    precompute_reference: bool = PRECOMPUTE_REF, peft: str = PEFT, lora_r: int = LORA_R,
     lora_targets: str | None = LORA_TARGETS,
     network: str = NETWORK, allow_quantized_comm: bool = ALLOW_QUANTIZED,
 ) -> None:
@@ -94,7 +97,8 @@ def plan_cmd(
         model, tokens, price, gpu, gpu_mem, nodes=nodes, gpus_per_node=gpus_per_node,
         cpu_mem=cpu_mem, seq_len=seq_len, global_batch=global_batch, dtype=dtype, flash=flash,
         top=top, allow_cp=allow_cp, network=network, allow_quantized=allow_quantized_comm,
-        per_layout=per_layout, emit_rank=emit_rank, device_overrides=overrides,
+        per_layout=per_layout, emit_rank=emit_rank, dpo=dpo,
+        precompute_reference=precompute_reference, device_overrides=overrides,
         lora=lora_of(peft, lora_r, lora_targets))
     if sweep_gpus is not None:
         try:

@@ -22,6 +22,7 @@ from toolkit.memory.states import (
     checkpoint_staging_item,
     model_state_items,
     rank_params,
+    reference_items,
 )
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
@@ -167,6 +168,8 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
                              if zero.stage == 3 else 0)
         items = model_state_items(params, zero, train.dtype) + buffer_items(
             params, zero, train.dtype)
+        if train.reference_model and not params.frozen:  # LoRA: the policy, adapters off
+            items += reference_items(params, zero, train.dtype)
         if train.async_checkpoint:
             items.append(checkpoint_staging_item(params, zero, train.dtype))
         for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():

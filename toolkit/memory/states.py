@@ -220,6 +220,24 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
     return items
 
 
+def reference_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
+    """DPO's frozen reference model: the policy's tensors on this rank, weights only (no
+    gradients or optimizer states). Replicated over the data-parallel group, or at stage 3
+    partitioned like the policy (a DeepSpeed engine without optimizer: a 1/dp shard of every
+    tensor plus the whole small ones, on the parameter-offload device when there is one)."""
+    lp = DTYPE_BYTES[dtype]
+    what = f"reference model (frozen, {dtype})"
+    if zero.stage != 3:
+        return [Item(what, GPU, lp * params.total)]
+    shard = -(-params.dense // params.dense_dp) + -(-params.expert // params.expert_dp)
+    device = GPU if zero.offload_param == "none" else zero.offload_param
+    items = [Item(f"{what}, 1/{params.dense_dp} shard", device, lp * shard)]
+    if params.persistent:
+        items.append(Item(f"{what}, persistent small parameters (whole)", GPU,
+                          lp * params.persistent, note="below persistence threshold"))
+    return items
+
+
 def checkpoint_staging_item(params: RankParams, zero: ZeroOptions, dtype: str) -> Item:
     """Host memory of asynchronous checkpoints (the trainer's ``checkpoint.async``): a copy of
     what the worst rank writes, kept for the run. Data-parallel rank 0 writes the module state

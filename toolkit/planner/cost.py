@@ -160,6 +160,13 @@ class Workload:
     dtype: str = "bf16"
     flash: bool = True  # False: eager attention (mdtk's CPU path), scores through memory
     fused: bool = True  # False: megatron-core's unfused kernels (mdtk on CPU; memory model)
+    pairs: bool = False  # DPO: a sample is a chosen and a rejected sequence (global_batch pairs)
+    reference_model: bool = False  # DPO: a frozen reference runs forward over every micro-batch
+
+    @property
+    def rows(self) -> int:
+        """Sequences per sample."""
+        return 2 if self.pairs else 1
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,7 @@ class StepCost:
     num_microbatches: int
     tokens_per_s_per_gpu: float
     mfu: float
+    reference: float = 0.0  # DPO: the reference model's forward-only pipeline
     volumes: dict[str, float] = field(default_factory=dict)  # bytes per rank per step, by kind
     links: dict[str, str] = field(default_factory=dict)  # the Link.name each kind travels over
     #: What one rank sends per step (ring factors included) over the GPU link / across nodes,
@@ -235,7 +243,8 @@ class StepCost:
     def breakdown(self) -> dict[str, float]:
         d = asdict(self)
         return {k: d[k] for k in ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",
-                                  "pp_send", "dp_comm", "buffers", "optimizer", "offload")}
+                                  "pp_send", "dp_comm", "buffers", "optimizer", "offload",
+                                  "reference")}
 
 
 # -- the terms, one function each (tests/test_planner_cost.py checks them by hand) ---------------

@@ -47,7 +47,7 @@ def steps_for(tokens: float | None, work: Workload, default: int = 100) -> int:
     """Optimizer steps that cover ``tokens`` (rounded up), ``default`` without a token count."""
     if not tokens:
         return default
-    return max(1, math.ceil(tokens / (work.global_batch * work.seq_len)))
+    return max(1, math.ceil(tokens / (work.global_batch * work.rows * work.seq_len)))
 
 
 def deepspeed_json(model: ModelShape, work: Workload, plan: Planned, cluster: Cluster,
@@ -89,6 +89,7 @@ def trainer_yaml(plan: Planned, work: Workload, run: RunSpec, ds_config_path: st
     if run.tokenizer and run.model_path:
         model["tokenizer"] = run.tokenizer
     precision = work.dtype
+    dpo = {"dpo": {"precompute_reference": not work.reference_model}} if work.pairs else {}
     return {
         "output_dir": run.output_dir,
         "model": model,
@@ -96,7 +97,9 @@ def trainer_yaml(plan: Planned, work: Workload, run: RunSpec, ds_config_path: st
                      "ep": c.ep, "sequence_parallel": c.sequence_parallel},
         "deepspeed": {"zero_stage": c.zero, "offload": "cpu" if c.offload != "none" else "none",
                       "config": ds_config_path},
-        "data": {"mode": run.data_mode, "sources": list(run.data), "validation_split": 0.0},
+        "data": {"mode": "dpo" if work.pairs else run.data_mode, "sources": list(run.data),
+                 "validation_split": 0.0},
+        **dpo,
         "optim": {"lr": run.lr, "min_lr": run.lr / 10, "warmup_steps": min(100, run.steps // 10),
                   "decay": "cosine", "weight_decay": 0.1, "clip_grad": 1.0},
         "train": {"steps": run.steps, "micro_batch": c.micro_batch,

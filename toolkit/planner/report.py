@@ -64,6 +64,8 @@ class PlanRequest:
     allow_quantized: bool = False  # ZeRO++'s lossy qwZ / qgZ may be ranked too
     per_layout: bool = False
     emit_rank: int = 1  # the search keeps at least this many plans
+    dpo: bool = False  # preference pairs (2 sequences a sample) with a reference model ...
+    precompute_reference: bool = False  # ... unless its log-probabilities are precomputed
     device_overrides: dict[str, float | None] = field(default_factory=dict)  # get_device's
     lora: LoraSpec | None = None  # train adapters only (--peft)
 
@@ -76,12 +78,14 @@ class Setting:
     device: Device
     cluster: Cluster
     tokens: float | None
-    kernels: dict[str, bool]  # Workload's flash / fused
+    kernels: dict[str, bool]  # Workload's flash / fused / pairs / reference_model
     space: SearchSpace
     budget: Budget
 
 
 def resolve(req: PlanRequest) -> Setting:
+    if req.precompute_reference and not req.dpo:
+        raise ValueError("--precompute-reference applies to --dpo runs: add --dpo.")
     overrides = dict(req.device_overrides)
     if overrides.get("inter") is None:
         overrides["inter"] = network_inter(req.network, req.gpus_per_node)
@@ -92,8 +96,9 @@ def resolve(req: PlanRequest) -> Setting:
     cluster = Cluster(nodes=req.nodes, gpus_per_node=req.gpus_per_node, gpu_mem=gpu_mem,
                       cpu_mem=parse_bytes(req.cpu_mem))
     on_cpu = device.key == "cpu"  # mdtk's CPU path: megatron-core's unfused kernels, eager
-    return Setting(shape, device, cluster, count, {"flash": not on_cpu and req.flash,
-                                                   "fused": not on_cpu},
+    kernels = {"flash": not on_cpu and req.flash, "fused": not on_cpu, "pairs": req.dpo,
+               "reference_model": req.dpo and not req.precompute_reference}
+    return Setting(shape, device, cluster, count, kernels,
                    SearchSpace(allow_cp=req.allow_cp, allow_quantized=req.allow_quantized),
                    Budget())
 

@@ -206,7 +206,8 @@ def zero_for(model: ModelShape, c: Candidate) -> ZeroOptions:
 def train_shape(work: Workload, c: Candidate) -> TrainShape:
     return TrainShape(seq_len=work.seq_len, micro_batch=c.micro_batch,
                       global_batch=work.global_batch, dtype=work.dtype, recompute=c.recompute,
-                      flash_attention=work.flash, fused=work.fused)
+                      flash_attention=work.flash, fused=work.fused, pairs=work.pairs,
+                      reference_model=work.reference_model)
 
 
 @dataclass(frozen=True)

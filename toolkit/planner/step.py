@@ -60,7 +60,8 @@ class StepInputs:
             raise ValueError(f"global batch {work.global_batch} is not micro_batch x dp x "
                              f"accumulation for {c.describe()}")
         return cls(model, work, c, net, framework, eff, e, framework.grad_reduce_bytes or e, m,
-                   net.device.peak_flops(work.dtype), work.seq_len * c.micro_batch / c.cp,
+                   net.device.peak_flops(work.dtype),
+                   work.seq_len * c.micro_batch * work.rows / c.cp,
                    c.tp if c.sequence_parallel else 1)
 
 
@@ -95,7 +96,7 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
     matmul, elem, head_flops = model_terms(model)
     fwd_mm = sum(2.0 * matmul[i] for i in layers) * tokens / c.tp
     fwd_att = 4.0 * model.q_dim * s * tokens / c.tp * len(layers)
-    frozen = 1 if model.lora else 0  # LoRA: frozen weights need no weight gradient
+    frozen = 1 if model.lora and passes > 1 else 0  # LoRA: frozen weights, no weight gradient
     mm, att = (passes - frozen) * fwd_mm, passes * fwd_att
     if c.recompute == "selective":
         att += fwd_att
@@ -105,17 +106,17 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
         score_passes = passes + (1 if c.recompute == "selective" else 0)
         elem_bytes += (EAGER_SCORE_PASSES * e * model.heads / c.tp * s * tokens
                        * len(layers) * score_passes)
-    if is_last:
-        mm += (3 - frozen) * head_flops * tokens / c.tp
+    if is_last:  # the head is not recomputed: forward and backward (or forward only)
+        mm += (min(passes, 3) - frozen) * head_flops * tokens / c.tp
         elem_bytes += eff.logits_bytes * tokens * model.padded_vocab(c.tp) / c.tp
     return (mm / (st.peak * eff.matmul) + att / (st.peak * eff.attention)
             + elem_bytes / (st.net.device.hbm * eff.memory))
 
 
-def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int
+def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int, forward_only: bool = False,
                 ) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
     """The stage's tensor-, context- and expert-parallel collectives: (exposed seconds, bytes,
-    link), each by kind."""
+    link), each by kind; ``forward_only``: the forward's alone (a frozen model's pass)."""
     model, c, eff, tokens, e = st.model, st.c, st.eff, st.tokens, st.e
     h, s = model.hidden, st.work.seq_len
     comm: dict[str, float] = {}
@@ -123,7 +124,8 @@ def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int
     links: dict[str, str] = {}
     if c.tp > 1:
         link = links["tp"] = st.net.link(c.tp, 1, eff)
-        calls = tp_collectives_per_layer(c.recompute, c.sequence_parallel) * len(layers)
+        calls = (2 if forward_only else tp_collectives_per_layer(c.recompute, c.sequence_parallel)
+                 ) * len(layers)
         payload = tokens * h * e
         per = ring_time(payload, c.tp, "allreduce", link.bandwidth, link.latency)
         if c.sequence_parallel:
@@ -133,6 +135,8 @@ def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int
     if c.cp > 1:
         link = links["cp"] = st.net.link(c.cp, c.tp, eff)
         nbytes = cp_exchange_bytes(model, tokens, c.cp, c.tp, e, c.recompute)
+        if forward_only:
+            nbytes = cp_exchange_bytes(model, tokens, c.cp, c.tp, e, "none") / 3
         per_layer = nbytes / link.bandwidth + passes * (c.cp - 1) * link.latency
         attention = passes * 4.0 * model.q_dim * s * tokens / c.tp / (st.peak * eff.attention)
         comm["cp"] = len(layers) * max(0.0, per_layer - attention)
@@ -140,11 +144,38 @@ def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int
     moe = [i for i in layers if model.is_moe_layer(i)]
     if c.ep > 1 and moe:
         link = links["ep"] = st.net.link(c.ep, c.tp * c.cp, eff)
-        calls = (6 if c.recompute == "full" else 4) * len(moe)
+        calls = (2 if forward_only else 6 if c.recompute == "full" else 4) * len(moe)
         payload = tokens * model.top_k * h * e
         comm["ep"] = calls * ring_time(payload, c.ep, "alltoall", link.bandwidth, link.latency)
         traffic["ep"] = calls * payload * (c.ep - 1) / c.ep
     return comm, traffic, {k: v.name for k, v in links.items()}
+
+
+def reference_forward(st: StepInputs, first: RankParams, last: RankParams) -> float:
+    """DPO's reference model, when one is held: a forward-only pass of the step's micro-batches
+    through its own pipeline (the slowest stage's pace, the fill and drain, the activation
+    sends), with its ZeRO-3 parameter gathers where they are not hidden. 0 without one."""
+    if not st.work.reference_model:
+        return 0.0
+    c = st.c
+
+    def forward(layers: tuple[int, ...], is_last: bool) -> float:
+        comm = stage_comms(st, layers, 1, forward_only=True)[0]
+        return stage_compute(st, layers, is_last, 1) + sum(comm.values())
+
+    t_last = forward(last.layers, True)
+    t_first = t_last if c.pp == 1 else forward(first.layers, False)
+    mean = (t_first * (c.pp - 1) + t_last) / c.pp
+    seconds = st.m * max(t_first, t_last) + (c.pp - 1) / c.vpp * mean
+    sends, _, _ = pipeline_sends(st)
+    seconds += sends / 2  # forward activations only
+    if c.zero == 3:
+        held = max(r.total + r.frozen for r in (first, last))  # LoRA: the base, adapters off
+        link = st.net.link(c.dp * c.cp, c.tp, st.eff)
+        gather = ring_time(held * st.e, first.dense_dp, "allgather", link.bandwidth,
+                           link.latency)
+        seconds += max(0.0, st.m * gather - st.m * mean)
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -342,13 +373,15 @@ def step_cost(model: ModelShape, work: Workload, c: Candidate, net: Network,
         overlap.anywhere += opt.hidden_anywhere
     dp_comm = exposed_dp(st, pipe, overlap)
     buffers = zero_buffers(st, params)
-    step = pipe.seconds + pp_send + dp_comm + buffers + opt.seconds + opt.offload
-    per_gpu = work.global_batch * work.seq_len / step / c.world_size
+    reference = reference_forward(st, first, last)
+    step = pipe.seconds + pp_send + dp_comm + buffers + opt.seconds + opt.offload + reference
+    per_gpu = work.global_batch * work.rows * work.seq_len / step / c.world_size
     slow = pipe.slow
     return StepCost(
         compute=m * slow.compute, tp_comm=m * slow.comm.get("tp", 0.0),
         cp_comm=m * slow.comm.get("cp", 0.0), ep_comm=m * slow.comm.get("ep", 0.0),
         pp_bubble=pipe.bubble, pp_send=pp_send, dp_comm=dp_comm, buffers=buffers,
         optimizer=opt.seconds, offload=opt.offload, step=step, num_microbatches=m,
-        tokens_per_s_per_gpu=per_gpu, mfu=model_flops(model, work.seq_len) * per_gpu / st.peak,
+        reference=reference, tokens_per_s_per_gpu=per_gpu,
+        mfu=model_flops(model, work.seq_len) * per_gpu / st.peak,
         volumes=volumes, links=links, sent_intra=dp.intra, sent_inter=dp.inter)

@@ -121,7 +121,8 @@ def zero_auto(req: Request, device: Device = DEVICES["h100"], eff: Efficiency | 
     dp = int(layout.dp or 1)
     global_batch = req.train.global_batch or req.train.micro_batch * dp
     num_microbatches(dataclasses.replace(req.train, global_batch=global_batch), dp)  # divisible?
-    work = Workload(req.train.seq_len, global_batch, req.train.dtype)
+    work = Workload(req.train.seq_len, global_batch, req.train.dtype, pairs=req.train.pairs,
+                    reference_model=req.train.reference_model)
     net = Network(device, req.cluster.gpus_per_node)
     considered: list[Option] = []
     for tier in tiers:

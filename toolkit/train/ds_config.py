@@ -67,6 +67,13 @@ def _check_engine_rules(ds_config: dict[str, Any], run: RunPlan, model: RunModel
     check_supported(ds_config, pp=run.layout.pp, has_experts=model.has_experts)
 
 
+def dpo_shape(cfg: TrainConfig) -> dict[str, bool]:
+    """The memory model's DPO fields for the run: pairs, and a reference model unless its
+    log-probabilities are precomputed."""
+    dpo = cfg.data.mode == "dpo"
+    return {"pairs": dpo, "reference_model": dpo and not cfg.dpo.precompute_reference}
+
+
 def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
                       total_steps: int) -> Request:
     """What the generator needs to choose: the model, this machine's memory, the run's shape."""
@@ -84,7 +91,7 @@ def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
         train=TrainShape(seq_len=cfg.train.seq_len, micro_batch=run.micro_batch,
                          global_batch=run.global_batch, dtype=cfg.train.precision,
                          recompute=cfg.train.recompute,
-                         async_checkpoint=cfg.checkpoint.async_),
+                         async_checkpoint=cfg.checkpoint.async_, **dpo_shape(cfg)),
         layout=run.layout, stage=str(ds.zero_stage), offload=ds.offload, lr=cfg.optim.lr,
         weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
         eps=cfg.optim.eps, gradient_clipping=cfg.optim.clip_grad,

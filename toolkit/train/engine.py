@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,7 +53,11 @@ from toolkit.train.engine_rules import (
 )
 
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+# ``loss_fn(per_token_loss, batch)``: the micro-batch's loss, or (loss, {metric: scalar}) with
+# the metrics' names in the function's ``metric_names`` (averaged like the loss); a "loss" among
+# them replaces the reported loss (not the one differentiated).
+LossFn = Callable[[torch.Tensor, Batch],
+                  torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class StepResult:
     lr: float  # learning rate the update used
     skipped: bool  # True when DeepSpeed skipped the update (fp16 overflow)
     num_microbatches: int
+    metrics: dict[str, float] = field(default_factory=dict)  # the loss_fn's metric_names
 
 
 # -- engine ------------------------------------------------------------------------------------
@@ -283,9 +288,10 @@ def _forward_step_func(loss_fn: LossFn):
                        labels=batch.get("labels"))
 
         def loss_func(per_token: torch.Tensor):
-            loss = loss_fn(per_token, batch)
+            out = loss_fn(per_token, batch)
+            loss, metrics = out if isinstance(out, tuple) else (out, {})
             # the schedule divides the returned loss in place by num_microbatches: keep a copy
-            return loss, {"loss": loss.detach().clone()}
+            return loss, {"loss": loss.detach().clone(), **metrics}
 
         return output, loss_func
 
@@ -302,6 +308,7 @@ def train_step(
     seq_len: int,
     loss_fn: LossFn = masked_mean_loss,
     lr: float | None = None,
+    rows_per_sample: int = 1,
 ) -> StepResult:
     """Forward/backward over ``num_microbatches`` micro-batches, one reduction, one update.
 
@@ -310,6 +317,8 @@ def train_step(
     ``position_ids``. Only first/last pipeline stages read it (one item per micro-batch).
     ``loss_fn(per_token_loss, batch)`` reduces a micro-batch's per-token loss to a scalar.
     ``lr``: when given, the update uses this learning rate (a stateless LR schedule).
+    ``rows_per_sample``: sequences per sample (DPO: 2, a chosen and a rejected row), so a
+    micro-batch holds ``micro_batch * rows_per_sample`` rows; DeepSpeed counts samples.
     """
     chunks = list(chunks)
     _check_step_args(engine, chunks, num_microbatches, micro_batch, seq_len)
@@ -320,7 +329,8 @@ def train_step(
 
     def run_schedule():
         out = _schedule(chunks, data_iterator, loss_fn, num_microbatches=num_microbatches,
-                        micro_batch=micro_batch, seq_len=seq_len, forward_only=False)
+                        micro_batch=micro_batch * rows_per_sample, seq_len=seq_len,
+                        forward_only=False)
         finalize_grads(chunks)
         return out
 
@@ -336,9 +346,10 @@ def train_step(
     if grad_norm is None:
         norm = engine.get_global_grad_norm()
         grad_norm = None if norm is None else float(norm)
-    loss = _mean_loss(results, num_microbatches)
-    return StepResult(loss=loss, grad_norm=grad_norm, lr=used_lr,
-                      skipped=not engine.was_step_applied(), num_microbatches=num_microbatches)
+    metrics = mean_metrics(results, num_microbatches, _names(loss_fn))
+    return StepResult(loss=metrics.pop("loss"), grad_norm=grad_norm, lr=used_lr,
+                      skipped=not engine.was_step_applied(), num_microbatches=num_microbatches,
+                      metrics=metrics)
 
 
 def evaluate(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], *,
@@ -347,6 +358,25 @@ def evaluate(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], 
     """Mean loss over ``num_microbatches`` micro-batches, forward only (no gradients, no update):
     the same reduction as :func:`train_step`'s loss, identical on every rank. The chunks are in
     eval mode meanwhile (dropout off) and back in training mode afterwards."""
+    return evaluate_metrics(chunks, data_iterator, num_microbatches=num_microbatches,
+                            micro_batch=micro_batch, seq_len=seq_len, loss_fn=loss_fn)["loss"]
+
+
+def evaluate_metrics(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], *,
+                     num_microbatches: int, micro_batch: int, seq_len: int,
+                     loss_fn: LossFn = masked_mean_loss) -> dict[str, float]:
+    """:func:`evaluate` with the loss_fn's metrics too: {"loss": ..., name: ...}."""
+    results = forward_outputs(chunks, data_iterator, loss_fn, num_microbatches=num_microbatches,
+                              micro_batch=micro_batch, seq_len=seq_len)
+    return mean_metrics(results, num_microbatches, _names(loss_fn))
+
+
+def forward_outputs(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch],
+                    loss_fn: LossFn, *, num_microbatches: int, micro_batch: int,
+                    seq_len: int) -> list[dict[str, torch.Tensor]]:
+    """The last pipeline stage's ``{"loss", **metrics}`` of each micro-batch, forward only (no
+    gradients; the chunks in eval mode meanwhile, back in training mode afterwards); other
+    stages get an empty list. ``micro_batch`` counts rows."""
     chunks = list(chunks)
     for chunk in chunks:
         chunk.eval()
@@ -355,7 +385,7 @@ def evaluate(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], 
                             micro_batch=micro_batch, seq_len=seq_len, forward_only=True)
     for chunk in chunks:
         chunk.train()
-    return _mean_loss(results, num_microbatches)
+    return list(results)
 
 
 def _schedule(chunks: list[torch.nn.Module], data_iterator: Iterator[Batch], loss_fn: LossFn, *,
@@ -409,21 +439,28 @@ def _zero0_grad_norm(engine) -> float:
     return total.sqrt().item()
 
 
-def _mean_loss(results: list[dict[str, torch.Tensor]], num_microbatches: int) -> float:
-    """Mean loss over micro-batches (last stage) and data-parallel ranks, sent to every rank
-    (context-parallel ranks hold parts of one micro-batch's loss: summed, not averaged)."""
+def _names(loss_fn: LossFn) -> tuple[str, ...]:
+    return ("loss", *getattr(loss_fn, "metric_names", ()))
+
+
+def mean_metrics(results: list[dict[str, torch.Tensor]], num_microbatches: int,
+                 names: Sequence[str] = ("loss",)) -> dict[str, float]:
+    """Mean of each named value over micro-batches (last stage) and data-parallel ranks, sent to
+    every rank (context-parallel ranks hold parts of one micro-batch's values: summed, not
+    averaged). One all-reduce for all of them."""
     device = runtime.device()
-    total = torch.zeros(1, dtype=torch.float64, device=device)
+    total = torch.zeros(len(names), dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         if len(results) != num_microbatches:
             raise RuntimeError(f"schedule returned {len(results)} losses for "
                                f"{num_microbatches} micro-batches")
-        total += sum(r["loss"].double() for r in results) / num_microbatches
+        for i, name in enumerate(names):
+            total[i] += sum(r[name].double() for r in results) / num_microbatches
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         total /= ps.get_data_parallel_world_size()
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    value = total.item()
-    if not math.isfinite(value):
-        raise FloatingPointError(f"training loss is {value}")
-    return value
+    values = dict(zip(names, total.tolist(), strict=True))
+    if not math.isfinite(values["loss"]):
+        raise FloatingPointError(f"training loss is {values['loss']}")
+    return values

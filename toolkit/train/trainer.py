@@ -45,7 +45,6 @@ from toolkit.train.data import (
     PreparedData,
     eval_micro_batches,
     prepare_data_distributed,
-    step_batches,
 )
 from toolkit.train.data.blend import SourceTokens
 from toolkit.train.data.pretrain import check_token_ids
@@ -53,7 +52,7 @@ from toolkit.train.ds_config import deepspeed_config
 from toolkit.train.engine import (
     EngineError,
     build_engine,
-    evaluate,
+    evaluate_metrics,
     mask_vocab_padding,
     train_step,
 )
@@ -67,6 +66,7 @@ from toolkit.train.metrics import (
     throughput,
 )
 from toolkit.train.model import RunModel, build_model
+from toolkit.train.objective import Objective
 from toolkit.train.schedule import LRSchedule
 
 if TYPE_CHECKING:
@@ -83,6 +83,8 @@ class TrainResult:
     start_step: int
     losses: list[float] = field(default_factory=list)
     val_losses: dict[int, float] = field(default_factory=dict)
+    metrics: list[dict[str, float]] = field(default_factory=list)  # per step, besides the loss
+    val_metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # (DPO: TRL's)
     export_dir: str | None = None
     export_max_abs_diff: float | None = None  # HF export vs the trained model's logits
     adapter_dir: str | None = None  # peft: the HF PEFT folder (export.adapter_dir)
@@ -113,6 +115,7 @@ class RunState:
     ds_config: dict[str, Any]
     ds_notes: list[str]
     total_steps: int
+    objective: Objective  # the data mode's micro-batches and loss (DPO: with its reference)
     lora: Any = None  # the LoraSpec of a LoRA / DoRA run (None: full fine-tuning)
 
     @property
@@ -140,7 +143,7 @@ def run(cfg: TrainConfig) -> TrainResult:
     """
     runtime.enable_cpu_mode()
     runtime.init_distributed()
-    engine = None
+    engine = state = None
     try:
         mpu, run_plan, model = _setup(cfg)
         state = _prepare(cfg, mpu, run_plan, model)
@@ -149,6 +152,8 @@ def run(cfg: TrainConfig) -> TrainResult:
     except (LayoutError, EngineError, ResumeError, DataError) as e:
         raise ConfigError(str(e)) from e
     finally:
+        if state is not None:
+            state.objective.close()
         if engine is not None:
             engine.destroy()
         parallel.destroy()
@@ -193,6 +198,13 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
             _write_json(Path(str(cfg.output_dir)) / "ds_config.json", ds_config)
     for note in notes:
         _log(f"deepspeed: {note}")
+    dp_rank = mpu.get_data_parallel_rank_without_cp()
+    precomputed = None
+    if cfg.data.mode == "dpo" and cfg.dpo.precompute_reference:  # before the policy exists
+        from toolkit.train.dpo.objective import precomputed_reference
+
+        precomputed = precomputed_reference(cfg, layout, mpu, ds_config, data,
+                                            run_plan.micro_batch, dp_rank, model.hf_config)
     chunks, adapter = build_model(cfg, layout, model)
     vocab = adapter.dims.vocab
     for split in ("train", "validation"):
@@ -204,10 +216,15 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     lora = lora_run.attach_adapters(cfg, chunks, adapter) if cfg.peft.method != "none" else None
     num_samples, shuffle = data.train.sampler_args(cfg.data.shuffle)
     sampler = GlobalBatchSampler(num_samples, run_plan.global_batch, run_plan.micro_batch,
-                                 layout.dp, mpu.get_data_parallel_rank_without_cp(), cfg.train.seed,
-                                 shuffle)
+                                 layout.dp, dp_rank, cfg.train.seed, shuffle)
+    objective = Objective()
+    if cfg.data.mode == "dpo":
+        from toolkit.train.dpo.objective import dpo_objective
+
+        objective = dpo_objective(cfg, layout, mpu, ds_config, model.hf_config, precomputed,
+                                  chunks)
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
-                    notes, total, lora)
+                    notes, total, objective, lora)
 
 
 def _train(state: RunState, engine) -> TrainResult:
@@ -223,7 +240,7 @@ def _train(state: RunState, engine) -> TrainResult:
                            wandb_project=cfg.logging.wandb_project,
                            run_config=cfg.to_dict()) if rank == 0 else None
     if data.validation is not None and cfg.train.eval_interval and start == 0:
-        result.val_losses[0] = _validation_loss(state)
+        _validate(state, result, 0)
         _log(f"validation loss before training: {result.val_losses[0]:.4f}")
     progress = _progress(total, start) if rank == 0 else None
     from toolkit.train import faults  # imported here: the import block is shared with reshard
@@ -265,7 +282,8 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
     schedule = LRSchedule.from_config(cfg.optim, total)
     flops_per_token = model_flops_per_token(state.model.shape, cfg.train.seq_len)
     peak = peak_tflops(device_name(), cfg.logging.peak_tflops)
-    tokens_per_step = run_plan.global_batch * cfg.train.seq_len
+    tokens_per_step = run_plan.global_batch * cfg.train.seq_len * state.objective.rows_per_sample
+    objective = state.objective
     if start < total and stop.requested():  # asked before this run trained anything
         raise faults.TrainingStopped(start, None, stop.reason or "")
     saved = start
@@ -273,20 +291,21 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
     for step in range(start, total):
         faults.test_hook("step", step, stop)
         t0 = time.perf_counter()
-        res = train_step(engine, state.chunks, step_batches(data.train, sampler, step),
-                         num_microbatches=run_plan.grad_accum,
+        batches = objective.batches("train", data.train, sampler.micro_batches(step))
+        res = train_step(engine, state.chunks, batches, num_microbatches=run_plan.grad_accum,
                          micro_batch=run_plan.micro_batch, seq_len=cfg.train.seq_len,
-                         lr=schedule(step))
+                         lr=schedule(step), loss_fn=objective.loss_fn,
+                         rows_per_sample=objective.rows_per_sample)
         seconds = time.perf_counter() - t0
         result.losses.append(res.loss)
+        result.metrics.append(res.metrics)
         done = step + 1
         if fed is not None:
             fed.add(step)
         val = None
         if data.validation is not None and cfg.train.eval_interval and (
                 done % cfg.train.eval_interval == 0 or done == total):
-            val = _validation_loss(state)
-            result.val_losses[done] = val
+            val = _validate(state, result, done)
         if done % cfg.logging.interval == 0 or done == total or val is not None:
             tp = throughput(tokens_per_step, seconds, flops_per_token, world, peak)
             mem = gather_memory()
@@ -296,7 +315,9 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
                     tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
                     mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds,
                     consumed_samples=sampler.consumed_samples(done), val_loss=val,
-                    tokens_by_source=fed.totals() if fed is not None else None))
+                    tokens_by_source=fed.totals() if fed is not None else None,
+                    extra={**res.metrics, **{f"val_{k}": v for k, v in
+                                             result.val_metrics.get(done, {}).items()}}))
         if progress is not None:
             progress.update(done, res.loss, val)
         if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
@@ -316,8 +337,9 @@ def _write_json(path: Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=1))
 
 
-def _validation_loss(state: RunState) -> float:
-    """Mean validation loss over the same samples at any layout (forward only)."""
+def _validate(state: RunState, result: TrainResult, step: int) -> float:
+    """Validation loss (and the objective's metrics) over the same samples at any layout, forward
+    only, recorded in ``result`` for ``step``; returns the loss."""
     split, s = state.data.validation, state.sampler
     batches = eval_micro_batches(len(split), s.micro_batch, s.dp_size, s.dp_rank,
                                  state.cfg.train.eval_batches)
@@ -325,9 +347,15 @@ def _validation_loss(state: RunState) -> float:
         raise ConfigError(
             f"validation split has {len(split)} samples, fewer than micro_batch*dp = "
             f"{s.micro_batch * s.dp_size}: lower train.eval_interval to 0 or add data.")
-    return evaluate(state.chunks, (split.batch(i) for i in batches),
-                    num_microbatches=len(batches), micro_batch=s.micro_batch,
-                    seq_len=state.cfg.train.seq_len)
+    objective = state.objective
+    metrics = evaluate_metrics(state.chunks, objective.batches("validation", split, batches),
+                               num_microbatches=len(batches),
+                               micro_batch=s.micro_batch * objective.rows_per_sample,
+                               seq_len=state.cfg.train.seq_len, loss_fn=objective.loss_fn)
+    result.val_losses[step] = metrics.pop("loss")
+    if metrics:
+        result.val_metrics[step] = metrics
+    return result.val_losses[step]
 
 
 def _training_state(state: RunState, step: int) -> TrainingState:

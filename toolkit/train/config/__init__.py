@@ -21,6 +21,7 @@ from toolkit.train.config.schema import (
     CheckpointSection,
     DataSection,
     DeepSpeedSection,
+    DpoSection,
     ExportSection,
     LoggingSection,
     ModelSection,
@@ -33,8 +34,9 @@ from toolkit.train.config.schema import (
 )
 
 __all__ = [
-    "CheckpointSection", "ConfigError", "DataSection", "DeepSpeedSection", "ExportSection",
-    "LoggingSection", "ModelSection", "OptimSection", "ParallelSection", "PeftSection", "RunPlan",
+    "CheckpointSection", "ConfigError", "DataSection", "DeepSpeedSection", "DpoSection",
+    "ExportSection", "LoggingSection", "ModelSection", "OptimSection", "ParallelSection",
+    "PeftSection", "RunPlan",
     "RuntimeSection", "TrainConfig", "TrainSection", "apply_overrides", "config_from_dict",
     "load_config", "parse_override", "plan", "total_steps", "validate",
 ]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError, UserError
 from toolkit.parallel.layout import LayoutError
-from toolkit.train.config.schema import TrainConfig
+from toolkit.train.config.schema import DpoSection, TrainConfig
+from toolkit.train.dpo import spec as dpo_spec
 
 
 def check_output_dir(cfg: TrainConfig) -> None:
@@ -78,6 +79,10 @@ def check_data(cfg: TrainConfig) -> None:
     if d.weights and d.mode != "pretrain":
         raise ConfigError("data.weights blends pretraining sources: remove it or set "
                           "data.mode=pretrain.")
+    if d.mode == "dpo" and (d.pack or d.format != "auto"):
+        key = "data.pack" if d.pack else f"data.format={d.format}"
+        raise ConfigError(f"{key} applies to sft only (data.mode=dpo reads prompt/chosen/rejected "
+                          "rows, one pair per sample): remove it.")
     from toolkit.train.data.pretrain import check_sources, check_weights
 
     try:
@@ -85,6 +90,22 @@ def check_data(cfg: TrainConfig) -> None:
         check_sources(d.sources + d.validation_sources, d.mode)  # headers and sizes, no scan
     except UserError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_dpo(cfg: TrainConfig) -> None:
+    dpo_spec.check_settings(cfg.data.mode, cfg.dpo, DpoSection())
+    if cfg.data.mode != "dpo":
+        return
+    if cfg.model.config:
+        raise ConfigError("data.mode=dpo tunes a trained model: set model.path (the policy and, "
+                          "unless dpo.reference names another, the reference) instead of "
+                          "model.config.")
+    if cfg.peft.method != "none" and cfg.dpo.reference and not cfg.dpo.precompute_reference:
+        raise ConfigError(f"dpo.reference={cfg.dpo.reference!r} with peft.method="
+                          f"{cfg.peft.method}: the reference is the policy with its adapters off "
+                          "(model.path); remove dpo.reference or set "
+                          "dpo.precompute_reference=true.")
+    dpo_spec.check_reference(cfg.model.path, cfg.dpo.reference)
 
 
 def check_train(cfg: TrainConfig) -> None:
@@ -163,8 +184,8 @@ def check_logging(cfg: TrainConfig) -> None:
 
 
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
-    check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_train,
-    check_optim, check_checkpoint, check_peft, check_logging,
+    check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_dpo,
+    check_train, check_optim, check_checkpoint, check_peft, check_logging,
 )
 
 

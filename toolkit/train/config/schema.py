@@ -19,6 +19,7 @@ from typing import Any
 from toolkit.parallel.layout import ParallelLayout
 from toolkit.train.config.typed import as_dict, opt
 from toolkit.train.data import MODES, SFT_FORMATS
+from toolkit.train.dpo.spec import LOSSES as DPO_LOSSES
 
 
 @dataclass
@@ -71,7 +72,8 @@ class DeepSpeedSection:
 @dataclass
 class DataSection:
     """Sources are local json/jsonl/parquet/text files (globs and folders too) or hub dataset
-    names. ``pretrain`` packs documents into seq_len+1 blocks; ``sft`` trains on responses only.
+    names. ``pretrain`` packs documents into seq_len+1 blocks; ``sft`` trains on responses only;
+    ``dpo`` reads preference pairs (prompt, chosen, rejected; see the ``dpo`` section).
     ``format`` (sft only): ``auto`` detects each row's format from its keys (messages,
     prompt_response, alpaca, sharegpt; see docs/training.md), a name forces it for every row.
     ``template``: ``chat`` renders rows through the tokenizer's chat template, ``plain`` joins
@@ -94,6 +96,23 @@ class DataSection:
     shuffle: bool = True
     cache_dir: str | None = None
     num_proc: int = opt(1, minimum=1)
+
+
+@dataclass
+class DpoSection:
+    """Preference tuning (``data.mode: dpo``), TRL's ``DPOTrainer`` settings by TRL's names.
+    ``beta``: how far the policy may move from the reference (IPO: its tau). ``loss``: TRL's
+    ``loss_type`` (sigmoid = the DPO paper; see docs/training.md). ``label_smoothing``: the
+    robust and exo_pair losses only. ``reference``: the reference model's HF folder or hub id,
+    same architecture and vocabulary as the policy; unset: the starting model (``model.path``),
+    frozen. ``precompute_reference``: the reference log-probabilities of every pair computed once
+    before training (cached beside the data), so no reference model is held while training."""
+
+    beta: float = opt(0.1, minimum=0.0)
+    loss: str = opt("sigmoid", choices=DPO_LOSSES)
+    label_smoothing: float = opt(0.0, minimum=0.0)
+    reference: str | None = None
+    precompute_reference: bool = False
 
 
 @dataclass
@@ -204,6 +223,7 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     data: DataSection = field(default_factory=DataSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

@@ -1,7 +1,8 @@
 """The data modes (``data.mode``). ``pretrain`` reads Megatron indexed datasets through
 megatron-core's GPTDataset (``pretrain.prepare``); the other modes tokenise rows into fixed-length
 ``.npy`` samples: a module whose ``tokenize(parts, tokenizer, settings, procs, progress)``
-returns (tokens [N, seq_len+1] int32, loss_mask [N, seq_len] uint8, stats), and its line in
+returns (tokens [N, seq_len+1] int32, loss_mask [N, seq_len] uint8, stats), or [N, rows, ...]
+for samples of several rows (``dpo``: a chosen and a rejected row), and its line in
 ``SAMPLE_MODES``."""
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from toolkit.train.data.preference import tokenize as dpo
 from toolkit.train.data.progress import SplitProgress
 from toolkit.train.data.settings import DataSettings
 from toolkit.train.data.sft import tokenize as sft
 from toolkit.train.data.sources import RowsPart
 
 Tokenize = Callable[..., tuple[Any, Any, dict[str, int]]]
-SAMPLE_MODES: dict[str, Tokenize] = {"sft": sft}
+SAMPLE_MODES: dict[str, Tokenize] = {"sft": sft, "dpo": dpo}
 MODES: tuple[str, ...] = ("pretrain", *SAMPLE_MODES)
 
 
