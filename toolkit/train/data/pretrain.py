@@ -52,6 +52,7 @@ from toolkit.train.data.indexed_format import (
 )
 from toolkit.train.data.settings import DataError, DataSettings
 from toolkit.train.data.sources import split_indices
+from toolkit.train.data.split import PreparedData
 
 
 def source_info(spec: str) -> IndexInfo | None:
@@ -175,7 +176,6 @@ def _check_samples(parts: Sequence[SourceSplit], datasets, seq_len: int) -> None
 def prepare(settings: DataSettings, tokenizer_path: str, cache_dir: str | Path,
             num_proc: int = 1):
     """Collective when a process group exists (every rank calls it)."""
-    from toolkit.train.data.cache import PreparedData
 
     cache = Path(cache_dir)
     check_weights(settings.weights, settings.sources)

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.train.data.cache import TokenizedSplit
 from toolkit.train.data.settings import DataError
+from toolkit.train.data.split import TokenizedSplit
 
 
 @functools.lru_cache(maxsize=4)
