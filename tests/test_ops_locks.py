@@ -1,0 +1,74 @@
+"""DeepSpeed op builds (toolkit.runtime.ops): a build killed half-way never blocks the next.
+
+torch's JIT build lock is a plain file that outlives a killed build; every process that then
+loads the op waits for it forever (on this machine: seven sessions' test runs at once).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from toolkit.runtime import ops
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _lock(root, name="cpu_adam", marker_pid=None, age_s=0.0):
+    (root / name).mkdir(parents=True, exist_ok=True)
+    lock = root / name / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - age_s,) * 2)
+    if marker_pid is not None:
+        (root / f"{name}.building").write_text(str(marker_pid))
+    return lock
+
+
+def test_lock_of_a_dead_builder_is_removed_at_once(tmp_path):
+    lock = _lock(tmp_path, marker_pid=_dead_pid())
+    assert ops.clear_stale_lock(tmp_path, "cpu_adam") == lock
+    assert not lock.exists() and not (tmp_path / "cpu_adam.building").exists()
+
+
+def test_lock_of_a_live_builder_stays(tmp_path):
+    lock = _lock(tmp_path, marker_pid=os.getpid(), age_s=2 * ops.STALE_LOCK_S)
+    assert ops.clear_stale_lock(tmp_path, "cpu_adam") is None
+    assert lock.exists()
+
+
+def test_unmarked_lock_is_stale_only_when_old(tmp_path):
+    lock = _lock(tmp_path, age_s=60)
+    assert ops.clear_stale_lock(tmp_path, "cpu_adam") is None and lock.exists()
+    os.utime(lock, (time.time() - ops.STALE_LOCK_S - 1,) * 2)
+    assert ops.clear_stale_lock(tmp_path, "cpu_adam") == lock and not lock.exists()
+
+
+def test_the_build_lock_of_a_killed_build_is_free_again(tmp_path):
+    """Builds queue on ``<op>.flock`` (a kernel lock): held by a live build, free the moment
+    that build is killed, with no file to clean up."""
+    import fcntl
+
+    path = tmp_path / "async_io.flock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from toolkit.runtime import ops\n"
+         "with ops._exclusive(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)",
+         str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(path, "a") as f:
+            with pytest.raises(BlockingIOError):  # held while the build runs
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder.kill()
+            holder.wait()
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once, without cleanup
+    finally:
+        holder.kill()
