@@ -16,6 +16,12 @@ STAMP  := $(VENV)/.mdtk-installed
 
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
 export PYTHONUNBUFFERED := 1
+# DeepSpeed's CPU ops compile with torch's <torch/extension.h> precompiled (scripts/pch_cxx.py:
+# async_io in x0.NN of the CPU time); tests/conftest.py sets the same, so pytest reuses the
+# builds. MDTK_REAL_CXX is the compiler it runs: an environment's CXX, else c++.
+MDTK_REAL_CXX ?= $(if $(filter environment%,$(origin CXX)),$(CXX),c++)
+$(STAMP) install demo test test-latest: export MDTK_REAL_CXX := $(MDTK_REAL_CXX)
+$(STAMP) install demo test test-latest: export CXX := $(CURDIR)/scripts/pch_cxx.py
 
 .PHONY: demo test lint install clean lock test-latest gpu-check gpu-wheels
 

@@ -1,4 +1,5 @@
-"""DeepSpeed op builds (toolkit.runtime.ops): a build killed half-way never blocks the next.
+"""DeepSpeed op builds (toolkit.runtime.ops, scripts/pch_cxx.py): a build killed half-way never
+blocks the next; the compiler wrapper changes nothing but the cost.
 
 torch's JIT build lock is a plain file that outlives a killed build; every process that then
 loads the op waits for it forever (on this machine: seven sessions' test runs at once).
@@ -6,14 +7,18 @@ loads the op waits for it forever (on this machine: seven sessions' test runs at
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from toolkit.runtime import ops
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _dead_pid() -> int:
@@ -72,3 +77,35 @@ def test_the_build_lock_of_a_killed_build_is_free_again(tmp_path):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once, without cleanup
     finally:
         holder.kill()
+
+
+
+def _wrapper():
+    spec = importlib.util.spec_from_file_location("pch_cxx", ROOT / "scripts" / "pch_cxx.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compiler_wrapper_passes_other_commands_through():
+    """scripts/pch_cxx.py (the ops' CXX, Makefile) hands anything but a torch-extension
+    compile to c++ unchanged."""
+    theirs = subprocess.run(["c++", "--version"], capture_output=True, text=True)
+    mine = subprocess.run([sys.executable, ROOT / "scripts" / "pch_cxx.py", "--version"],
+                          capture_output=True, text=True)
+    assert (mine.returncode, mine.stdout) == (0, theirs.stdout) and mine.stdout
+
+
+def test_compiler_wrapper_precompiles_only_for_ops_of_many_files(tmp_path, monkeypatch):
+    """The precompiled header is keyed by the flags without the file names, and used only
+    where ninja builds at least PCH_FROM_FILES sources (async_io's 12, not CPU Adam's 2)."""
+    w = _wrapper()
+    args = ["-DX", w.MARK, "-MMD", "-MF", "a.o.d", "-O0", "-c", "a.cpp", "-o", "a.o"]
+    assert w._flags(args) == ["-DX", w.MARK, "-O0"]
+    monkeypatch.chdir(tmp_path)
+    assert not w._many_files()  # no build.ninja: not a ninja build
+    lines = [f"build f{i}.o: compile /src/f{i}.cpp" for i in range(w.PCH_FROM_FILES)]
+    (tmp_path / "build.ninja").write_text("\n".join(lines[:-1] + ["build x.so: link f0.o"]))
+    assert not w._many_files()
+    (tmp_path / "build.ninja").write_text("\n".join(lines))
+    assert w._many_files()
