@@ -109,3 +109,25 @@ def test_compiler_wrapper_precompiles_only_for_ops_of_many_files(tmp_path, monke
     assert not w._many_files()
     (tmp_path / "build.ninja").write_text("\n".join(lines))
     assert w._many_files()
+
+
+def test_cpu_probe_runs_once_per_process():
+    """DeepSpeed asks py-cpuinfo (a Python process per call, ~1 s of CPU) twice per op load and
+    once per CPU Adam; after ``cache_cpu_info`` the first answer serves the process, a copy
+    each time, and the builders' flags are what they were."""
+    import cpuinfo
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from toolkit.runtime import cpu_compat
+
+    before = AsyncIOBuilder().cxx_args()  # asks twice (-march, SIMD width)
+    cpu_compat.cache_cpu_info()
+    cpu_compat.cache_cpu_info()
+    first = cpuinfo.get_cpu_info()
+    start = time.perf_counter()
+    assert AsyncIOBuilder().cxx_args() == before
+    again = cpuinfo.get_cpu_info()
+    assert time.perf_counter() - start < 0.1  # no process started (one takes ~1 s)
+    assert again == first and again is not first and "flags" in first
+    again["flags"].clear()
+    assert cpuinfo.get_cpu_info()["flags"] == first["flags"]

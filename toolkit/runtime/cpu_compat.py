@@ -11,8 +11,9 @@ CUDA is available: GPU runs never go through its redirects. The one exception is
 Transformer Engine, on GPUs too (seen on an H100 with megatron-core 0.16.1), so it applies on
 every machine.
 
-DeepSpeed gets one fix on such a machine (``patch_deepspeed``, see there). What is patched is
-recorded in ``PATCHED`` so ``mdtk env`` can show it.
+DeepSpeed gets one fix on such a machine (``patch_deepspeed``, see there), and its CPU probe one
+answer per process (``cache_cpu_info``). What is patched is recorded in ``PATCHED`` so ``mdtk
+env`` can show it.
 """
 
 from __future__ import annotations
@@ -179,3 +180,25 @@ def patch_deepspeed() -> None:
 
     set_dtype.mdtk_patched = True
     _patch(Init, "_set_dtype", set_dtype, "deepspeed zero.Init keeps an explicit dtype")
+
+
+def cache_cpu_info() -> None:
+    """py-cpuinfo's ``get_cpu_info`` starts a Python process at every call (about a second of
+    CPU), and DeepSpeed calls it twice per op it loads and once per CPU Adam: ask once per
+    process (each caller gets its own copy). Idempotent."""
+    import copy
+
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed then asks lscpu instead
+        return
+    if getattr(cpuinfo.get_cpu_info, "mdtk_patched", False):
+        return
+    once = functools.lru_cache(maxsize=1)(cpuinfo.get_cpu_info)
+
+    @functools.wraps(cpuinfo.get_cpu_info)
+    def get_cpu_info():
+        return copy.deepcopy(once())
+
+    get_cpu_info.mdtk_patched = True
+    _patch(cpuinfo, "get_cpu_info", get_cpu_info, "py-cpuinfo get_cpu_info asked once per process")

@@ -80,6 +80,10 @@ def prebuild(ops: tuple[str, ...] | list[str] = OPS, log=print) -> dict[str, str
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
+    from toolkit.runtime import cpu_compat
+
+    cpu_compat.cache_cpu_info()
+
     root = extensions_dir()
     builders = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}
     status = {}
