@@ -121,6 +121,7 @@ def test_cpu_probe_runs_once_per_process():
     from toolkit.runtime import cpu_compat
 
     before = AsyncIOBuilder().cxx_args()  # asks twice (-march, SIMD width)
+    patched = list(cpu_compat.PATCHED)
     cpu_compat.cache_cpu_info()
     cpu_compat.cache_cpu_info()
     first = cpuinfo.get_cpu_info()
@@ -128,6 +129,7 @@ def test_cpu_probe_runs_once_per_process():
     assert AsyncIOBuilder().cxx_args() == before
     again = cpuinfo.get_cpu_info()
     assert time.perf_counter() - start < 0.1  # no process started (one takes ~1 s)
+    assert cpu_compat.PATCHED == patched  # not a CPU redirect: HF references can still be built
     assert again == first and again is not first and "flags" in first
     again["flags"].clear()
     assert cpuinfo.get_cpu_info()["flags"] == first["flags"]

@@ -11,9 +11,9 @@ CUDA is available: GPU runs never go through its redirects. The one exception is
 Transformer Engine, on GPUs too (seen on an H100 with megatron-core 0.16.1), so it applies on
 every machine.
 
-DeepSpeed gets one fix on such a machine (``patch_deepspeed``, see there), and its CPU probe one
-answer per process (``cache_cpu_info``). What is patched is recorded in ``PATCHED`` so ``mdtk
-env`` can show it.
+DeepSpeed gets one fix on such a machine (``patch_deepspeed``, see there). What is patched is
+recorded in ``PATCHED`` so ``mdtk env`` can show it. (``cache_cpu_info`` only saves time: one
+answer of DeepSpeed's CPU probe per process.)
 """
 
 from __future__ import annotations
@@ -201,4 +201,6 @@ def cache_cpu_info() -> None:
         return copy.deepcopy(once())
 
     get_cpu_info.mdtk_patched = True
-    _patch(cpuinfo, "get_cpu_info", get_cpu_info, "py-cpuinfo get_cpu_info asked once per process")
+    # not in PATCHED: that lists the CPU redirects (a process without them stays one, e.g. for
+    # building HF references in the test process), and this changes no answer
+    cpuinfo.get_cpu_info = get_cpu_info

@@ -4,9 +4,9 @@ DeepSpeed compiles CPU Adam (optimizer offload) and async_io (NVMe offload) on f
 several ranks hit that at once they queue on a lock file, on a 2-core machine the build takes
 minutes, and a build killed half-way leaves a lock that makes every later build wait forever.
 ``make install`` therefore builds CPU Adam here and starts the async_io build (12 files, about
-3 minutes on 2 cores) in the background at low priority; whoever needs async_io first waits on
-the build's lock (``prebuild(["async_io"])``) instead of building it again. Later loads are
-cached in ``TORCH_EXTENSIONS_DIR`` and take about a second.
+220 CPU-seconds through scripts/pch_cxx.py) in the background at low priority; whoever needs
+async_io first waits for that build (``prebuild(["async_io"])``) instead of building it again.
+Later loads are cached in ``TORCH_EXTENSIONS_DIR`` and take about a second.
 """
 
 from __future__ import annotations
