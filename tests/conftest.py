@@ -12,8 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
 # DeepSpeed's ops built as `make install` builds them (Makefile: scripts/pch_cxx.py), so a bare
-# pytest reuses that build instead of compiling them again with other flags
-if os.environ.get("CXX") != str(ROOT / "scripts" / "pch_cxx.py"):
+# pytest reuses that build instead of compiling them again. The compiler's path is part of the
+# build command: checkouts sharing one TORCH_EXTENSIONS_DIR set CXX to one pch_cxx.py.
+if not os.environ.get("CXX", "").endswith("pch_cxx.py"):
     os.environ.setdefault("MDTK_REAL_CXX", os.environ.get("CXX", "c++"))
     os.environ["CXX"] = str(ROOT / "scripts" / "pch_cxx.py")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
