@@ -215,12 +215,33 @@ def install_wheels(wheels: Path, site: Path) -> dict:
             "s": round(time.monotonic() - start, 1), "output_tail": proc.stderr[-2000:]}
 
 
+def device_arch() -> str | None:
+    """This machine's GPUs' compute capabilities ("9.0"), from nvidia-smi; None if unknown."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    caps = sorted(set(out), key=lambda c: tuple(int(x) for x in c.split(".")))
+    return ";".join(caps) if caps and all(c.replace(".", "").isdigit() for c in caps) else None
+
+
 def run_all(out: Path, parts: list[Part], budget: float, wheels: Path | None) -> dict:
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MDTK_DEVICE": "cuda", "DS_ACCELERATOR": "cuda"}
     report: dict = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "budget_s": budget, "parts": {}}
+    # DeepSpeed's JIT op builds (ZeRO++'s quantizer) for this GPU only, not for every arch the
+    # image lists: one arch builds in a fraction of the time (the image's list is recorded).
+    arch = device_arch()
+    report["torch_cuda_arch_list"] = {"image": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+                                      "used": arch or os.environ.get("TORCH_CUDA_ARCH_LIST")}
+    if arch:
+        env["TORCH_CUDA_ARCH_LIST"] = arch
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         if wheels is not None:
