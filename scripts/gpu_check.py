@@ -89,7 +89,7 @@ GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
-    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 145,  # 96 s + the quantizer build
+    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 140,  # 96 s + the quantizer build
          lambda j: _py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        f"--junitxml={j}", *GPU_TESTS),
          _py("-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p", "no:cacheprovider",
@@ -114,9 +114,9 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_zeropp.py", "--json", str(j)),
          _py("scripts/bench_zeropp.py", "--help")),
     # 4 layers x 3 rounds took > 121 s on an H100 (~40 s a round for 7 GB): 1 layer (4.5 GB,
-    # the 1B model's tensor shapes) and an async-only warm-up, ~55 s estimated
+    # the 1B model's tensor shapes) and an async-only warm-up
     Part("checkpoint", "async checkpoint stall vs synchronous save vs DeepSpeed save_checkpoint, "
-         "Llama-3.2-1B shape (1 layer), bf16 ZeRO-1, GPU engine, pinned host copy", 60,
+         "Llama-3.2-1B shape (1 layer), bf16 ZeRO-1, GPU engine, pinned host copy", 55,
          lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "1",
                        "--rounds", "1", "--seq", "512", "--json", str(j)),
          _py("scripts/bench_checkpoint.py", "--help")),
@@ -125,8 +125,10 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
          _py("scripts/bench_data.py", "--help")),
     Part("dpo", "DPO step time and peak memory (reference model / precomputed) vs SFT on the "
-         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 35,
-         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--json", str(j)),
+         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 50,
+         # one round of the 3 runs (~15 s each; the H100 run's first, SFT, ended at ~30 s)
+         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--rounds", "1", "--json",
+                       str(j)),
          _py("scripts/bench_dpo.py", "--help")),
 ]
 
@@ -423,6 +425,10 @@ def markdown(report: dict) -> str:
              "```bash", "python scripts/gpu_check.py OUT --wheels .whl   # make gpu-check", "```",
              "", f"Wall time {report.get('wall_s', 0):.0f} s of a {report['budget_s']:.0f} s "
              "budget; each part's peak is the device memory in use while it ran.", ""]
+    if report.get("torch_cuda_arch_list"):
+        arch = report["torch_cuda_arch_list"]
+        lines += [f"DeepSpeed's CUDA ops built for TORCH_CUDA_ARCH_LIST={arch['used']!r} "
+                  f"(the image's: {arch['image']!r}).", ""]
     for name, rec in report["parts"].items():
         try:
             lines += _fmt_part(name, rec)
