@@ -122,11 +122,14 @@ def freeze(chunks: Sequence[torch.nn.Module]) -> None:
 def check_on_device(chunks: Sequence[torch.nn.Module]) -> None:
     """Every parameter and buffer of ``chunks`` on the device the micro-batches go to
     (``runtime.device()``, where DeepSpeed's engine put the policy), else a clear error before
-    the forward fails deep inside an embedding lookup."""
+    the forward fails deep inside an embedding lookup. ZeRO-3 partitions (a LoRA policy's
+    shared chunks) are DeepSpeed's to place."""
     device = _device()
     for chunk in chunks:
         for name, t in (*chunk.named_parameters(), *chunk.named_buffers()):
-            if t is not None and t.device != device:
+            if hasattr(t, "ds_id"):  # a ZeRO-3 partition: DeepSpeed places it
+                continue
+            if t.device != device:
                 raise RuntimeError(f"DPO reference: {name} is on {t.device}, the trainer runs on "
                                    f"{device} (the reference model was not placed like the "
                                    "policy).")
