@@ -5,13 +5,16 @@ broken call costs a GPU window."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from dist_checks import bench_checks
 
 
 def test_bench_train_bare_loop_and_trainer_run(rank_pool_2, trainer_assets):
     assets, root = trainer_assets
-    mine = {"model": assets["dense"], "tokenizer": assets["tokenizer"], "cache": assets["cache"]}
+    # a config.json, no weights: the GPU part's pretraining path (random init per tensor)
+    mine = {"config": str(Path(assets["dense"]) / "config.json"),
+            "tokenizer": assets["tokenizer"], "cache": assets["cache"]}
     r0, _ = rank_pool_2.run(bench_checks.bench_train_compare, mine, str(root / "bench_train"),
                             timeout=300)
     # steps WARMUP + 2: two timed bare steps, two trainer intervals (after the first step)
