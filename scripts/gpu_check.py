@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements.lock"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
+RUN = "### GPU check, "  # each recorded run's heading
 MAX_WALL_S = 480  # the issue's bound: the whole check in under 8 minutes
 #: What the GPU image (torch with CUDA, transformers, ...) lacks or holds at other versions
 #: than the lock: carried as wheels, installed with --no-deps into a folder put first on the path.
@@ -89,7 +91,7 @@ GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
-    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 120,
+    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 140,  # 96 s + the quantizer build
          lambda j: _py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        f"--junitxml={j}", *GPU_TESTS),
          _py("-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p", "no:cacheprovider",
@@ -106,24 +108,29 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_lora.py", "--skip-cpu", "--json", str(j)),
          _py("scripts/bench_lora.py", "--help")),
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
-         35, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
+         30,  # 25 s on an H100
+         lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
     Part("zeropp", "ZeRO++ quantizer kernels (qwZ int8, qgZ int4) vs a copy, 8192 x 8192 bf16: "
-         "time, error; includes the op's JIT build", 45,
+         "time, error; the op built by gpu_tests (else its JIT build)", 25,
          lambda j: _py("scripts/bench_zeropp.py", "--json", str(j)),
          _py("scripts/bench_zeropp.py", "--help")),
+    # 4 layers x 3 rounds took > 121 s on an H100 (~40 s a round for 7 GB): 1 layer (4.5 GB,
+    # the 1B model's tensor shapes) and an async-only warm-up
     Part("checkpoint", "async checkpoint stall vs synchronous save vs DeepSpeed save_checkpoint, "
-         "Llama-3.2-1B shape (4 layers), bf16 ZeRO-1, GPU engine, pinned host copy", 60,
-         lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "4",
-                       "--rounds", "2", "--seq", "512", "--json", str(j)),
+         "Llama-3.2-1B shape (1 layer), bf16 ZeRO-1, GPU engine, pinned host copy", 55,
+         lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "1",
+                       "--rounds", "1", "--seq", "512", "--json", str(j)),
          _py("scripts/bench_checkpoint.py", "--help")),
     Part("indexed_data", "mdtk train on a 0.25/0.75 blend of two Megatron indexed prefixes "
          "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
          lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
          _py("scripts/bench_data.py", "--help")),
     Part("dpo", "DPO step time and peak memory (reference model / precomputed) vs SFT on the "
-         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 35,
-         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--json", str(j)),
+         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 50,
+         # one round of the 3 runs (~15 s each; the H100 run's first, SFT, ended at ~30 s)
+         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--rounds", "1", "--json",
+                       str(j)),
          _py("scripts/bench_dpo.py", "--help")),
 ]
 
@@ -196,12 +203,21 @@ def run_part(part: Part, work: Path, left_s: float, env: dict[str, str]) -> dict
         record["figures"] = part.read(result)
     except (OSError, ValueError, ET.ParseError, AttributeError) as e:
         record["figures"] = None
-        record["error"] = f"no figures ({type(e).__name__}: {e})"
+        record["error"] = _cause(record["rc"], limit, tail) or f"no figures ({type(e).__name__})"
     ok = record["rc"] == 0 or (part.name == "gpu_tests" and record["figures"])
     record["status"] = "ok" if ok and record["figures"] else "failed"
     if record["status"] != "ok":
         record["output_tail"] = tail
     return record
+
+
+def _cause(rc: int | str, limit: float, tail: str) -> str:
+    """Why a part left no figures, in one line: its time limit, or the last exception printed."""
+    if rc == "timeout":
+        return f"killed at its time limit ({limit:.0f} s)"
+    errors = [ln.split("]: ", 1)[-1].strip() for ln in tail.splitlines()
+              if re.match(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Failure)\b", ln.strip())]
+    return errors[-1][:300] if errors else ""
 
 
 def install_wheels(wheels: Path, site: Path) -> dict:
@@ -215,12 +231,39 @@ def install_wheels(wheels: Path, site: Path) -> dict:
             "s": round(time.monotonic() - start, 1), "output_tail": proc.stderr[-2000:]}
 
 
+def device_arch() -> str | None:
+    """This machine's GPUs' compute capabilities ("9.0"), from nvidia-smi; None if unknown."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    caps = sorted(set(out), key=lambda c: tuple(int(x) for x in c.split(".")))
+    return ";".join(caps) if caps and all(c.replace(".", "").isdigit() for c in caps) else None
+
+
 def run_all(out: Path, parts: list[Part], budget: float, wheels: Path | None) -> dict:
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MDTK_DEVICE": "cuda", "DS_ACCELERATOR": "cuda"}
     report: dict = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "budget_s": budget, "parts": {}}
+    # DeepSpeed's JIT op builds (ZeRO++'s quantizer) for this GPU only, not for every arch the
+    # image lists: one arch builds in a fraction of the time (the image's list is recorded).
+    arch = device_arch()
+    report["torch_cuda_arch_list"] = {"image": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+                                      "used": arch or os.environ.get("TORCH_CUDA_ARCH_LIST")}
+    if arch:
+        env["TORCH_CUDA_ARCH_LIST"] = arch
+    # one op cache and one compiler command for every part (as tests/conftest.py sets them), so
+    # the quantizer op gpu_tests builds is loaded, not built again, by zeropp
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
+    if not env.get("CXX", "").endswith("pch_cxx.py"):
+        env.setdefault("MDTK_REAL_CXX", env.get("CXX", "c++"))
+        env["CXX"] = str(ROOT / "scripts" / "pch_cxx.py")
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         if wheels is not None:
@@ -384,7 +427,42 @@ def _fmt_part(name: str, rec: dict) -> list[str]:
                 f"{fig['measured_s'] * 1e3:.1f} (train_step): ratio "
                 f"{fig['predicted_over_measured']:.2f}, predicted MFU "
                 f"{100 * fig['predicted_mfu']:.1f}% ({fig['device_table']})"]
-    return [f"- **{name}**: {json.dumps(fig)[:400]}"]
+    if name == "lora":
+        g, m = fig["gpu"], fig["gpu"]["model"]
+
+        def cell(key: str, unit: float, fmt: str) -> str:
+            v = g[key]
+            return (f"{v['lora_over_full']:.3f} ({v['lora'] / unit:{fmt}} vs "
+                    f"{v['full'] / unit:{fmt}})")
+        return [f"- **lora** (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, seq "
+                f"{g['seq']}, micro {g['micro_batch']}; LoRA/full): step time "
+                f"{cell('step_s', 1e-3, '.1f')} ms, bytes held by the engine "
+                f"{cell('held_bytes', 2**30, '.2f')} GiB, peak {cell('peak', 2**30, '.2f')} GiB, "
+                f"trainable {cell('trainable', 1, ',.0f')}"]
+    if name == "indexed_data":
+        t, losses = fig["train"], fig["losses"]
+        return [f"- **indexed_data** (blend {fig['weights']}, {t['steps']} steps, global batch "
+                f"{t['global_batch']} x {t['seq_len']}, {t['precision']}): "
+                f"{fig['tokens_per_s']:,.0f} tokens/s, data set-up {fig['data_s']:.2f} s, first "
+                f"source's share {fig['share_first_source']:.3f}, loss {losses[0]:.4f} -> "
+                f"{losses[-1]:.4f}"]
+    return [f"- **{name}**: " + "; ".join(f"{k} {v}" for k, v in _flat(fig))[:900]]
+
+
+def _flat(fig: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """A part's figures as short `key value` pairs (long lists cut to their ends)."""
+    out: list[tuple[str, str]] = []
+    for k, v in fig.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}.")
+        elif isinstance(v, float):
+            out.append((f"{prefix}{k}", f"{v:.4g}"))
+        elif isinstance(v, list) and len(v) > 4:
+            out.append((f"{prefix}{k}", f"[{v[0]:.4g} .. {v[-1]:.4g}] ({len(v)})"
+                        if all(isinstance(x, float) for x in v) else f"({len(v)} items)"))
+        else:
+            out.append((f"{prefix}{k}", str(v)))
+    return out
 
 
 def markdown(report: dict) -> str:
@@ -393,6 +471,10 @@ def markdown(report: dict) -> str:
              "```bash", "python scripts/gpu_check.py OUT --wheels .whl   # make gpu-check", "```",
              "", f"Wall time {report.get('wall_s', 0):.0f} s of a {report['budget_s']:.0f} s "
              "budget; each part's peak is the device memory in use while it ran.", ""]
+    if report.get("torch_cuda_arch_list"):
+        arch = report["torch_cuda_arch_list"]
+        lines += [f"DeepSpeed's CUDA ops built for TORCH_CUDA_ARCH_LIST={arch['used']!r} "
+                  f"(the image's: {arch['image']!r}).", ""]
     for name, rec in report["parts"].items():
         try:
             lines += _fmt_part(name, rec)
@@ -405,14 +487,18 @@ def markdown(report: dict) -> str:
 
 
 def record(json_path: Path, docs: Path = BENCHMARKS) -> None:
-    """Put the check's Markdown into docs/benchmarks.md between the gpu-check markers."""
+    """Put the check's Markdown into docs/benchmarks.md between the gpu-check markers, newest
+    first: earlier runs stay (GPU windows are rare; a later run may cover only some parts),
+    a run recorded again replaces its own entry."""
     text = docs.read_text()
     block = markdown(json.loads(json_path.read_text()))
     if BEGIN not in text:
         text += f"\n## GPU check (`scripts/gpu_check.py`)\n\n{BEGIN}\n{END}\n"
     head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    docs.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    runs, tail = rest.split(END, 1)
+    heading = block.splitlines()[0]
+    kept = [f"{RUN}{r}" for r in runs.split(RUN)[1:] if f"{RUN}{r}".splitlines()[0] != heading]
+    docs.write_text(f"{head}{BEGIN}\n{block}{''.join(kept)}{END}{tail}")
 
 
 def dry_run(out: Path, parts: list[Part], budget: float) -> int:
