@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from toolkit import parallel, runtime
 from toolkit.atomic import write_text
@@ -41,9 +42,12 @@ from toolkit.train.data import (
     DataSettings,
     GlobalBatchSampler,
     PreparedData,
+    TokenizedSplit,
     eval_micro_batches,
+    eval_rows,
     prepare_data_distributed,
     step_batches,
+    with_reset_at_eod,
 )
 from toolkit.train.ds_config import deepspeed_config
 from toolkit.train.engine import (
@@ -62,7 +66,7 @@ from toolkit.train.metrics import (
     peak_tflops,
     throughput,
 )
-from toolkit.train.model import RunModel, build_model
+from toolkit.train.model import RunModel, build_model, check_packing
 from toolkit.train.schedule import LRSchedule
 
 if TYPE_CHECKING:
@@ -159,8 +163,11 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
 def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -> RunState:
     """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
     layout = run_plan.layout
-    data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
-                                    cfg.data_cache_dir, cfg.data.num_proc)
+    data = with_reset_at_eod(prepare_data_distributed(
+        DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.data_cache_dir,
+        cfg.data.num_proc), cfg.data.reset_at_eod)
+    if data.train.packed or data.train.reset_eod is not None:
+        _log(check_packing(cfg, layout, model))  # refused here when the model cannot
     total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
     with runtime.failing_together():  # sized from this node's memory; written on rank 0
         ds_config, notes = deepspeed_config(cfg, run_plan, model, total)
@@ -275,17 +282,23 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _validation_loss(state: RunState) -> float:
-    """Mean validation loss over the same samples at any layout (forward only)."""
-    split, s = state.data.validation, state.sampler
-    batches = eval_micro_batches(len(split), s.micro_batch, s.dp_size, s.dp_rank,
-                                 state.cfg.train.eval_batches)
-    if not batches:
-        raise ConfigError(
-            f"validation split has {len(split)} samples, fewer than micro_batch*dp = "
-            f"{s.micro_batch * s.dp_size}: lower train.eval_interval to 0 or add data.")
-    return evaluate(state.chunks, (split.batch(i) for i in batches),
-                    num_microbatches=len(batches), micro_batch=s.micro_batch,
-                    seq_len=state.cfg.train.seq_len)
+    s = state.sampler
+    return validation_loss(state.chunks, state.data.validation, micro_batch=s.micro_batch,
+                           dp_size=s.dp_size, dp_rank=s.dp_rank, seq_len=state.cfg.train.seq_len,
+                           eval_batches=state.cfg.train.eval_batches)
+
+
+def validation_loss(chunks, split: TokenizedSplit, *, micro_batch: int, dp_size: int,
+                    dp_rank: int, seq_len: int, eval_batches: int | None = None) -> float:
+    """The loss over the whole validation set (or its first ``eval_batches`` rounds),
+    token-weighted over all of it: the same number at any layout, micro-batch and packing."""
+    interleaved = len(chunks) > 1  # its schedule wants a multiple of pp micro-batches
+    multiple = ps.get_pipeline_model_parallel_world_size() if interleaved else 1
+    batches = eval_micro_batches(len(split), micro_batch, dp_size, dp_rank, eval_batches, multiple)
+    rows = eval_rows(len(split), micro_batch, dp_size, eval_batches)
+    return evaluate(chunks, (split.batch(i) for i in batches), num_microbatches=len(batches),
+                    micro_batch=micro_batch, seq_len=seq_len,
+                    loss_tokens=split.loss_tokens(rows))
 
 
 def _training_state(state: RunState, step: int) -> TrainingState:

@@ -18,9 +18,12 @@ over the ``seq_len`` labels, stored as two ``.npy`` arrays that every rank memor
   ``tokens(prompt) + tokens(response) + [EOS]`` with the mask on response + EOS (Alpaca's prompt
   is the Stanford Alpaca template); conversations then need a template and are refused. Rows
   longer than ``seq_len + 1`` are truncated (rows left with no response token are dropped);
-  shorter ones are right-padded (mask 0), or, with ``pack``, several rows share one sequence
-  (attention is causal across the packed rows; no per-row attention reset). A row that cannot be
-  read is reported with its file and line.
+  shorter ones are right-padded (mask 0), or, with ``pack``, bin-packed several to a sequence
+  (``segments``: first-fit decreasing under the seed) with their boundaries recorded, and the
+  micro-batch's position ids restart at every example, so the model keeps them apart
+  (``toolkit.models.packed``). A row that cannot be read is reported with its file and line.
+  ``data.reset_at_eod`` does the same for pretraining documents (position ids restart after
+  every EOS token).
 
 Data order (``GlobalBatchSampler``): the optimizer step ``s`` consumes samples ``[s*G, (s+1)*G)``
 of an endless stream made of one seeded permutation of the training set per epoch. The global
@@ -31,7 +34,8 @@ refuses it).
 
 One module per job: ``settings`` (DataSettings, DataError), ``sources`` (files, globs, hub
 datasets, the validation split), ``fingerprint`` (the cache key), ``encoding`` (tokenizer, chat
-template), ``sft_formats`` (the four row formats), ``packing``, ``modes`` (``data.mode``: one
+template), ``sft_formats`` (the four row formats), ``packing``, ``segments`` (bin-packing and
+the position ids that keep examples apart), ``modes`` (``data.mode``: one
 module each, ``pretrain`` and ``sft``), ``progress``, ``cache`` (disk cache and its distributed
 preparation) and ``sampler``. A new data mode is a module and its line in ``modes.MODES``.
 """
@@ -41,12 +45,18 @@ from toolkit.train.data.cache import (
     TokenizedSplit,
     prepare_data,
     prepare_data_distributed,
+    with_reset_at_eod,
 )
 from toolkit.train.data.encoding import encode_chat, encode_plain, load_tokenizer
 from toolkit.train.data.fingerprint import FORMAT_VERSION, cache_key
 from toolkit.train.data.modes import MODES
 from toolkit.train.data.packing import pack_pretrain, pack_sft
-from toolkit.train.data.sampler import GlobalBatchSampler, eval_micro_batches, step_batches
+from toolkit.train.data.sampler import (
+    GlobalBatchSampler,
+    eval_micro_batches,
+    eval_rows,
+    step_batches,
+)
 from toolkit.train.data.settings import DataError, DataSettings
 from toolkit.train.data.sft_formats import (
     SFT_FORMATS,
@@ -60,7 +70,8 @@ from toolkit.train.data.sources import Source, resolve_sources, split_indices
 __all__ = [
     "FORMAT_VERSION", "MODES", "SFT_FORMATS", "DataError", "DataSettings", "GlobalBatchSampler",
     "PreparedData", "SftExample", "Source", "TokenizedSplit", "cache_key", "detect_format",
-    "encode_chat", "encode_plain", "encode_sft_row", "eval_micro_batches", "load_tokenizer",
+    "encode_chat", "encode_plain", "encode_sft_row", "eval_micro_batches", "eval_rows",
+    "load_tokenizer",
     "pack_pretrain", "pack_sft", "prepare_data", "prepare_data_distributed", "resolve_sources",
-    "sft_example", "split_indices", "step_batches",
+    "sft_example", "split_indices", "step_batches", "with_reset_at_eod",
 ]

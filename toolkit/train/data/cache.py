@@ -9,12 +9,13 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from toolkit.train.data import segments
 from toolkit.train.data.encoding import load_tokenizer
 from toolkit.train.data.fingerprint import FORMAT_VERSION, cache_key
 from toolkit.train.data.modes import MODES, tokenize_split
@@ -25,28 +26,54 @@ from toolkit.train.data.sources import RowsPart, load_parts, split_parts
 
 @dataclass
 class TokenizedSplit:
-    """Fixed-length samples: ``tokens`` [N, seq_len+1] int32, ``loss_mask`` [N, seq_len] uint8."""
+    """Fixed-length samples: ``tokens`` [N, seq_len+1] int32, ``loss_mask`` [N, seq_len] uint8,
+    and, for SFT, where the examples sit (``extra``: ``examples`` / ``row_offsets``,
+    ``data.segments``). ``packed``: rows hold several examples, kept apart by position ids that
+    restart at each; ``reset_eod``: an EOD id after which position ids restart (pretraining with
+    ``data.reset_at_eod``)."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+    packed: bool = False
+    reset_eod: int | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, Any]:
         """Tensors for one micro-batch: tokens/labels/position_ids int64 [b, s], loss_mask
-        float32 [b, s] (labels are valid ids everywhere; the mask says which count)."""
+        float32 [b, s] (labels are valid ids everywhere; the mask says which count). An index
+        of -1 is a filler row (row 0's tokens, nothing counted): validation fills its last
+        round with them so that every sample is evaluated once at any micro-batch x dp."""
         import torch
 
         idx = np.asarray(indices, dtype=np.int64)
-        t = torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
+        rows = np.where(idx < 0, 0, idx)
+        t = np.asarray(self.tokens[rows], dtype=np.int64)
+        mask = np.asarray(self.loss_mask[rows], dtype=np.float32)
+        mask[idx < 0] = 0.0
         seq = t.shape[1] - 1
+        if self.packed:
+            pos = segments.packed_positions(self.extra["examples"], self.extra["row_offsets"],
+                                            idx, seq)
+        elif self.reset_eod is not None:
+            pos = segments.eod_positions(t[:, :-1], self.reset_eod)
+        else:
+            pos = np.broadcast_to(np.arange(seq, dtype=np.int64), (len(idx), seq))
+        t = torch.from_numpy(t)
         return {
             "tokens": t[:, :-1].contiguous(),
             "labels": t[:, 1:].contiguous(),
-            "loss_mask": torch.from_numpy(np.asarray(self.loss_mask[idx], dtype=np.float32)),
-            "position_ids": torch.arange(seq, dtype=torch.int64).expand(len(idx), seq).clone(),
+            "loss_mask": torch.from_numpy(mask),
+            "position_ids": torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)),
         }
+
+    def loss_tokens(self, indices: Sequence[int] | np.ndarray) -> int:
+        """Loss tokens of the rows ``indices`` (-1: a filler row, none)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        idx = idx[idx >= 0]
+        return int(np.asarray(self.loss_mask[np.sort(idx)], dtype=np.int64).sum())
 
 
 @dataclass
@@ -56,6 +83,34 @@ class PreparedData:
     key: str  # cache key: also the data fingerprint a checkpoint records
     path: Path
     meta: dict[str, Any]
+
+
+#: Arrays a mode may add beside tokens and loss mask (``{split}_{name}.npy``).
+EXTRA_ARRAYS = ("examples", "row_offsets")
+
+
+def with_reset_at_eod(data: PreparedData, reset: bool, scan: int = 1 << 20) -> PreparedData:
+    """``data`` whose splits restart position ids (and so attention) after every EOS token
+    (``data.reset_at_eod``); unchanged when ``reset`` is false. Refused when there is no EOS id
+    or the first ``scan`` training tokens hold none (documents could not be told apart)."""
+    if not reset:
+        return data
+    eos = data.meta.get("eos_id")
+    if eos is None:
+        raise DataError("data.reset_at_eod=true needs an EOS token to find document ends, but "
+                        "the data has none: use a tokenizer with an EOS token (or set "
+                        "data.reset_at_eod=false).")
+    rows = max(1, scan // max(data.train.tokens.shape[1], 1))
+    if not np.any(np.asarray(data.train.tokens[:rows]) == eos):
+        raise DataError(f"data.reset_at_eod=true but the first {rows} training samples hold no "
+                        f"EOS token (id {eos}): the documents are not separated by EOS, so "
+                        "they cannot be kept apart; append EOS to every document when "
+                        "tokenising, or set data.reset_at_eod=false.")
+
+    def reset(split: TokenizedSplit | None) -> TokenizedSplit | None:
+        return None if split is None else dataclasses.replace(split, reset_eod=int(eos))
+
+    return dataclasses.replace(data, train=reset(data.train), validation=reset(data.validation))
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -68,11 +123,16 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 def _load(path: Path) -> PreparedData:
     meta = json.loads((path / "meta.json").read_text())
 
+    packed = meta["settings"]["mode"] == "sft" and bool(meta["settings"].get("pack"))
+
     def split(name: str) -> TokenizedSplit | None:
         if not (path / f"{name}_tokens.npy").exists():
             return None
+        extra = {k: np.load(path / f"{name}_{k}.npy", mmap_mode="r") for k in EXTRA_ARRAYS
+                 if (path / f"{name}_{k}.npy").exists()}
         return TokenizedSplit(np.load(path / f"{name}_tokens.npy", mmap_mode="r"),
-                              np.load(path / f"{name}_loss_mask.npy", mmap_mode="r"))
+                              np.load(path / f"{name}_loss_mask.npy", mmap_mode="r"), extra,
+                              packed=packed)
 
     train = split("train")
     assert train is not None, f"{path} lacks train arrays"  # meta.json is written after them
@@ -80,7 +140,7 @@ def _load(path: Path) -> PreparedData:
 
 
 def _build(settings: DataSettings, tokenizer_path: str, key: str, num_proc: int,
-           ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+           ) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
     """Load, split and tokenise: (meta.json contents, arrays per split)."""
     tokenizer = load_tokenizer(tokenizer_path)
     parts = load_parts(settings.sources)
@@ -94,19 +154,23 @@ def _build(settings: DataSettings, tokenizer_path: str, key: str, num_proc: int,
                             "settings": dataclasses.asdict(settings),
                             "tokenizer": tokenizer_path, "vocab_size": len(tokenizer),
                             "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}
-    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    arrays: dict[str, dict[str, np.ndarray]] = {}
     for name, split in (("train", parts), ("validation", val_parts)):
         if split is None:
             continue
-        tokens, mask, stats = tokenize_split(split, tokenizer, settings, num_proc, name)
+        tokens, mask, stats, *more = tokenize_split(split, tokenizer, settings, num_proc, name)
+        extra = more[0] if more else {}
         if name == "train" and len(tokens) == 0:
             raise DataError(f"no training sample of seq_len+1={settings.seq_len + 1} tokens could "
                             f"be built from {list(settings.sources)} ({stats}): add data or "
                             "lower train.seq_len.")
-        arrays[name] = (tokens, mask)
+        arrays[name] = {"tokens": tokens, "loss_mask": mask, **extra}
         meta[name] = {"samples": len(tokens), **stats,
                       "max_token_id": int(tokens.max()) if len(tokens) else -1,
                       "loss_tokens": int(mask.sum())}
+        if "examples" in extra:
+            meta[name].update(segments.pack_summary(extra["examples"], extra["row_offsets"],
+                                                    settings.seq_len + 1))
     return meta, arrays
 
 
@@ -130,9 +194,9 @@ def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | P
     tmp = cache / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        for name, (tokens, mask) in arrays.items():
-            _save_npy(tmp / f"{name}_tokens.npy", tokens)
-            _save_npy(tmp / f"{name}_loss_mask.npy", mask)
+        for name, named in arrays.items():
+            for what, array in named.items():
+                _save_npy(tmp / f"{name}_{what}.npy", array)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(tmp, final)
