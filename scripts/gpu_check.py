@@ -104,6 +104,10 @@ PARTS: list[Part] = [
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
          45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
+    Part("packing", "packed vs unpacked SFT (log-normal lengths, seq 4096), loss tokens/s, bf16, "
+         "varlen kernel", 45,
+         lambda j: _py("scripts/bench_packing.py", "--rounds", "3", "--json", str(j)),
+         _py("scripts/bench_packing.py", "--help")),
 ]
 
 

@@ -58,6 +58,7 @@ COMMAND_MODULES: list[str] = [
     "toolkit.commands.convert",
     "toolkit.commands.train",
     "toolkit.commands.demo",
+    "toolkit.commands.data",
 ]
 
 

@@ -164,14 +164,18 @@ def two_rank_job(layouts: list[Layout], logit_cases: list[tuple[str, Layout]],
     splits = {k: prepared(v, assets["tokenizer"], assets["cache"]) for k, v in data.items()}
     out: dict[str, Any] = {"val": val_losses(layouts, models["dense"], splits, 64)}
     out["logits"] = logits_vs_hf(logit_cases, models)
-    whole = ("train.global_batch=GB", "data.validation_split=0", "train.micro_batch=1",
-             "data.sources=[SRC]", "train.seq_len=64", "train.steps=4", "data.shuffle=false",
-             "parallel.tp=2", "optim.lr=3e-3")
+    # The same examples in every global batch, cut differently: unpacked rows at tp2 (dp1),
+    # one row per micro-batch, 40 accumulation steps; packed rows at dp2, two rows per
+    # micro-batch, 5 accumulation steps (packing, micro-batch, accumulation and dp all differ).
+    whole = ("train.global_batch=GB", "data.validation_split=0", "data.sources=[SRC]",
+             "train.seq_len=64", "train.steps=4", "data.shuffle=false", "optim.lr=3e-3")
     cases = []
-    for name, gb, pack in (("curve_unpacked", assets["rows"], "false"),
-                           ("curve_packed", assets["packs"], "true")):
+    for name, gb, extra in (("curve_unpacked", assets["rows"],
+                             ("data.pack=false", "parallel.tp=2", "train.micro_batch=1")),
+                            ("curve_packed", assets["packs"],
+                             ("data.pack=true", "parallel.tp=1", "train.micro_batch=2"))):
         cases.append((name, tuple(o.replace("GB", str(gb)).replace("SRC", assets["curve_src"])
-                                  for o in whole) + (f"data.pack={pack}",)))
+                                  for o in whole) + extra))
     out["curves"] = curves(cases, assets, workdir)
     out["refuse_mla"] = refusal(assets, workdir, "dsv3", ("data.pack=true",))
     return out

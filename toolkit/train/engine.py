@@ -19,6 +19,10 @@ gradient clipping and the data-parallel reduction. The two meet in three places:
   ``param.grad`` inside that block, before DeepSpeed sees the gradients.
 - One ``engine.step()`` is one optimizer step: the engine's accumulation boundary is pinned to
   True (the schedule already accumulated ``num_microbatches`` micro-batches).
+- The loss. A loss function returns its micro-batch's share of the global batch's loss
+  (``toolkit.train.loss``: token-weighted over the whole global batch by default); the share is
+  scaled by ``num_microbatches x dp`` for backward, undoing the schedule's division by the
+  micro-batches and DeepSpeed's average over data parallel, and the shares summed are the loss.
 
 Supported: ZeRO 0-3 at pp=1; ZeRO 1-2 with pp>1 (1F1B and interleaved), which DeepSpeed's own
 PipelineEngine refuses for stage 2. Refused up front (``engine_rules.check_supported``): ZeRO-3
