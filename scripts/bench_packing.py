@@ -88,6 +88,27 @@ def epoch_seconds(chunk, opt, split, micro_batch: int, device) -> float:
     return time.perf_counter() - t0
 
 
+def kernel_agreement(dtype, device) -> dict | None:
+    """On CUDA with a varlen kernel: its output on packed rows against SDPA per example (the
+    CPU path, tested in fp64 against a block mask), max abs difference; None without one."""
+    import torch
+
+    from toolkit.models import packed
+
+    name = packed.kernel_name(dtype, device)
+    if name == packed.KERNELS[2]:
+        return None
+    s = 4096
+    seg = packed.Segments(qkv_format="sbhd", starts=((0, 100, 900, 3000), (0, 2000)), seq_len=s,
+                          max_seqlen_q=s, max_seqlen_kv=s)
+    g = torch.Generator(device=device).manual_seed(3)
+    q, k, v = (torch.randn(s, 2, h, 64, generator=g, device=device, dtype=dtype)
+               for h in (16, 8, 8))
+    got = packed._varlen(name, q, k, v, seg, 0.125, 0.0, None)
+    ref = packed._per_example(q, k, v, seg, 0.125, 0.0, None)
+    return {"kernel": name, "max_abs_diff_vs_sdpa_per_example": float((got - ref).abs().max())}
+
+
 def run(opts: dict, rounds: int, median: float | None, sigma: float, seed: int) -> dict:
     import torch
     from bench_attention import _init_single_rank  # scripts/ is on the path
@@ -128,6 +149,7 @@ def run(opts: dict, rounds: int, median: float | None, sigma: float, seed: int) 
         ratios = [u / p for p, u in zip(times["packed"], times["unpacked"], strict=True)]
         kernel = packed_mod.kernel_name(dtype, device)
         return {
+            "kernel_agreement": kernel_agreement(dtype, device),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "kernel": kernel, "dtype": opts["dtype"], "seq_len": seq,
             "micro_batch": opts["micro_batch"], "model": opts["model"],
