@@ -30,12 +30,13 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def measure(cmd: list[str]) -> dict:
+def measure(cmd: list[str], env: dict[str, str] | None = None, keep_output: bool = False) -> dict:
     """Wall time, user / kernel CPU seconds and peak RSS (summed over the process tree) of one
-    command."""
+    command (and its output, with ``keep_output``)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     peak = 0
     done = threading.Event()
 
@@ -65,8 +66,9 @@ def measure(cmd: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"seconds": seconds, "peak_rss": peak, "user": after.ru_utime - before.ru_utime,
+    out_ = {"seconds": seconds, "peak_rss": peak, "user": after.ru_utime - before.ru_utime,
             "kernel": after.ru_stime - before.ru_stime}
+    return {**out_, "output": out} if keep_output else out_
 
 
 def settle(cold: str, source: Path) -> None:

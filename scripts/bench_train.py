@@ -239,31 +239,45 @@ def summarize(res: dict) -> dict:
     return out
 
 
-def cpu_part(args) -> dict:
+def on_cpu_ranks(fn, args, *, prefix: str) -> list:
+    """``fn(assets, opts)`` on 2 gloo ranks over a small Llama (a temporary folder); ``opts``:
+    ``args``' rounds and trainer settings (layout, steps). Returns the per-rank results."""
     from toolkit.runtime.rankpool import RankPool
 
     layout = {"dp2": {"tp": 1}, "tp2": {"tp": 2}}[args.layout]
-    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         assets = make_assets(Path(tmp), CPU_MODEL, weights=True)
         opts = {"rounds": args.rounds, "train": dict(layout=layout, steps=args.steps, seq=128,
                                                      micro=4, global_batch=8, precision="fp32")}
         with RankPool(2) as pool:
-            if args.profile:
+            if getattr(args, "profile", False):
                 print(pool.run(profile_trainer, assets, opts, timeout=3600)[0])
-            per_rank = pool.run(compare, assets, opts, timeout=3600)
-    return summarize(per_rank[0])
+            return pool.run(fn, assets, opts, timeout=3600)
 
 
-def gpu_part(args) -> dict | str:
+def cpu_part(args) -> dict:
+    return summarize(on_cpu_ranks(compare, args, prefix="bench_train_")[0])
+
+
+def one_gpu(port: int) -> str | None:
+    """Set up this process as the one rank of a GPU run; why not, when CUDA is missing."""
     import torch
 
     if not torch.cuda.is_available():
         return "skipped: CUDA is not available on this machine (torch.cuda.is_available() is False)"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
+    os.environ.setdefault("MASTER_PORT", str(port))
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                  ("LOCAL_WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
+    return None
+
+
+def gpu_part(args) -> dict | str:
+    import torch
+
+    if (why := one_gpu(29531)) is not None:
+        return why
     with tempfile.TemporaryDirectory(prefix="bench_train_gpu_") as tmp:
         assets = make_assets(Path(tmp), GPU_MODEL, weights=False)
         opts = {"rounds": 1, "train": dict(layout={"tp": 1}, steps=args.gpu_steps,

@@ -4,8 +4,12 @@
 
 pretrain.jsonl: {"text": ...} short documents of simple facts (arithmetic, capitals, animals,
 counting). sft.jsonl: half {"prompt", "response"} rows, half {"messages": [...]} chat rows (some
-with a system turn, some with two exchanges). The facts are regular, so a tiny model learns them
-in a few hundred steps and the validation loss visibly falls.
+with a system turn, some with two exchanges). dpo.jsonl and dpo_text.jsonl: preference pairs,
+the SFT questions with the right answer chosen and a wrong one of the same shape rejected, in
+TRL's formats: conversational rows with a prompt and without one (the shared user turn is the
+prompt) in dpo.jsonl, string {"prompt", "chosen", "rejected"} rows in dpo_text.jsonl (one form
+per file: HF datasets reads a column that holds strings in some rows and lists in others as
+JSON text, which turns a string like " 3." into a number).
 """
 
 from __future__ import annotations
@@ -78,6 +82,41 @@ def qa(rng: random.Random) -> tuple[str, str]:
     return f"Which day comes after {DAYS[i]}?", f"{DAYS[(i + 1) % 7]} comes after {DAYS[i]}."
 
 
+def wrong_answer(rng: random.Random, question: str, answer: str) -> str:
+    """The answer to ``question`` with a wrong fact of the same shape (the rejected completion)."""
+    words = question.rstrip("?.").split()
+    if question.startswith("What is the capital"):
+        country = words[-1]
+        other = rng.choice([c for c in CAPITALS.values() if c != CAPITALS[country]])
+        return f"The capital of {country} is {other}."
+    if question.startswith("What is"):
+        a, b = int(words[2]), int(words[4])
+        return f"{a} plus {b} is {a + b + rng.choice([-2, -1, 1, 2, 3])}."
+    if question.startswith("What sound"):
+        animal = words[-2]
+        other = rng.choice([s for _, s, _ in ANIMALS.values() if s != ANIMALS[animal][1]])
+        return f"The {animal} {other}."
+    if question.startswith("Spell"):
+        return " ".join(words[3]) + "."  # forwards
+    day = words[-1]
+    other = rng.choice([d for d in DAYS if d not in (day, DAYS[(DAYS.index(day) + 1) % 7])])
+    return f"{other} comes after {day}."
+
+
+def preference_row(rng: random.Random, text: bool, implicit: bool) -> dict:
+    prompt, chosen = qa(rng)
+    rejected = wrong_answer(rng, prompt, chosen)
+    if text:
+        return {"prompt": f"Question: {prompt}\nAnswer:", "chosen": f" {chosen}",
+                "rejected": f" {rejected}"}
+    user = [{"role": "user", "content": prompt}]
+    if implicit:
+        return {"chosen": user + [{"role": "assistant", "content": chosen}],
+                "rejected": user + [{"role": "assistant", "content": rejected}]}
+    return {"prompt": user, "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}]}
+
+
 def main() -> None:
     rng = random.Random(20260)
     out = Path(__file__).resolve().parents[1] / "toolkit" / "bundled" / "examples" / "data"
@@ -102,6 +141,11 @@ def main() -> None:
                                  {"role": "assistant", "content": r2}]
                 row = {"messages": messages}
             f.write(json.dumps(row) + "\n")
+    pref = random.Random(20270)  # its own stream: the files above stay as they were
+    for name, count, text in (("dpo.jsonl", 400, False), ("dpo_text.jsonl", 200, True)):
+        with open(out / name, "w") as f:
+            for i in range(count):
+                f.write(json.dumps(preference_row(pref, text, implicit=i % 3 == 2)) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 GPU time comes rarely, in windows of about 15 minutes with the machine's start included, so one
 command runs everything and writes one JSON and one Markdown summary to OUT:
 
-    python scripts/gpu_check.py OUT [--budget 420] [--only a,b] [--wheels DIR]
+    python scripts/gpu_check.py OUT [--budget 460] [--only a,b] [--wheels DIR]
     python scripts/gpu_check.py OUT --dry-run          # on CPU: the plan, every command checked
     python scripts/gpu_check.py --prepare-wheels DIR   # here: wheels the GPU image lacks (lock)
     python scripts/gpu_check.py --record OUT/gpu_check.json   # here: docs/benchmarks.md's GPU part
@@ -85,27 +85,48 @@ def _pytest_read(path: Path) -> dict:
                                for k in ("tests", "failures", "errors", "skipped")}}
 
 
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py"]
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
-    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 90,
+    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 120,
          lambda j: _py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        f"--junitxml={j}", *GPU_TESTS),
          _py("-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p", "no:cacheprovider",
              *GPU_TESTS),
          _pytest_read),
     Part("train_mfu", "mdtk train vs a bare megatron-core loop, Llama-3.2-1B shape, bf16, "
-         f"seq {TRAIN['seq']}, micro {TRAIN['micro']} x {TRAIN['accum']}", 90,
+         f"seq {TRAIN['seq']}, micro {TRAIN['micro']} x {TRAIN['accum']}", 75,  # 70 s on an H100
          lambda j: _py("scripts/bench_train.py", "--skip-cpu", "--gpu-seq", str(TRAIN["seq"]),
                        "--gpu-micro", str(TRAIN["micro"]), "--gpu-accum", str(TRAIN["accum"]),
                        "--gpu-steps", str(TRAIN["steps"]), "--json", str(j)),
          _py("scripts/bench_train.py", "--help")),
+    Part("lora", "LoRA r=16 vs full fine-tuning through mdtk train: step time and memory, "
+         "a 0.5B Llama (Llama-3.2-1B widths, 8 layers), bf16, seq 2048", 45,
+         lambda j: _py("scripts/bench_lora.py", "--skip-cpu", "--json", str(j)),
+         _py("scripts/bench_lora.py", "--help")),
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
-         45, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
+         35, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
+    Part("zeropp", "ZeRO++ quantizer kernels (qwZ int8, qgZ int4) vs a copy, 8192 x 8192 bf16: "
+         "time, error; includes the op's JIT build", 45,
+         lambda j: _py("scripts/bench_zeropp.py", "--json", str(j)),
+         _py("scripts/bench_zeropp.py", "--help")),
+    Part("checkpoint", "async checkpoint stall vs synchronous save vs DeepSpeed save_checkpoint, "
+         "Llama-3.2-1B shape (4 layers), bf16 ZeRO-1, GPU engine, pinned host copy", 60,
+         lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "4",
+                       "--rounds", "2", "--seq", "512", "--json", str(j)),
+         _py("scripts/bench_checkpoint.py", "--help")),
+    Part("indexed_data", "mdtk train on a 0.25/0.75 blend of two Megatron indexed prefixes "
+         "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
+         lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
+         _py("scripts/bench_data.py", "--help")),
+    Part("dpo", "DPO step time and peak memory (reference model / precomputed) vs SFT on the "
+         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 35,
+         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--json", str(j)),
+         _py("scripts/bench_dpo.py", "--help")),
     Part("packing", "packed vs unpacked SFT (log-normal lengths, seq 4096), loss tokens/s, bf16, "
-         "varlen kernel", 45,
+         "varlen kernel", 30,
          lambda j: _py("scripts/bench_packing.py", "--rounds", "3", "--json", str(j)),
          _py("scripts/bench_packing.py", "--help")),
 ]
@@ -424,7 +445,7 @@ def dry_run(out: Path, parts: list[Part], budget: float) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", type=Path, help="folder for gpu_check.json / .md")
-    ap.add_argument("--budget", type=float, default=420.0,
+    ap.add_argument("--budget", type=float, default=460.0,
                     help=f"seconds for the whole check (at most {MAX_WALL_S})")
     ap.add_argument("--only", help="comma-separated parts to run (default: all)")
     ap.add_argument("--dry-run", action="store_true",

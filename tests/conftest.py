@@ -11,6 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
+# DeepSpeed's ops built as `make install` builds them (Makefile: scripts/pch_cxx.py), so a bare
+# pytest reuses that build instead of compiling them again. The compiler's path is part of the
+# build command: checkouts sharing one TORCH_EXTENSIONS_DIR set CXX to one pch_cxx.py.
+if not os.environ.get("CXX", "").endswith("pch_cxx.py"):
+    os.environ.setdefault("MDTK_REAL_CXX", os.environ.get("CXX", "c++"))
+    os.environ["CXX"] = str(ROOT / "scripts" / "pch_cxx.py")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes tests/dist_checks importable
 
@@ -32,30 +38,30 @@ def _prebuild_ops() -> None:
         _OPS_READY = True
 
 
-_GROUP: dict[str, int] = {}  # test id -> 0, 1 (late) or 2 (nvme)
+_GROUP: dict[str, int] = {}  # test id -> 0, 1 (nvme) or 2 (late)
 _OPEN: list[_LazyPool] = []  # the session's rank pools
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``nvme`` run last: `make install` builds DeepSpeed's async_io op in the
-    background, and the suite runs meanwhile instead of waiting for it. Tests marked ``late``
-    (many process starts under time limits) run just before them, once that build is done:
+    """Tests marked ``nvme`` run after the others: `make install` builds DeepSpeed's async_io
+    op in the background (about a minute of CPU with scripts/pch_cxx.py), and the suite runs
+    meanwhile instead of waiting for it; they still find the rank pools warm. Tests marked
+    ``late`` (many process starts under time limits) run last, once that build is surely done:
     on a fresh CI clone the two-agent launch took 158 s beside the build, 57 s after it."""
     def order(item) -> int:
-        if item.get_closest_marker("nvme") is not None:
+        if item.get_closest_marker("late") is not None:
             return 2
-        return 1 if item.get_closest_marker("late") is not None else 0
+        return 1 if item.get_closest_marker("nvme") is not None else 0
 
     _GROUP.update((item.nodeid, order(item)) for item in items)
     items.sort(key=order)  # stable: file order within each group
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """The rank pools close before the ``late`` and ``nvme`` tests: idle ranks are not free
-    (every gloo group a job made keeps a thread that wakes 100 times a second, hundreds per
-    rank by then), and the launches need the CPU. An ``nvme`` test that needs a pool starts a
-    fresh one."""
-    if nextitem is not None and _GROUP.get(item.nodeid, 0) < 1 <= _GROUP.get(nextitem.nodeid, 0):
+    """The rank pools close before the ``late`` tests: idle ranks are not free (every gloo
+    group a job made keeps a thread that wakes 100 times a second until it is collected), and
+    the launches need the CPU."""
+    if nextitem is not None and _GROUP.get(item.nodeid, 0) < 2 <= _GROUP.get(nextitem.nodeid, 0):
         for pool in _OPEN:
             pool.close()
 

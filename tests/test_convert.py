@@ -530,11 +530,13 @@ def test_deepspeed_tools_read_step_folders_without_a_tag(ds_runs, tmp_path):
 
 
 def test_deepspeed_model_path_relative_to_the_run(ds_runs, tmp_path, monkeypatch):
-    """trainer_state.json stores the model path absolute; a relative one (older runs) is found
-    against the run folder when converting from another directory."""
+    """trainer_state.json stores the model path absolute; a relative one (older runs, which had
+    no ``hf_config/`` in the step folder either) is found against the run folder when
+    converting from another directory."""
     runs, _, _ = ds_runs
     run = tmp_path / "run"
     shutil.copytree(Path(runs["dp2_zero2"]["checkpoints"]), run / "checkpoints")
+    shutil.rmtree(run / "checkpoints" / "step_0000002" / "hf_config")
     state_file = run / "checkpoints" / "step_0000002" / "trainer_state.json"
     state = json.loads(state_file.read_text())
     assert Path(state["config"]["model"]["path"]).is_absolute()

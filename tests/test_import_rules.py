@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("toolkit.checkpoint", "toolkit.models", "toolkit.testing"),
     ("toolkit.adapters",),
     ("model_adapters",),
+    ("toolkit.lora",),
     ("toolkit.memory",),
     ("toolkit.dsconfig",),
     ("toolkit.planner",),
@@ -37,6 +38,9 @@ TORCH_FREE_ADAPTERS = ("toolkit.adapters", "toolkit.adapters.family", "toolkit.a
 #: Packages that must stay importable without torch see only that half (estimate / ds-config
 #: start instantly; a family file is a declaration).
 TORCH_FREE_USERS = ("model_adapters", "toolkit.memory", "toolkit.dsconfig")
+#: The half of the LoRA package that needs no torch (what the memory model counts with).
+TORCH_FREE_LORA = ("toolkit.lora", "toolkit.lora.spec", "toolkit.lora.targets",
+                   "toolkit.lora.plan")
 #: A family file declares; it may import only these (and its sibling families).
 FAMILY_IMPORTS = TORCH_FREE_ADAPTERS + ("toolkit.mapping", "model_adapters")
 #: The byte layer of checkpoints: besides the standard library it imports only itself,
@@ -123,6 +127,13 @@ def test_layers_only_import_downwards():
             if (src in TORCH_FREE_USERS and dst == "toolkit.adapters"
                     and target not in TORCH_FREE_ADAPTERS):
                 wrong.append(f"{where} ({src} may use only {', '.join(TORCH_FREE_ADAPTERS)})")
+            if (src in TORCH_FREE_USERS and dst == "toolkit.lora"
+                    and target not in TORCH_FREE_LORA):
+                wrong.append(f"{where} ({src} may use only {', '.join(TORCH_FREE_LORA)})")
+            if (src == "toolkit.lora" and mod in TORCH_FREE_LORA and dst == "toolkit.adapters"
+                    and target not in TORCH_FREE_ADAPTERS):
+                wrong.append(f"{where} (the torch-free half of toolkit.lora may use only "
+                             f"{', '.join(TORCH_FREE_ADAPTERS)})")
         if src == "model_adapters":
             for line, target in imports(path):
                 parent = target.rpartition(".")[0]

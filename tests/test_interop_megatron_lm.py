@@ -231,7 +231,8 @@ def test_plain_deepspeed_checkpoint_converts_as_zero_to_fp32(tmp_path):
     theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
     with pytest.raises(CheckpointError) as err:  # names every place it looked
         convert(ckpt, tmp_path / "none", "hf", progress=False)
-    assert f"config.json in {ckpt}, {root}" in str(err.value) and "--hf-config" in str(err.value)
+    looked = f"config.json in {ckpt / 'hf_config'}, {ckpt}, {root}, and it"
+    assert looked in str(err.value) and "--hf-config" in str(err.value)
     assert not (tmp_path / "none").exists()
     convert(ckpt, tmp_path / "given", "hf", hf_config=model, progress=False)
     _assert_identical(tmp_path / "given", theirs)

@@ -3,9 +3,9 @@
 groups exactly as DeepSpeed does.
 
 The presets run in ONE torchrun launch of 2 gloo ranks on CPU (``dist_checks/hf_presets_run.py``
-says what it does and the two machine edits). Marked ``nvme``: it runs last, when the background
-async_io build is done; without async_io the NVMe preset is only resolved (accelerate's plugin),
-not trained, and its training checks skip with the reason.
+says what it does and the two machine edits). Marked ``nvme``: it runs after the other tests,
+when the background async_io build is done; without async_io the NVMe preset is only resolved
+(accelerate's plugin), not trained, and its training checks skip with the reason.
 """
 
 from __future__ import annotations

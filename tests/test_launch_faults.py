@@ -4,8 +4,9 @@ Three launches, each scenario's assertions in its own test:
 
 * two torchrun agents (``--nodes 2``, 2 processes each, c10d rendezvous on 127.0.0.1, started
   through ``mdtk launch CONFIG --node-rank R``) train tp2 x dp2 for 6 steps: the reference;
-* one agent with 4 processes under ``--max-restarts 2`` that is made to fail twice: a worker is
-  SIGKILLed from outside while it is inside the save of step 4 (the restarted group resumes
+* one agent with 4 processes under ``--max-restarts 2``, saving asynchronously
+  (``checkpoint.async: true``), that is made to fail twice: a worker is SIGKILLed from outside
+  while its writer thread is inside the background save of step 4 (the restarted group resumes
   from step 2, never from the partial step 4), then a worker gets SIGTERM before step 5 (every
   rank saves step 5 and exits with status 75; the next restart resumes there). Its per-step
   losses equal the two-agent run's bit for bit, in every attempt;
@@ -110,14 +111,17 @@ def two_nodes(setup) -> dict:
 
 @pytest.fixture(scope="module")
 def restarted(setup) -> dict:
-    """One agent, 4 processes, --max-restarts 2; SIGKILL mid-save, then SIGTERM."""
+    """One agent, 4 processes, --max-restarts 2, asynchronous saves; SIGKILL mid-save (in the
+    writer thread), then SIGTERM."""
     faults = ",".join([
-        "pause:save:1:4:0",  # attempt 0: rank 1 waits inside the save of step 4
+        "pause:save:1:4:0",  # attempt 0: rank 1's writer thread waits inside the save of step 4
+        "pause:step:1:4:0",  # ... while its step loop waits before step 5 (logged steps fixed)
         "pause:step:2:4:1",  # attempt 1: rank 2 waits before step 5 (index 4)
     ])
     proc, out, log = _launch(setup, "restarted", ["--nodes", "1", "--gpus-per-node", "4",
                                                   "--max-restarts", "2", "--master-port",
-                                                  str(free_port())], faults=faults)
+                                                  str(free_port())],
+                             overrides=("checkpoint.async=true",), faults=faults)
     seen: dict = {}
     try:
         pid = _wait_for(out / "pause-save-r1-s4-a0", proc)
@@ -149,6 +153,7 @@ def test_sigkill_mid_save_resumes_from_last_complete_checkpoint(two_nodes, resta
     assert ".tmp-step_0000004" in restarted["during_save"]
     assert "step_0000004" not in restarted["during_save"]
     log = restarted["log"]
+    assert "written in the background" in log  # checkpoint.async=true took effect
     assert "resumed from" in log and "step_0000002 at step 2" in log
     ref = dict(two_nodes["losses"])
     steps = [s for s, _ in restarted["losses"]]

@@ -10,12 +10,13 @@ import random
 import numpy as np
 import pytest
 import torch
+from dist_checks.checkpoint_save_checks import train_step, zero2_engine
 
 from toolkit.parallel import ParallelLayout
+from toolkit.train.checkpoint_folders import CheckpointManager
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
     STATE_FILE,
-    CheckpointManager,
     ResumeError,
     TrainingState,
     capture_rng_state,
@@ -47,7 +48,8 @@ def test_save_layout_latest_and_state(tmp_path):
     assert mgr.resolve_resume("auto") is None  # nothing yet: fresh start
     path = mgr.save(_state(10), _write_engine)
     assert path.name == "step_0000010"
-    assert sorted(p.name for p in path.iterdir()) == [ENGINE_TAG, "latest", "rng", STATE_FILE]
+    assert sorted(p.name for p in path.iterdir()) == [ENGINE_TAG, "latest", "manifest.json", "rng",
+                                                      STATE_FILE]
     assert (path / "latest").read_text() == ENGINE_TAG  # DeepSpeed's own tag pointer
     assert (path / ENGINE_TAG / "weights.bin").read_bytes() == b"w" * 100
     assert rng_file(path, 0).is_file()
@@ -127,28 +129,11 @@ def test_check_resume_rules():
 
 # -- 2 real ranks: DeepSpeed ZeRO-2 engine checkpoint inside the manager's folders ------------
 def _engine(seed: int):
-    import deepspeed
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
-              "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config)
-    return engine
+    return zero2_engine(seed, width=8)
 
 
 def _train_step(engine, k: int, rank: int) -> float:
-    g = torch.Generator().manual_seed(100 + k)
-    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-    sl = slice(2 * rank, 2 * rank + 2)
-    noise = torch.randn(2, 1) * 1e-3  # consumes the global torch RNG, like dropout would
-    loss = ((engine(x[sl]) + noise - y[sl]) ** 2).mean()
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
+    return train_step(engine, k, rank, width=8)
 
 
 def rank_save_and_resume(root: str) -> dict:

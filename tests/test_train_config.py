@@ -50,9 +50,11 @@ def test_bundled_names_resolve_to_files_shipped_in_the_package():
     assert cfg.model.tokenizer == "build/demo/tokenizer"  # other values stay as written
     assert all(Path(p).is_file() for p in (cfg.model.config, *cfg.data.sources))
     assert bundled.shipped() == [
+        "bundled:examples/data/dpo.jsonl", "bundled:examples/data/dpo_text.jsonl",
         "bundled:examples/data/pretrain.jsonl", "bundled:examples/data/sft.jsonl",
-        "bundled:examples/pretrain_tiny.yaml", "bundled:examples/sft_tiny.yaml",
-        "bundled:examples/tiny_llama_config.json"]
+        "bundled:examples/dpo_tiny.yaml", "bundled:examples/lora_tiny.yaml",
+        "bundled:examples/pretrain_tiny.yaml",
+        "bundled:examples/sft_tiny.yaml", "bundled:examples/tiny_llama_config.json"]
     with pytest.raises(ConfigError, match=r"data.sources: bundled:examples/nope.jsonl: mdtk "
                                           r"ships no such file; bundled files: .*sft.jsonl"):
         _cfg("data.sources=[bundled:examples/nope.jsonl]")
@@ -134,7 +136,9 @@ def test_unknown_yaml_key_and_bad_file(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown key 'optim.learning_rat' in section 'optim'"):
         load_config(bad)
     with pytest.raises(ConfigError, match=r"does not exist \(the examples that ship with mdtk: "
-                                          r"bundled:examples/pretrain_tiny.yaml, bundled:"):
+                                          r"bundled:examples/dpo_tiny.yaml, bundled:examples/"
+                                          r"lora_tiny.yaml, bundled:examples/"
+                                          r"pretrain_tiny.yaml, bundled:"):
         load_config(tmp_path / "missing.yaml")
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):

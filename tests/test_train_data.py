@@ -20,7 +20,6 @@ from toolkit.train.data import (
     encode_plain,
     eval_micro_batches,
     load_tokenizer,
-    pack_pretrain,
     pack_sft,
     prepare_data,
     resolve_sources,
@@ -330,13 +329,6 @@ def test_bundled_sft_masks_decode_to_the_assistant_text(tiny_tokenizer, tmp_path
         assert got == "".join(a + "<|end|>\n" for a in answers)
 
 
-def test_pack_pretrain_by_hand():
-    blocks = pack_pretrain([[1, 2, 3], [4, 5]], seq_len=2)
-    assert blocks.tolist() == [[1, 2, 3], [3, 4, 5]]  # overlap one token: every token a label
-    assert pack_pretrain([[1, 2, 3], [4, 5, 6]], seq_len=4).tolist() == [[1, 2, 3, 4, 5]]
-    assert pack_pretrain([[1, 2]], seq_len=4).shape == (0, 5)
-
-
 def test_pack_sft_pad_pack_truncate_drop():
     a = ([5, 6, 7], [0, 1, 1])
     b = ([8, 9], [0, 1])
@@ -367,26 +359,32 @@ def test_pretrain_cache_split_and_key(tiny_tokenizer, tmp_path):
     first = prepare_data(s, tiny_tokenizer, cache)
     meta = first.meta
     assert meta["validation"]["documents"] == 160 and meta["train"]["documents"] == 1440
-    assert len(first.train) == (meta["train"]["tokens"] - 1) // 32
-    assert first.train.loss_mask.shape == (len(first.train), 32)
-    assert int(first.train.loss_mask.sum()) == len(first.train) * 32
-    # the blocks are the concatenated documents: consecutive blocks share one token
-    assert (first.train.tokens[:-1, -1] == first.train.tokens[1:, 0]).all()
-    # ...and the stream is exactly the training documents (seeded split, file order) + EOS each
+    assert len(first.train) == (meta["train"]["tokens"] - 1) // 32  # one epoch, tail dropped
+    epoch = first.train.batch(np.arange(len(first.train)))  # the stream's first epoch
+    assert epoch["loss_mask"].shape == (len(first.train), 32)
+    assert int(epoch["loss_mask"].sum()) == len(first.train) * 32
+    # the samples cut the training documents (seeded split) + EOS each, concatenated in
+    # GPTDataset's document order, into blocks that overlap by one token (every token a label)
     tok = load_tokenizer(tiny_tokenizer)
     docs = [json.loads(x)["text"] for x in src.read_text().splitlines()]
     train_rows, _ = split_indices(len(docs), 0.1, s.seed)
-    stream = [t for i in train_rows for t in tok(docs[i])["input_ids"] + [tok.eos_token_id]]
-    blocks = np.asarray(first.train.tokens)
+    gpt = first.train.datasets[0].gpt
+    assert sorted(np.asarray(gpt.document_index).tolist()) == train_rows.tolist()
+    stream = [t for i in gpt.document_index for t in tok(docs[i])["input_ids"] +
+              [tok.eos_token_id]]
+    order = np.argsort(np.asarray(gpt.shuffle_index))  # sample j of the unshuffled blocks
+    blocks = np.concatenate([epoch["tokens"].numpy(), epoch["labels"][:, -1:].numpy()], 1)[order]
+    assert (blocks[:-1, -1] == blocks[1:, 0]).all()
     covered = np.concatenate([blocks[:, :-1].reshape(-1), blocks[-1, -1:]])
     assert covered.tolist() == stream[: len(covered)]
     assert len(stream) - len(covered) < 32  # only the tail shorter than a block is dropped
 
-    stamp = (first.path / "meta.json").stat().st_mtime_ns
+    tokenised = next((cache / "tokenized").glob("*/*.idx"))
+    stamp = tokenised.stat().st_mtime_ns
     again = prepare_data(s, tiny_tokenizer, cache)  # cache hit: nothing rewritten
-    assert again.path == first.path and (again.path / "meta.json").stat().st_mtime_ns == stamp
-    assert np.array_equal(again.train.tokens, first.train.tokens)
-    assert not list(cache.glob(".tmp-*"))
+    assert again.key == first.key and tokenised.stat().st_mtime_ns == stamp
+    assert np.array_equal(again.train.batch(np.arange(8))["tokens"], epoch["tokens"][:8])
+    assert not list(cache.rglob(".*tmp*"))
 
     moved = tmp_path / "renamed.jsonl"
     shutil.copy(src, moved)  # same content elsewhere: same key

@@ -2,8 +2,9 @@
 
 A tiny HF Llama (random weights) is trained with a given DeepSpeed config. After one full step,
 the next step's forward/backward runs and, before its ``step()``, every tensor the rank holds is
-counted: module parameters (and stage-3 partitions), gradients, and every tensor reachable from
-the engine's optimizer object (flat 16-bit groups, fp32 partitions, Adam state, buckets).
+counted: module parameters (and stage-3 partitions, hpZ's secondary partitions), gradients, and
+every tensor reachable from the engine's optimizer object (flat 16-bit groups, fp32 partitions,
+Adam state, buckets).
 Storage is counted once however many views point at it.
 """
 
@@ -47,7 +48,8 @@ def _walk(obj: Any, seen: set[int], out: dict[int, int], depth: int) -> None:
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         _add(out, obj)
-        for extra in (obj.grad, getattr(obj, "ds_tensor", None)):
+        for extra in (obj.grad, getattr(obj, "ds_tensor", None),
+                      getattr(obj, "ds_secondary_tensor", None)):  # ZeRO++ hpZ's copy
             if isinstance(extra, torch.Tensor):
                 _walk(extra, seen, out, depth + 1)
         return

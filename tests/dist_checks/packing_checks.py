@@ -1,7 +1,7 @@
 """Rank functions for packed sequences (tests/test_packing.py): examples kept apart at every
 layout, and the token-weighted loss that makes packing invisible to it.
 
-- ``val_losses``: the trainer's validation loss (``trainer.validation_loss``) of the same rows
+- ``val_losses``: the trainer's validation loss (``train.validation``) of the same rows
   packed and unpacked, per layout (the model loaded from HF at that layout, fp32).
 - ``logits_vs_hf``: rows holding several examples (and padding), or documents cut at EOS,
   through the megatron-core chunks; each example's logits against transformers' logits of that
@@ -50,7 +50,7 @@ def val_losses(layouts: list[Layout], model: str, splits: dict[str, Any], seq_le
     from megatron.core import parallel_state as ps
 
     from toolkit import parallel
-    from toolkit.train.trainer import validation_loss
+    from toolkit.train.validation import validation_loss
 
     out = {}
     for lay in layouts:

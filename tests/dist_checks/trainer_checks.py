@@ -119,8 +119,10 @@ def config(case: Case, assets: dict[str, str], out: str | Path, *, mode: str | N
 
 # -- rank functions ------------------------------------------------------------------------------
 
-def run_case(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]:
-    """Train ``case`` with the real trainer; its per-step losses and what the ranks saw."""
+def run_case(case: Case, assets: dict[str, str], workdir: str,
+             on_engine: Any = None) -> dict[str, Any]:
+    """Train ``case`` with the real trainer; its per-step losses and what the ranks saw.
+    ``on_engine(engine, seen)``: called with each engine built (e.g. to measure it)."""
     from megatron.core import parallel_state as ps
 
     from toolkit.train import trainer
@@ -140,6 +142,8 @@ def run_case(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]
         engine = original(chunks, mpu, ds_config, **kw)
         if case.grads:
             _record_first_grads(engine, seen)
+        if on_engine is not None:
+            on_engine(engine, seen)
         return engine
 
     trainer.build_engine = spy
@@ -153,7 +157,8 @@ def run_case(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]
                    .splitlines()]
     return {"case": case.name, "losses": result.losses, "start": result.start_step,
             "metrics": metrics, "stage": result.ds_config["zero_optimization"]["stage"],
-            "left_initialised": _groups_left(), **seen}
+            "left_initialised": _groups_left(), "export_diff": result.export_max_abs_diff,
+            "adapter_diff": result.adapter_max_abs_diff, **seen}
 
 
 def _record_first_grads(engine, seen: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,8 @@ from typing import Any
 from toolkit.checkpoint import CheckpointError, formats, nvme_swap
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
 from toolkit.checkpoint.deepspeed_zero import Zero12, module_buffers, zero0_reader, zero3_reader
+from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, copy_side_files
+from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR
 from toolkit.checkpoint.source import Opening
 from toolkit.checkpoint.torchfree.safe_load import load_torch
 from toolkit.lazy import torch
@@ -295,13 +297,28 @@ class DeepSpeedCheckpoint:
                      etp_rank=t if etp_rank is None else etp_rank, etp=self.etp)
 
 
+def write_hf_config(step_dir: Path, hf_config: dict[str, Any], folders: Sequence[Path]) -> Path:
+    """``step_dir/hf_config/``: the model's config.json as the run read it, with the tokenizer
+    files and ``generation_config.json`` found in ``folders`` (the model's and the tokenizer's
+    local folders), so that a trainer checkpoint describes its model without the run's files."""
+    out = step_dir / HF_CONFIG_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    names = (*TOKENIZER_FILES, GENERATION_CONFIG)
+    for folder in folders:
+        names = tuple(n for n in names if n not in copy_side_files(folder, out, names))
+    return out
+
+
 def hf_config_candidates(ckpt: DeepSpeedCheckpoint) -> list[Path]:
-    """Where the HF config of a DeepSpeed checkpoint may be, in order: trainer_state.json's
-    ``model.path`` / ``model.config`` (mdtk's trainer; a relative path is taken as given, then
-    against the run folder), else beside the engine folder (HF Trainer's ``checkpoint-N/``)."""
+    """Where the HF config of a DeepSpeed checkpoint may be, in order: the ``hf_config/`` folder
+    mdtk's trainer stores in each checkpoint (``write_hf_config``), trainer_state.json's
+    ``model.path`` / ``model.config`` (older trainer checkpoints; a relative path is taken as
+    given, then against the run folder), else beside the engine folder (HF Trainer's
+    ``checkpoint-N/``)."""
     model = (ckpt.state.get("config") or {}).get("model") or {}
     run = ckpt.path.parent.parent.parent  # <run>/checkpoints/step_N/engine
-    out: list[Path] = []
+    out: list[Path] = [ckpt.path.parent / HF_CONFIG_DIR]
     for key in ("path", "config"):
         value = model.get(key)
         if not value:

@@ -34,6 +34,17 @@ TOKENIZER_FILES = (
 )
 
 
+def copy_side_files(src: Path, dst: Path, names: tuple[str, ...] = TOKENIZER_FILES) -> list[str]:
+    """Copy the files of ``names`` that ``src`` has (tokenizer files by default) into ``dst``;
+    the names copied."""
+    import shutil
+
+    copied = [name for name in names if (src / name).is_file()]
+    for name in copied:
+        shutil.copy2(src / name, dst / name)
+    return copied
+
+
 @dataclass(frozen=True)
 class ReadRecord:
     name: str

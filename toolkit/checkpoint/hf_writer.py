@@ -19,7 +19,7 @@ from typing import Any
 
 from toolkit.atomic import replace_dir, temp_dir
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.hf import SAFE_INDEX, SAFE_SINGLE, TOKENIZER_FILES
+from toolkit.checkpoint.hf import SAFE_INDEX, SAFE_SINGLE, copy_side_files
 from toolkit.checkpoint.torchfree import dtypes
 from toolkit.checkpoint.torchfree.segments import copy_segments
 from toolkit.lazy import torch
@@ -120,9 +120,7 @@ class HFWriter:
             if generation_config is not None:
                 generation_config.save_pretrained(self.tmp)
             if copy_from is not None:
-                for name in TOKENIZER_FILES:
-                    if (copy_from / name).is_file():
-                        shutil.copy2(copy_from / name, self.tmp / name)
+                copy_side_files(copy_from, self.tmp)
             if self.fsync:
                 for f in self.tmp.iterdir():
                     with open(f, "rb") as fh:

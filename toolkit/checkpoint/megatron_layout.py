@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES
+from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, copy_side_files
 from toolkit.checkpoint.hf_writer import config_json
 from toolkit.checkpoint.source import ModelAdapter
 from toolkit.lazy import torch
@@ -87,16 +87,11 @@ def save_hf_config(adapter: ModelAdapter, root: Path, dtype: torch.dtype) -> Non
     config.json is the adapter's HF config as JSON with the dtype of the weights
     (``hf_writer.config_json``: no transformers import).
     """
-    import shutil
-
     out = root / HF_CONFIG_DIR
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(config_json(adapter.hf_config, dtype))
-    src = adapter.source
-    if src is not None:
-        for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
-            if (src / name).is_file():
-                shutil.copy2(src / name, out / name)
+    if adapter.source is not None:
+        copy_side_files(adapter.source, out, (*TOKENIZER_FILES, GENERATION_CONFIG))
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:

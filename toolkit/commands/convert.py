@@ -19,7 +19,8 @@ _TO = typer.Option(..., "--to", help="Target format: hf, mcore (megatron-core to
                    "independent), megatron-legacy "
                    "(iter_XXXXXXX/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt) or trainer (a `mdtk "
                    "train` checkpoint at another layout, with its optimizer state; DST is the new "
-                   "checkpoint root, see docs/training.md).")
+                   "checkpoint root, see docs/training.md) or hf-peft (the LoRA / DoRA adapters of "
+                   "a `mdtk train` run as an HF PEFT folder; --to hf --merge-lora merges them).")
 _TP = typer.Option(1, "--tp", min=1, help="Tensor-parallel size of the target (legacy: one file "
                    "per rank; mcore: sets the vocab padding and the stored args).")
 _PP = typer.Option(1, "--pp", min=1, help="Pipeline-parallel size of the target.")
@@ -55,6 +56,11 @@ _MAX_SHARD_GB = typer.Option(5.0, "--max-shard-gb", help="HF target: largest saf
 _FSYNC = typer.Option(False, "--fsync", help="fsync every output file before the final rename "
                       "(durable against power loss; slower).")
 _QUIET = typer.Option(False, "--quiet", "-q", help="No progress bar.")
+_MERGE_LORA = typer.Option(False, "--merge-lora", help="--to hf of a LoRA / DoRA run (or an HF "
+                           "PEFT folder): the base model with the adapters merged in float32, "
+                           "saved in the base's dtype.")
+_BASE = typer.Option(None, "--base", help="--merge-lora / hf-peft: the base HF folder (default: "
+                     "the one the run recorded).")
 
 
 def convert(
@@ -78,6 +84,8 @@ def convert(
     max_shard_gb: float = _MAX_SHARD_GB,
     fsync: bool = _FSYNC,
     quiet: bool = _QUIET,
+    merge_lora: bool = _MERGE_LORA,
+    base: Path | None = _BASE,
 ) -> None:
     """Convert a checkpoint to another format and layout, offline (no GPU, no process group).
 
@@ -90,7 +98,14 @@ def convert(
       mdtk convert ./ckpt ./legacy --to megatron-legacy --tp 2 --pp 2 --vpp 2
 
       mdtk convert ./run/checkpoints/step_0000100 ./hf --to hf --dtype bf16
+
+      mdtk convert ./lora_run/checkpoints ./adapter --to hf-peft
+
+      mdtk convert ./lora_run/checkpoints ./merged --to hf --merge-lora [--base ./Llama-3.2-1B]
     """
+    if to == "hf-peft" or merge_lora or _has_adapter(src):
+        _adapters(src, dst, to, merge_lora=merge_lora, base=base, overwrite=overwrite)
+        return
     if to == "trainer":
         _to_trainer(src, dst, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp, zero=zero,
                     overwrite=overwrite)
@@ -113,6 +128,35 @@ def convert(
         typer.echo(line)
 
 
+def _has_adapter(src: Path) -> bool:
+    from toolkit.convert.adapters import is_adapter
+
+    return is_adapter(src)
+
+
+def _adapters(src: Path, dst: Path, to: str, *, merge_lora: bool, base: Path | None,
+              overwrite: bool) -> None:
+    """LoRA / DoRA adapters: an HF PEFT folder, or merged into their base (``--merge-lora``)."""
+    from toolkit.convert import adapters
+    from toolkit.errors import UserError
+
+    try:
+        if to == "hf-peft" and not merge_lora:
+            out = adapters.to_peft(src, dst, base=str(base) if base else None,
+                                   overwrite=overwrite)
+        elif to == "hf" and merge_lora:
+            out = adapters.merge(src, dst, base=str(base) if base else None, overwrite=overwrite)
+        else:
+            how = ("--merge-lora writes an HF model: use --to hf --merge-lora" if merge_lora else
+                   f"{src} holds LoRA adapters, not a full model: use --to hf-peft (the "
+                   "adapters) or --to hf --merge-lora (merged into the base)")
+            raise UserError(how + ".")
+    except UserError as err:
+        errors.say(err)
+        raise typer.Exit(2) from err
+    typer.echo(f"{'merged model' if merge_lora else 'HF PEFT adapter'} -> {out}")
+
+
 def _to_trainer(src: Path, dst: Path, **layout) -> None:
     """A trainer checkpoint resharded to another layout (``toolkit.train.reshard``)."""
     from toolkit.errors import UserError
@@ -129,7 +173,8 @@ def _to_trainer(src: Path, dst: Path, **layout) -> None:
 
 
 def inspect(
-    path: Path = typer.Argument(..., help="A checkpoint folder of any supported format."),
+    path: Path = typer.Argument(..., help="A checkpoint folder of any supported format, or a "
+                                "Megatron indexed dataset (PREFIX of PREFIX.bin/.idx)."),
     hf_config: Path | None = typer.Option(None, "--hf-config", help="Folder with config.json "
                                           "for checkpoints that carry none."),
     source_format: str | None = typer.Option(None, "--from", help="Format, when detection is "
@@ -138,10 +183,18 @@ def inspect(
 ) -> None:
     """Describe a checkpoint: format, architecture, layout, dtypes, parameter count, files, and
     the consistency problems found (missing or truncated files, shapes that differ from
-    config.json, missing ranks). Exit 1 when there are problems."""
+    config.json, missing ranks; for a trainer checkpoint, files whose size or xxh3-128 checksum
+    differs from its manifest). For an indexed dataset PREFIX: documents, sequences, tokens,
+    dtype, the largest token id and whose dtype codes the index uses (megatron-core or
+    DeepSpeed). Exit 1 when there are problems."""
     import dataclasses
     import json
 
+    from toolkit.train.data.indexed_format import looks_indexed
+
+    if looks_indexed(str(path)):
+        _inspect_indexed(str(path), as_json)
+        return
     from toolkit.convert import inspect as run_inspect
 
     info = run_inspect(path, hf_config=hf_config, source_format=source_format)
@@ -154,6 +207,13 @@ def inspect(
         typer.echo(f"format:       {info.format or 'unknown'}")
         if info.architecture:
             typer.echo(f"architecture: {info.architecture}")
+        if info.adapter:
+            a = info.adapter
+            typer.echo(f"adapter:      {a['method']} r={a['r']} alpha={a['alpha']:g}"
+                       + (" rslora" if a["rslora"] else "") + f", {a['modules']} modules, "
+                       f"{a['parameters']:,} parameters")
+            typer.echo(f"targets:      {', '.join(a['targets'])}")
+            typer.echo(f"base:         {a['base'] or 'not recorded'}")
         if info.iteration is not None:
             typer.echo(f"iteration:    {info.iteration}")
         if info.layout:
@@ -165,6 +225,8 @@ def inspect(
             typer.echo(f"quantized:    {info.quantization}")
         if info.tensors:
             typer.echo(f"parameters:   {info.parameters:,} in {info.tensors} tensors")
+        if info.manifest:
+            typer.echo(f"manifest:     {info.manifest}")
         typer.echo(f"files:        {len(info.files)}")
         for f in info.files[:20]:
             typer.echo(f"  {f}")
@@ -177,6 +239,27 @@ def inspect(
         else:
             typer.echo("problems:     none found")
     if info.problems:
+        raise typer.Exit(1)
+
+
+def _inspect_indexed(prefix: str, as_json: bool) -> None:
+    """A Megatron indexed dataset: which writer's dtype codes, dtype, documents, tokens, the
+    largest token id (a scan of the .bin); a file the trainer would refuse: exit 1."""
+    import json
+
+    from toolkit.train.data.indexed_format import describe
+
+    d = describe(prefix)
+    if as_json:
+        typer.echo(json.dumps(d, indent=1))
+    else:
+        for key, value in d.items():
+            if key != "problems":
+                typer.echo(f"{key + ':':14s}{value:,}" if isinstance(value, int)
+                           else f"{key + ':':14s}{value}")
+        typer.echo("problems:" + "".join(f"\n  - {p}" for p in d["problems"])
+                   if d["problems"] else "problems:     none found")
+    if d["problems"]:
         raise typer.Exit(1)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from toolkit.commands import options as opt
-from toolkit.commands.printing import fail, print_estimate
+from toolkit.commands.printing import fail, print_estimate, print_traffic
 
 WORLD_SIZE = typer.Option(None, "--world-size", min=1, help="With --check: ranks of the run; "
                           "DeepSpeed's own parser judges the batch keys at this world size.")
@@ -19,6 +19,10 @@ GPU = typer.Option("h100", "--gpu", help="Device whose speed ranks the options w
 HF_TRAINER = typer.Option(False, "--hf-trainer", help='Write "auto" where both the HF Trainer and '
                           "accelerate's DeepSpeedPlugin fill the value (AdamW betas/eps: "
                           "TrainingArguments' defaults).")
+HPZ = typer.Option("auto", "--hpz", help="ZeRO++ hpZ partition size (zero_hpz_partition_size): "
+                   "auto (weighed with --recompute auto on several nodes: the GPUs per node "
+                   "when it pays or saves cross-node bytes at no cost), 1 = off, N = use N "
+                   "(stage 3, tp = pp = 1).")
 DEEPSPEED_PARSE = typer.Option(
     False, "--deepspeed-parse/--no-deepspeed-parse",
     help="Also run DeepSpeed's own config parser on the generated config (imports torch and "
@@ -39,8 +43,10 @@ def ds_config(
     sequence_parallel: bool = opt.SP, seq_len: int = opt.SEQ, micro_batch: int = opt.MICRO,
     global_batch: int | None = opt.GLOBAL, dtype: str = opt.DTYPE,
     recompute: str = RECOMPUTE,
-    flash: bool = opt.FLASH,
+    flash: bool = opt.FLASH, dpo: bool = opt.DPO, precompute_reference: bool = opt.PRECOMPUTE_REF,
     gpu: str = GPU, hf_trainer: bool = HF_TRAINER,
+    network: str = opt.NETWORK, allow_quantized_comm: bool = opt.ALLOW_QUANTIZED,
+    hpz: str = HPZ,
     scheduler: str = typer.Option("WarmupDecayLR", "--scheduler"),
     lr: float = typer.Option(3e-4, "--lr"),
     warmup_steps: int = typer.Option(100, "--warmup-steps"),
@@ -48,11 +54,13 @@ def ds_config(
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the JSON here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the reasoning."),
     deepspeed_parse: bool = DEEPSPEED_PARSE,
+    peft: str = opt.PEFT, lora_r: int = opt.LORA_R, lora_targets: str | None = opt.LORA_TARGETS,
 ) -> None:
-    """Choose ZeRO stage and offload for MODEL on the cluster, explain why, write the config."""
+    """Choose ZeRO stage, offload and ZeRO++ for MODEL on the cluster, explain why, write the
+    config. --check lints a config instead (--world-size and --gpus-per-node sharpen it)."""
     layout = opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel)
     if check is not None:
-        _check(check, world_size, layout)
+        _check(check, world_size, layout, gpus_per_node)
         return
     if model is None:
         fail("give --model (to generate a config) or --check FILE (to lint one).")
@@ -63,19 +71,22 @@ def ds_config(
     auto = recompute == "auto"
     try:
         request = Request(
-            model=load_model_shape(model),
+            model=load_model_shape(model, lora=opt.lora_of(peft, lora_r, lora_targets)),
             cluster=opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem, nvme_path, nvme_size),
             train=TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                              dtype=dtype, recompute="none" if auto else recompute,
-                             flash_attention=flash),
+                             flash_attention=flash, **opt.dpo_shape(dpo, precompute_reference)),
             layout=layout, stage=stage, offload=offload, hf_trainer=hf_trainer,
             scheduler=scheduler, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
+            hpz=_hpz(hpz), allow_quantized_comm=allow_quantized_comm,
         )
         if auto:
             from toolkit.planner import get_device
+            from toolkit.planner.devices import network_inter
             from toolkit.planner.zero_auto import zero_auto
 
-            plan = zero_auto(request, get_device(gpu))
+            device = get_device(gpu, inter=network_inter(network, gpus_per_node))
+            plan = zero_auto(request, device)
         else:
             plan = generate(request)
     except (ConfigError, ValueError) as e:
@@ -97,6 +108,14 @@ def ds_config(
         typer.echo(f"wrote {output} ({checked} it)", err=True)
 
 
+def _hpz(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        fail(f"--hpz {text!r}: give auto, 1 (off) or a partition size such as 8.")
+    return int(text)
+
+
 def _explain(plan) -> None:
     from toolkit.memory import GIB
 
@@ -111,17 +130,24 @@ def _explain(plan) -> None:
                    f"{chosen.estimate.layout.describe()})")
     for note in plan.notes:
         err(f"note: {note}", err=True)
+    costs = getattr(plan, "costs", {})
+    if "plain" in costs:
+        shown = {"plain ZeRO-3": costs["plain"], "chosen": costs["chosen"]}
+        if "quantized" in costs and costs["quantized"] is not costs["chosen"]:
+            shown["lossy qwZ/qgZ (best)"] = costs["quantized"]
+        print_traffic(shown, "data-parallel traffic per GPU per step, GB (ZeRO-3 collectives, "
+                      "docs/planner.md):")
     err(f"GPU total {chosen.estimate.gpu / GIB:.2f} GiB per rank", err=True)
 
 
-def _check(path: Path, world_size: int | None, layout) -> None:
+def _check(path: Path, world_size: int | None, layout, gpus_per_node: int) -> None:
     from toolkit.dsconfig import lint, load_config
 
     try:
         cfg = load_config(path)
     except (OSError, ValueError) as e:
         fail(str(e))
-    report = lint(cfg, world_size=world_size, layout=layout)
+    report = lint(cfg, world_size=world_size, layout=layout, gpus_per_node=gpus_per_node)
     for e in report.errors:
         typer.echo(f"error: {e}")
     for w in report.warnings:

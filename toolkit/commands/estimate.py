@@ -24,6 +24,8 @@ def estimate_cmd(
     stage: int = typer.Option(0, "--stage", min=0, max=3),
     offload_optimizer: str = typer.Option("none", "--offload-optimizer", help="none/cpu/nvme"),
     offload_param: str = typer.Option("none", "--offload-param", help="none/cpu/nvme"),
+    dpo: bool = opt.DPO, precompute_reference: bool = opt.PRECOMPUTE_REF,
+    peft: str = opt.PEFT, lora_r: int = opt.LORA_R, lora_targets: str | None = opt.LORA_TARGETS,
     as_json: bool = opt.AS_JSON,
 ) -> None:
     """Per-rank bytes (parameters, gradients, optimizer, DeepSpeed buffers, activations)."""
@@ -31,10 +33,11 @@ def estimate_cmd(
     from toolkit.memory import TrainShape, estimate, load_model_shape
 
     try:
-        shape = load_model_shape(model)
+        shape = load_model_shape(model, lora=opt.lora_of(peft, lora_r, lora_targets))
         cluster = opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem)
         train = TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
-                           dtype=dtype, recompute=recompute, flash_attention=flash)
+                           dtype=dtype, recompute=recompute, flash_attention=flash,
+                           **opt.dpo_shape(dpo, precompute_reference))
         zero = zero_options(shape, stage, offload_optimizer, offload_param)
         est = estimate(shape, train, opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel), zero,
                        cluster.world_size)
@@ -43,7 +46,8 @@ def estimate_cmd(
     if as_json:
         typer.echo(json.dumps(est.to_dict(), indent=2))
         return
-    print_estimate(est, f"{shape.name}: {shape.num_params() / 1e9:.2f}B params, "
+    lora = f" ({shape.trainable_params() / 1e6:.2f}M trainable, {peft})" if shape.lora else ""
+    print_estimate(est, f"{shape.name}: {shape.num_params() / 1e9:.2f}B params{lora}, "
                    f"{est.layout.describe()}, ZeRO-{stage}, pipeline stage {est.stage}")
 
 

@@ -10,6 +10,7 @@ import typer
 from toolkit.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
+    from toolkit.lora import LoraSpec
     from toolkit.memory import Cluster
 
 MODEL = typer.Option(..., "--model", help="Preset name, config.json, folder or hub id.")
@@ -31,6 +32,35 @@ DTYPE = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32.")
 RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
 FLASH = typer.Option(True, "--flash/--no-flash", help="Flash attention (no s^2 scores).")
 AS_JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+DPO = typer.Option(False, "--dpo", help="Preference tuning (DPO): each sample is a chosen and a "
+                   "rejected sequence, and a frozen reference model (sharded like the policy) "
+                   "runs forward over them (with --peft: the policy with its adapters off, no "
+                   "second copy).")
+PRECOMPUTE_REF = typer.Option(False, "--precompute-reference", help="With --dpo: the reference "
+                              "log-probabilities are computed before training (dpo."
+                              "precompute_reference), so no reference model is held.")
+NETWORK = typer.Option("ib", "--network", help="Inter-node network: ib (the device's own: one "
+                       "400 Gb/s NDR NIC per GPU on DGX/HGX H100/H200/B200) or ethernet (one "
+                       "100 GbE port per node, assumed). Decides whether ZeRO++ pays.")
+ALLOW_QUANTIZED = typer.Option(False, "--allow-quantized-comm", help="Let ZeRO-3 plans on several "
+                               "nodes use ZeRO++'s lossy qwZ (int8 parameter gathers) and qgZ "
+                               "(int4 gradient reduction) where they pay; CUDA kernels, GPUs "
+                               "only. Without it only the exact hpZ is weighed.")
+PEFT = typer.Option("none", "--peft", help="none, lora or dora: train adapters only (the base "
+                    "frozen in --dtype: no gradients, no optimizer states for it).")
+LORA_R = typer.Option(16, "--lora-r", min=1, help="Adapter rank with --peft.")
+LORA_TARGETS = typer.Option(None, "--lora-targets", help="With --peft: comma-separated HF "
+                            "projection names (default: every linear layer of the blocks).")
+
+
+def lora_of(peft: str, r: int, targets: str | None) -> LoraSpec | None:
+    """The adapters ``--peft`` / ``--lora-r`` / ``--lora-targets`` describe (None: full)."""
+    from toolkit.lora import LoraSpec
+
+    if peft == "none":
+        return None
+    names = frozenset(t.strip() for t in (targets or "").split(",") if t.strip())
+    return LoraSpec(method=peft, r=r, targets=names)
 
 
 def cluster_of(nodes: int, gpus: int, gpu_mem: str, cpu_mem: str, nvme_path: str | None = None,
@@ -40,6 +70,13 @@ def cluster_of(nodes: int, gpus: int, gpu_mem: str, cpu_mem: str, nvme_path: str
     return Cluster(nodes=nodes, gpus_per_node=gpus, gpu_mem=parse_bytes(gpu_mem),
                    cpu_mem=parse_bytes(cpu_mem), nvme_path=nvme_path,
                    nvme_size=parse_bytes(nvme_size) if nvme_size else None)
+
+
+def dpo_shape(dpo: bool, precompute_reference: bool) -> dict[str, bool]:
+    """TrainShape's / Workload's DPO fields: pairs, and a reference model unless precomputed."""
+    if precompute_reference and not dpo:
+        raise ValueError("--precompute-reference applies to --dpo runs: add --dpo.")
+    return {"pairs": dpo, "reference_model": dpo and not precompute_reference}
 
 
 def layout_of(tp: int, pp: int, cp: int, ep: int, vpp: int | None, sp: bool) -> ParallelLayout:

@@ -10,8 +10,25 @@ from pathlib import Path
 
 import typer
 
-from toolkit.commands.options import AS_JSON, CPU_MEM, DTYPE, FLASH, GPUS, MODEL_OR_NONE, NODES, SEQ
-from toolkit.commands.printing import fail
+from toolkit.commands.options import (
+    ALLOW_QUANTIZED,
+    AS_JSON,
+    CPU_MEM,
+    DPO,
+    DTYPE,
+    FLASH,
+    GPUS,
+    LORA_R,
+    LORA_TARGETS,
+    MODEL_OR_NONE,
+    NETWORK,
+    NODES,
+    PEFT,
+    PRECOMPUTE_REF,
+    SEQ,
+    lora_of,
+)
+from toolkit.commands.printing import fail, print_traffic
 
 GPU = typer.Option("h100", "--gpu", help="Device: h100, h200, a100-80gb, a100-40gb, l40s, b200, "
                    "mi300x, ... (mdtk plan --gpu list shows them).")
@@ -36,7 +53,7 @@ EMIT = typer.Option(None, "--emit", help="Write train.yaml + ds_config.json of t
                     "into this folder.")
 EMIT_RANK = typer.Option(1, "--emit-rank", min=1, help="Which plan --emit writes.")
 DATA = typer.Option(None, "--data", help="With --emit: training data (repeat).")
-DATA_MODE = typer.Option("pretrain", "--data-mode", help="pretrain or sft.")
+DATA_MODE = typer.Option("pretrain", "--data-mode", help="pretrain or sft (--dpo: dpo).")
 TOKENIZER = typer.Option(None, "--tokenizer", help="With --emit: tokenizer (default: the model "
                          "folder).")
 OUTPUT_DIR = typer.Option(None, "--output-dir", help="With --emit: the run's output_dir (default "
@@ -59,7 +76,10 @@ def plan_cmd(
     hbm_gbps: float | None = HBM, emit: Path | None = EMIT, emit_rank: int = EMIT_RANK,
     data: list[str] = DATA, data_mode: str = DATA_MODE, tokenizer: str | None = TOKENIZER,
     output_dir: str | None = OUTPUT_DIR, steps: int | None = STEPS,
-    sweep_gpus: str | None = SWEEP, plot: Path = PLOT,
+    sweep_gpus: str | None = SWEEP, plot: Path = PLOT, dpo: bool = DPO,
+    precompute_reference: bool = PRECOMPUTE_REF, peft: str = PEFT, lora_r: int = LORA_R,
+    lora_targets: str | None = LORA_TARGETS,
+    network: str = NETWORK, allow_quantized_comm: bool = ALLOW_QUANTIZED,
 ) -> None:
     """Rank layouts (tp, pp, vpp, cp, ep, dp), ZeRO stage, offload, recompute and micro-batch
     by estimated step time among those the memory model says fit."""
@@ -76,8 +96,10 @@ def plan_cmd(
     request = PlanRequest(
         model, tokens, price, gpu, gpu_mem, nodes=nodes, gpus_per_node=gpus_per_node,
         cpu_mem=cpu_mem, seq_len=seq_len, global_batch=global_batch, dtype=dtype, flash=flash,
-        top=top, allow_cp=allow_cp, per_layout=per_layout, emit_rank=emit_rank,
-        device_overrides=overrides)
+        top=top, allow_cp=allow_cp, network=network, allow_quantized=allow_quantized_comm,
+        per_layout=per_layout, emit_rank=emit_rank, dpo=dpo,
+        precompute_reference=precompute_reference, device_overrides=overrides,
+        lora=lora_of(peft, lora_r, lora_targets))
     if sweep_gpus is not None:
         try:
             report = sweep_counts(request, sweep_gpus)
@@ -123,7 +145,8 @@ def _table(report, top: int) -> None:
 
     s, work, result = report.setting, report.work, report.result
     shape, cluster, tokens, price = s.shape, s.cluster, s.tokens, report.price
-    typer.echo(f"{shape.name} ({_params(shape.num_params())} params) on {cluster.nodes} x "
+    lora = f", {_params(shape.trainable_params())} trainable" if shape.lora else ""
+    typer.echo(f"{shape.name} ({_params(shape.num_params())} params{lora}) on {cluster.nodes} x "
                f"{cluster.gpus_per_node} {s.device.key}, seq {work.seq_len}, global batch "
                f"{work.global_batch}, {work.dtype}")
     head = ["#", "layout", "ZeRO", "offload", "recompute", "micro x acc", "GiB/GPU", "step s",
@@ -137,6 +160,12 @@ def _table(report, top: int) -> None:
                              for j, (v, w) in enumerate(zip(r, widths, strict=True))))
     best = result.plans[0]
     typer.echo(f"#1 step: {_breakdown(best)}")
+    from toolkit.planner.report import traffic_comparison
+
+    costs = traffic_comparison(report)
+    if costs:
+        print_traffic(costs, "#1's data-parallel traffic per GPU per step, GB (ZeRO-3 "
+                      "collectives; ZeRO++: docs/planner.md):")
     for i, other in enumerate(result.plans[1:top], 2):
         typer.echo(f"  #1 over #{i}: {explain(best, other)}")
     typer.echo(f"({result.considered} plans costed, {result.rejected_memory} refused by the "
@@ -153,7 +182,9 @@ def _row(i: int, p, tokens: float | None, price: float | None) -> list[str]:
         f" cp{c.cp}" if c.cp > 1 else "") + (f" ep{c.ep}" if c.ep > 1 else "") + f" dp{c.dp}"
     if not p.runnable:
         layout += " (*)"
-    row = [str(i), layout, str(c.zero), c.offload, c.recompute,
+    zero = str(c.zero) + "".join([f"+hpZ{c.hpz}"] * (c.hpz > 1) + ["+qwZ"] * c.qwz
+                                 + ["+qgZ"] * c.qgz)
+    row = [str(i), layout, zero, c.offload, c.recompute,
            f"{c.micro_batch} x {k.num_microbatches}", f"{p.mem_per_gpu / 2**30:.1f}",
            f"{k.step:.3g}", f"{k.tokens_per_s_per_gpu:,.0f}", f"{k.mfu:.1%}"]
     if tokens:

@@ -35,3 +35,24 @@ def print_estimate(est: Estimate, title: str) -> None:
             table.add_row(f"[bold]total {device}", device, f"[bold]{est.total(device) / GIB:.3f}",
                           "")
     Console().print(table)
+
+
+def print_traffic(costs: dict, title: str) -> None:
+    """The data-parallel traffic of plans side by side (``StepCost`` by name), to stderr: GB one
+    GPU sends per step over NVLink and over the network, and each plan's cross-node bytes
+    against the first's."""
+    from toolkit.planner.zeropp import traffic_rows
+
+    say = typer.echo
+    names = list(costs)
+    say(title, err=True)
+    say(f"  {'collective':36s}" + "".join(f"{n[:21]:>22s}" for n in names), err=True)
+    say(f"  {'':36s}" + "".join(f"{'NVLink':>11s}{'network':>11s}" for _ in names), err=True)
+    for label, cells in traffic_rows(costs):
+        say(f"  {label:36s}" + "".join(f"{a / 1e9:11.2f}{b / 1e9:11.2f}" for a, b in cells),
+            err=True)
+    base = costs[names[0]].cross_node_bytes
+    if base:
+        ratios = ", ".join(f"{n} {c.cross_node_bytes / base:.3f}" for n, c in costs.items())
+        say(f"  cross-node bytes against {names[0]}: {ratios}; step "
+            + ", ".join(f"{n} {c.step:.3g} s" for n, c in costs.items()), err=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from toolkit.adapters.registry import family_for
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.hf import TOKENIZER_FILES
+from toolkit.checkpoint.hf import copy_side_files
 from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR
 
 
@@ -169,9 +169,7 @@ def derived_hf_folder(common: dict[str, Any]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
     if tok is not None:
-        for name in TOKENIZER_FILES:
-            if (tok / name).is_file():
-                shutil.copy2(tok / name, tmp / name)
+        copy_side_files(tok, tmp)
     (tmp / "config.json").write_text(text)
     try:
         os.rename(tmp, out)

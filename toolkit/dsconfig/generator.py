@@ -8,9 +8,11 @@ The config is linted before it is handed out, for every caller (CLI, presets, tr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.dsconfig import zeropp
 from toolkit.dsconfig.lint import HF_ADAM_BETAS, HF_ADAM_EPS, lint
 from toolkit.errors import ConfigError
 from toolkit.memory import (
@@ -24,6 +26,7 @@ from toolkit.memory import (
     ZeroOptions,
     estimate,
 )
+from toolkit.memory.estimate import zero_with_pipeline
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
 AUTO = "auto"
@@ -54,6 +57,18 @@ class Request:
     total_steps: int = 10000
     headroom: float = 0.10  # fraction of GPU / host memory kept free
     gpu_reserve: int = 2 * GIB  # CUDA context, NCCL buffers, allocator fragmentation
+    # ZeRO++ (stage 3): a value forces it; None lets the planner choose (toolkit.planner.
+    # zero_auto: hpZ when it pays on several nodes, qwZ/qgZ only with allow_quantized_comm)
+    # and means off in ``generate``.
+    hpz: int | None = None
+    quantized_weights: bool | None = None
+    quantized_gradients: bool | None = None
+    allow_quantized_comm: bool = False
+
+    @property
+    def forced_zeropp(self) -> tuple[int, bool, bool]:
+        """(hpz, qwZ, qgZ) as the request fixes them (None counts as off)."""
+        return self.hpz or 1, bool(self.quantized_weights), bool(self.quantized_gradients)
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,10 @@ class Option:
             text += f" + optimizer->{z.offload_optimizer}"
         if z.offload_param != "none":
             text += f" + params->{z.offload_param}"
+        if z.zeropp:
+            text += " + ZeRO++ " + "+".join([f"hpZ {z.hpz}"] * (z.hpz > 1)
+                                            + ["qwZ"] * z.quantized_weights
+                                            + ["qgZ"] * z.quantized_gradients)
         if self.recompute is not None:
             text += f" + recompute {self.recompute}"
         return text
@@ -184,10 +203,49 @@ def validate_request(req: Request) -> ParallelLayout:
         layout = req.layout.resolve(req.cluster.world_size)
     except LayoutError as e:
         raise ConfigError(str(e)) from e
+    if req.stage != AUTO:  # a combination DeepSpeed cannot run: say so, not "nothing fits"
+        problem = zero_with_pipeline(int(req.stage), layout.pp)
+        if problem:
+            raise ConfigError(problem)
+    _validate_zeropp(req, layout)
     if not candidate_zero(req.model, req.stage, req.offload):
         raise ConfigError(f"--stage {req.stage} with --offload {req.offload} leaves no option: "
                           "offload needs stage >= 2 here (optimizer) or 3 (NVMe, parameters).")
     return layout
+
+
+def _validate_zeropp(req: Request, layout: ParallelLayout) -> None:
+    """ZeRO++ options the request fixes: only at stage 3 and where DeepSpeed runs them right."""
+    hpz, qwz, qgz = req.forced_zeropp
+    if not (hpz > 1 or qwz or qgz):
+        return
+    if req.stage not in (AUTO, "3"):
+        raise ConfigError(f"ZeRO++ (hpZ, qwZ, qgZ) with --stage {req.stage}: only ZeRO-3 uses "
+                          "it. Use stage 3 (or auto) or drop the ZeRO++ options.")
+    block = {"stage": 3, zeropp.HPZ: hpz, "zero_quantized_weights": qwz,
+             "zero_quantized_gradients": qgz}
+    errors, _ = zeropp.findings(block, layout, req.cluster.world_size,
+                                req.cluster.gpus_per_node)
+    if errors:
+        raise ConfigError(" ".join(errors))
+
+
+def with_zeropp(zero: ZeroOptions, hpz: int = 1, qwz: bool = False, qgz: bool = False
+                ) -> ZeroOptions:
+    """``zero`` with these ZeRO++ options (stage 3; other stages stay as they are)."""
+    if zero.stage != 3:
+        return zero
+    return dataclasses.replace(zero, hpz=hpz, quantized_weights=qwz, quantized_gradients=qgz)
+
+
+def request_zero(req: Request) -> list[ZeroOptions]:
+    """The options to try for ``req``: ``candidate_zero`` with the ZeRO++ options it fixes
+    (then only stage 3)."""
+    hpz, qwz, qgz = req.forced_zeropp
+    out = candidate_zero(req.model, req.stage, req.offload)
+    if hpz > 1 or qwz or qgz:
+        out = [with_zeropp(z, hpz, qwz, qgz) for z in out if z.stage == 3]
+    return out
 
 
 def nothing_fits(req: Request, layout: ParallelLayout, considered: list[Option]) -> ConfigError:
@@ -207,7 +265,7 @@ def generate(req: Request) -> Plan:
     The request's recompute is fixed here; ``toolkit.planner.zero_auto`` chooses it too."""
     layout = validate_request(req)
     considered: list[Option] = []
-    for zero in candidate_zero(req.model, req.stage, req.offload):
+    for zero in request_zero(req):
         option = evaluate(req, zero)
         considered.append(option)
         if option.fits:
@@ -221,7 +279,7 @@ def generate(req: Request) -> Plan:
     # mdtk's own checks only: DeepSpeed's parser imports torch (estimate / ds-config stay
     # torch-free); the trainer's final lint and `ds-config --deepspeed-parse` run it.
     report = lint(config, world_size=None if req.hf_trainer else req.cluster.world_size,
-                  layout=layout, run_deepspeed=False)
+                  layout=layout, run_deepspeed=False, gpus_per_node=req.cluster.gpus_per_node)
     if report.errors:  # a generator bug: never hand out a config mdtk's lint refuses
         raise RuntimeError("generated config failed the lint (a generator bug):\n  "
                            + "\n  ".join(report.errors))
@@ -291,6 +349,12 @@ def _zero_block(req: Request, zero: ZeroOptions, est: Estimate, notes: list[str]
             stage3_max_reuse_distance=INT_1E9,
             stage3_gather_16bit_weights_on_model_save=True,
         )
+        if zero.hpz > 1:
+            block[zeropp.HPZ] = zero.hpz
+        if zero.quantized_weights:
+            block["zero_quantized_weights"] = True
+        if zero.quantized_gradients:
+            block["zero_quantized_gradients"] = True
     block["sub_group_size"] = zero.sub_group_size
     pinned_per_node = est.cpu * req.cluster.gpus_per_node
     pin = pinned_per_node <= req.cluster.cpu_mem // 2

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.dsconfig import zeropp
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
 # Keys HF Trainer / accelerate fill in when their value is "auto"
@@ -106,8 +107,12 @@ def _enabled(cfg: dict, key: str) -> bool:
 
 
 def lint(cfg: dict[str, Any], *, world_size: int | None = None,
-         layout: ParallelLayout | None = None, run_deepspeed: bool = True) -> LintReport:
-    """Errors (the run fails or silently misbehaves) and warnings (probably unintended)."""
+         layout: ParallelLayout | None = None, run_deepspeed: bool = True,
+         gpus_per_node: int | None = None, runs_here: bool = False) -> LintReport:
+    """Errors (the run fails or silently misbehaves) and warnings (probably unintended).
+    ``gpus_per_node``: the cluster's, for hpZ's group size. ``runs_here``: the config is for a
+    run on this machine (the trainer), so kernels it lacks are errors, not warnings; with
+    ``run_deepspeed`` (imports DeepSpeed) the lint asks which kernels this machine has."""
     report = LintReport()
     layout = layout or ParallelLayout()
     autos = [p for p, v in _walk(cfg) if v == "auto"]
@@ -125,6 +130,11 @@ def lint(cfg: dict[str, Any], *, world_size: int | None = None,
     zero = cfg.get("zero_optimization") or {}
     if isinstance(zero, dict):
         _check_zero(cfg, zero, layout, report)
+        errors, warnings = zeropp.findings(zero, layout, world_size, gpus_per_node)
+        report.errors += errors
+        report.warnings += warnings
+        if run_deepspeed and zeropp.quantized_of(zero) and zero.get("stage") == 3:
+            _check_kernels(zeropp.quantized_of(zero), runs_here, report)
     _check_batch(cfg, world_size, layout, report)
     _check_optimizer(cfg, zero if isinstance(zero, dict) else {}, report)
     _check_top_level(cfg, report)
@@ -192,6 +202,22 @@ def _check_zero(cfg: dict, zero: dict, layout: ParallelLayout, report: LintRepor
         if old in zero:
             report.warnings.append(f"zero_optimization.{old} is deprecated: use "
                                    "offload_optimizer / offload_param blocks.")
+
+
+def _check_kernels(keys: list[str], runs_here: bool, report: LintReport) -> None:
+    from toolkit.runtime.ops import quantizer_missing
+
+    missing = quantizer_missing()
+    if missing is None:
+        return
+    text = (f"zero_optimization.{keys[0]} needs DeepSpeed's quantizer kernels (CUDA), and "
+            f"this machine has none: {missing}.")
+    if runs_here:
+        report.errors.append(text + " Run it on GPUs, or drop the quantized options "
+                             "(zero_hpz_partition_size alone is exact and runs anywhere).")
+    else:
+        report.warnings.append(text + " Fine if the config is for a GPU cluster; here "
+                               "deepspeed.initialize would fail.")
 
 
 def _check_batch(cfg: dict, world_size: int | None, layout: ParallelLayout,

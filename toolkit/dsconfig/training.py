@@ -55,10 +55,12 @@ def with_trainer_keys(config: dict[str, Any], keys: TrainerKeys, cp: int = 1) ->
     return config
 
 
-def trainer_config(source: Request | str | Path, keys: TrainerKeys, layout: ParallelLayout
-                   ) -> tuple[dict[str, Any], list[str]]:
+def trainer_config(source: Request | str | Path, keys: TrainerKeys, layout: ParallelLayout,
+                   gpus_per_node: int | None = None) -> tuple[dict[str, Any], list[str]]:
     """(config, notes saying why): ``source`` is a generator Request (stage and offload chosen
-    from the memory model) or the path of the user's DeepSpeed JSON. ``layout``: resolved.
+    from the memory model) or the path of the user's DeepSpeed JSON. ``layout``: resolved;
+    ``gpus_per_node``: this run's ranks per node. The config runs on this machine, so kernels
+    it lacks (ZeRO++'s quantizer on CPU) are errors.
 
     Raises ConfigError naming what the lint refused (ValueError for a file that is not a JSON
     object)."""
@@ -68,12 +70,15 @@ def trainer_config(source: Request | str | Path, keys: TrainerKeys, layout: Para
                                       *plan.notes]
     else:
         config = load_config(source)
-        report = lint(config, world_size=layout.world_size, layout=layout)
-        if not report.ok:
-            raise ConfigError("; ".join(report.errors))
-        notes = [f"user DeepSpeed config {source}", *report.warnings]
+        notes = [f"user DeepSpeed config {source}"]
+    report = lint(config, world_size=layout.world_size, layout=layout,
+                  gpus_per_node=gpus_per_node, runs_here=True)
+    if not report.ok:
+        raise ConfigError("; ".join(report.errors))
+    notes += report.warnings
     final = with_trainer_keys(config, keys, layout.cp)
-    report = lint(final, world_size=layout.world_size, layout=layout)
+    report = lint(final, world_size=layout.world_size, layout=layout,
+                  gpus_per_node=gpus_per_node, runs_here=True)
     if not report.ok:
         raise ConfigError("with the keys the trainer sets (batch split, clipping, optimizer, "
                           "precision): " + "; ".join(report.errors))

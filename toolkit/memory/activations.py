@@ -59,6 +59,9 @@ class TrainShape:
     dropout: bool = False  # Llama-style models train without dropout
     capacity_factor: float | None = None  # MoE: None = dropless (average load)
     fused: bool = True  # False: megatron-core's unfused kernels (mdtk's local spec on CPU)
+    pairs: bool = False  # DPO: each sample is a chosen and a rejected sequence (2 rows)
+    reference_model: bool = False  # DPO: a frozen reference copy of the weights is held
+    async_checkpoint: bool = False  # a host copy of the rank's checkpoint files, kept for the run
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -68,9 +71,16 @@ class TrainShape:
         if self.seq_len < 1 or self.micro_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and micro_batch={self.micro_batch} must be "
                              ">= 1.")
+        if self.reference_model and not self.pairs:
+            raise ValueError("a reference model (reference_model=True) is DPO's: set pairs=True.")
         if self.global_batch is not None and self.global_batch < self.micro_batch:
             raise ValueError(f"global_batch={self.global_batch} is smaller than "
                              f"micro_batch={self.micro_batch}.")
+
+    @property
+    def rows(self) -> int:
+        """Sequences in one micro-batch (DPO: the chosen and the rejected row of each pair)."""
+        return self.micro_batch * (2 if self.pairs else 1)
 
     @property
     def mask_bytes(self) -> int:
@@ -99,7 +109,7 @@ def layer_activations(model: ModelShape, train: TrainShape, layer: int, *, cp: i
     if keep_core is None:  # the CP attention always runs SDPA: no s x s scores at cp > 1
         keep_core = not train.flash_attention and train.recompute == "none" and cp == 1
     e, m = DTYPE_BYTES[train.dtype], train.mask_bytes
-    s, b, h = train.seq_len / cp, train.micro_batch, model.hidden
+    s, b, h = train.seq_len / cp, train.rows, model.hidden
     sb = s * b
     rope = not model.learned_positions
     norm = e * sb * h * (1 if train.fused or model.norm != "rms" else 2)  # [+ normalised copy]
@@ -173,7 +183,7 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
     tp, sp, cp = layout.tp, layout.sequence_parallel, layout.cp
     e = DTYPE_BYTES[train.dtype]
     eager = not train.flash_attention and cp == 1  # the CP attention always runs SDPA
-    sb = train.seq_len / cp * train.micro_batch
+    sb = train.seq_len / cp * train.rows
     sp_div = tp if sp else 1
     stored_layers = [layer_activations(model, train, i, cp=cp).total(tp, sp)
                      for i in params.layers]
@@ -191,6 +201,10 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
     held = in_flight_microbatches(layout, stage, num_microbatches)
     out = {f"activations ({len(stored_layers)} layers x {held:g} micro-batches in flight)":
            stored * held}
+    if model.lora and train.recompute != "full":  # each adapter's A x (r per token; the
+        # projection's input is saved by A instead of by the frozen weight, which saves none)
+        adapted = model.lora_projections(params.layers)
+        out["LoRA adapter activations"] = adapted * model.lora_rank * e * sb * held
     if train.recompute != "none" and working:
         out["recompute working set (one layer)"] = working
     vocab = model.padded_vocab(tp) if tp > 1 else model.vocab

@@ -19,8 +19,10 @@ from toolkit.memory.states import (
     RankParams,
     ZeroOptions,
     buffer_items,
+    checkpoint_staging_item,
     model_state_items,
     rank_params,
+    reference_items,
 )
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
@@ -117,6 +119,19 @@ def is_activation(item: Item) -> bool:
     return item.what.startswith(ACTIVATION_LINES)
 
 
+def zero_with_pipeline(stage: int, pp: int) -> str | None:
+    """Why ZeRO ``stage`` cannot run with ``pp`` pipeline stages, or None (one wording for the
+    memory model, the generator and the trainer's request)."""
+    if pp > 1 and stage >= 2:
+        why = ("ZeRO-3 needs every rank to run the same modules" if stage == 3 else
+               "DeepSpeed's pipeline engine refuses ZeRO-2, which reduces gradients at every "
+               "micro-batch; mdtk's memory model and configs follow it")
+        return (f"ZeRO stage {stage} with pp={pp}: DeepSpeed cannot combine ZeRO-2/3 with "
+                f"pipeline parallelism ({why}). Use stage 1 with pp > 1 (in DeepSpeed 0.19 it "
+                "holds the same memory as stage 2), or pp=1.")
+    return None
+
+
 def num_microbatches(train: TrainShape, dp: int) -> int:
     """Gradient-accumulation steps: global = micro * accumulation * dp must hold exactly."""
     if train.global_batch is None:
@@ -140,12 +155,9 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
                           num_query_groups=model.kv_heads, num_experts=model.experts or None,
                           vocab_size=model.vocab, ffn_hidden_size=model.ffn,
                           seq_len=train.seq_len)
-    if layout.pp > 1 and zero.stage >= 2:
-        raise LayoutError(
-            f"ZeRO stage {zero.stage} with pp={layout.pp}: DeepSpeed cannot combine ZeRO-2/3 "
-            "with pipeline parallelism (it reduces gradients at every micro-batch). Use stage 0 "
-            "or 1 with pp > 1, or pp=1."
-        )
+    problem = zero_with_pipeline(zero.stage, layout.pp)
+    if problem:
+        raise LayoutError(problem)
     m = num_microbatches(train, layout.dp)
     candidates = []
     stages = sorted({0, layout.pp - 1}) if pipeline_stage is None else [pipeline_stage]
@@ -156,6 +168,10 @@ def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero:
                              if zero.stage == 3 else 0)
         items = model_state_items(params, zero, train.dtype) + buffer_items(
             params, zero, train.dtype)
+        if train.reference_model and not params.frozen:  # LoRA: the policy, adapters off
+            items += reference_items(params, zero, train.dtype)
+        if train.async_checkpoint:
+            items.append(checkpoint_staging_item(params, zero, train.dtype))
         for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():
             items.append(Item(what, GPU, int(nbytes), transient=not what.startswith(
                 "activations")))

@@ -10,6 +10,7 @@ threshold are computed from the same source of truth.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from toolkit.adapters.hfconfig import HFConfig, HFConfigError, UnsupportedModel,
 from toolkit.adapters.presets import MODEL_PRESETS, get_preset
 from toolkit.adapters.registry import family_of
 from toolkit.errors import UserError
+from toolkit.lora.spec import LoraError, LoraSpec
+from toolkit.lora.targets import model_projections
 from toolkit.mapping import padded_vocab_size
 
 
@@ -37,6 +40,7 @@ class TensorSpec:
     numel: int
     split: str  # COL / ROW / REP / VOCAB / EXPERT
     layer: int | None  # decoder layer index, None for embedding / final norm / head
+    trainable: bool = True  # False: a frozen base weight under LoRA (no gradient, no optimizer)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class ModelShape:
     #: The adapter's vocab padding: megatron-core's vocab is a multiple of ``vocab_multiple * tp``
     #: (``toolkit.mapping.padded_vocab_size``; 1 = the adapter's default, the least padding).
     vocab_multiple: int = 1
+    #: LoRA / DoRA adapter tensors (``with_lora``); when present the base weights are frozen.
+    lora: tuple[TensorSpec, ...] = ()
+    lora_rank: int = 0
 
     @classmethod
     def from_dims(cls, d: Dims, name: str = "model") -> ModelShape:
@@ -110,7 +117,16 @@ class ModelShape:
         return padded_vocab_size(self.vocab, tp, self.vocab_multiple)
 
     def tensors(self, *, vocab: int | None = None) -> Iterator[TensorSpec]:
-        """Every parameter tensor of the HF model, with how megatron-core splits it."""
+        """Every parameter tensor of the HF model, with how megatron-core splits it (with LoRA:
+        the frozen base tensors, then the adapters)."""
+        if not self.lora:
+            yield from self._base_tensors(vocab)
+            return
+        for t in self._base_tensors(vocab):
+            yield dataclasses.replace(t, trainable=False)
+        yield from self.lora
+
+    def _base_tensors(self, vocab: int | None) -> Iterator[TensorSpec]:
         h, v = self.hidden, vocab or self.vocab
         norm_n = 2 if self.norm == "layer" else 1
         yield TensorSpec("embed", v * h, VOCAB, None)
@@ -190,6 +206,24 @@ class ModelShape:
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors())
 
+    def trainable_params(self) -> int:
+        """Parameters with gradients and optimizer states (all, or the LoRA adapters)."""
+        return sum(t.numel for t in self.tensors() if t.trainable)
+
+    def with_lora(self, adapters: Iterator[tuple[int, int, int]], rank: int) -> ModelShape:
+        """This shape with rank-``rank`` LoRA adapters, given as (layer, TP-sharded, replicated)
+        element counts per adapted projection (``toolkit.lora.targets.Projection.numel``)."""
+        specs = []
+        for i, (layer, sharded, replicated) in enumerate(adapters):
+            specs += [TensorSpec(f"l{layer}.lora{i}.sharded", sharded, COL, layer),
+                      TensorSpec(f"l{layer}.lora{i}.replicated", replicated, REP, layer)]
+        return dataclasses.replace(self, lora=tuple(specs), lora_rank=rank)
+
+    def lora_projections(self, layers: Iterator[int] | set[int]) -> int:
+        """Adapted projections in ``layers`` (each holds an ``[r]`` activation per token)."""
+        wanted = set(layers)
+        return sum(1 for t in self.lora if t.layer in wanted and t.name.endswith(".sharded"))
+
     def active_params(self) -> int:
         """Parameters one token passes through (MoE: top-k of the experts)."""
         total = 0
@@ -201,9 +235,11 @@ class ModelShape:
         return sum(t.numel for t in self._layer_tensors(layer, 2 if self.norm == "layer" else 1))
 
 
-def model_shape_from_hf(cfg: Mapping[str, Any] | Any, name: str = "model") -> ModelShape:
+def model_shape_from_hf(cfg: Mapping[str, Any] | Any, name: str = "model",
+                        lora: LoraSpec | None = None) -> ModelShape:
     """The shape of an HF config (a config.json dict, ``HFConfig`` or transformers config), as
-    its model family describes it (``toolkit.adapters``): no per-architecture code here."""
+    its model family describes it (``toolkit.adapters``): no per-architecture code here.
+    ``lora``: with those adapters (targets resolved by ``toolkit.lora.targets``), base frozen."""
     hf = HFConfig(cfg) if isinstance(cfg, Mapping) else cfg
     text = getattr(hf, "text_config", None)
     if text is not None and getattr(hf, "hidden_size", None) is None:
@@ -219,13 +255,21 @@ def model_shape_from_hf(cfg: Mapping[str, Any] | Any, name: str = "model") -> Mo
             f"{d.heads}, num_key_value_heads={d.groups} (heads must be a positive multiple of kv "
             "heads)"
         )
-    return ModelShape.from_dims(d, name)
+    shape = ModelShape.from_dims(d, name)
+    if lora is None:
+        return shape
+    try:
+        spec, adapted = model_projections(hf, lora)
+    except LoraError as e:
+        raise ModelConfigError(str(e)) from e
+    return shape.with_lora(((p.layer, *p.numel(spec.r, spec.dora)) for p in adapted), spec.r)
 
 
-def load_model_shape(spec: str) -> ModelShape:
-    """A preset name, a ``config.json`` path, a folder holding one, or a hub id."""
+def load_model_shape(spec: str, lora: LoraSpec | None = None) -> ModelShape:
+    """A preset name, a ``config.json`` path, a folder holding one, or a hub id (``lora``: with
+    those adapters, see ``model_shape_from_hf``)."""
     if spec.lower() in MODEL_PRESETS:
-        return model_shape_from_hf(get_preset(spec), name=spec.lower())
+        return model_shape_from_hf(get_preset(spec), name=spec.lower(), lora=lora)
     path = Path(spec)
     if path.is_dir() or path.is_file():
         try:
@@ -233,7 +277,7 @@ def load_model_shape(spec: str) -> ModelShape:
         except HFConfigError as e:
             raise ModelConfigError(str(e)) from e
         file = path / "config.json" if path.is_dir() else path
-        return model_shape_from_hf(hf, name=file.parent.name or str(file))
+        return model_shape_from_hf(hf, name=file.parent.name or str(file), lora=lora)
     if path.exists() or spec.count("/") != 1:
         raise ModelConfigError(
             f"model {spec!r}: not a preset ({', '.join(sorted(MODEL_PRESETS))}), not a "
@@ -245,4 +289,4 @@ def load_model_shape(spec: str) -> ModelShape:
         file = hf_hub_download(spec, "config.json")
     except Exception as e:  # network, authentication, missing repo: all say the same to the user
         raise ModelConfigError(f"could not fetch the config of hub model {spec!r}: {e}") from e
-    return model_shape_from_hf(read_hf_config(file), name=spec)
+    return model_shape_from_hf(read_hf_config(file), name=spec, lora=lora)

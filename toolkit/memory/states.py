@@ -15,6 +15,10 @@ tests/dist_checks/memory_checks.py):
   master, m, v to NVMe (host keeps swap buffers); parameter offload moves the 16-bit partitions.
   Stage 1/2 offload keeps a 16-bit staging partition of the updated parameters and two gradient
   staging buffers of the largest tensor's size on the GPU; stage 3 keeps its gradient partition.
+- ZeRO++ (stage 3): hpZ keeps a secondary copy of the parameters sharded over its group of
+  ``hpz`` ranks (``ds_secondary_tensor``: 1/hpz of every partitioned tensor, from the first
+  forward of a step until the optimizer step frees it); qwZ gathers int8 (a receive buffer and
+  an fp16 dequantized copy of what is gathered); qgZ reduces int4 (buffers of one bucket).
 """
 
 from __future__ import annotations
@@ -47,6 +51,14 @@ class ZeroOptions:
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     overlap_comm: bool = True
+    hpz: int = 1  # zero_hpz_partition_size: ranks of hpZ's secondary partition (1: off)
+    quantized_weights: bool = False  # zero_quantized_weights (qwZ)
+    quantized_gradients: bool = False  # zero_quantized_gradients (qgZ)
+
+    @property
+    def zeropp(self) -> bool:
+        """Any ZeRO++ option on."""
+        return self.hpz > 1 or self.quantized_weights or self.quantized_gradients
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -62,6 +74,11 @@ class ZeroOptions:
                              "silently runs it as CPU offload).")
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ValueError("optimizer offload needs ZeRO stage >= 1.")
+        if self.hpz < 1:
+            raise ValueError(f"hpz={self.hpz}: the hpZ partition size is >= 1 (1 = off).")
+        if self.zeropp and self.stage != 3:
+            raise ValueError(f"ZeRO++ (hpZ, qwZ, qgZ) needs ZeRO stage 3 (stage {self.stage} "
+                             "ignores it).")
 
 
 @dataclass(frozen=True)
@@ -88,9 +105,11 @@ class RankParams:
     largest_layer: int  # one decoder layer on this rank: what stage 3 gathers at once
     largest_tensor: int
     layers: tuple[int, ...] = field(default=())
+    frozen: int = 0  # LoRA: the base weights (no gradients, no optimizer states)
 
     @property
     def total(self) -> int:
+        """Trainable parameters (all of them without LoRA)."""
         return self.dense + self.expert
 
 
@@ -118,7 +137,7 @@ def rank_params(model: ModelShape, layout: ParallelLayout, stage: int = 0,
     vocab = model.padded_vocab(tp) if uses_megatron(layout) else model.vocab
     layers = set(stage_layers(model, layout, stage))
     first, last = stage == 0, stage == layout.pp - 1
-    dense = expert = persistent = largest_tensor = 0
+    dense = expert = frozen = persistent = largest_tensor = 0
     per_layer: dict[int, int] = {}
     for t in model.tensors(vocab=vocab):
         if t.layer is None:
@@ -132,21 +151,26 @@ def rank_params(model: ModelShape, layout: ParallelLayout, stage: int = 0,
             continue
         if t.split == EXPERT:
             n = t.numel // (layout.ep * etp)
-            expert += n
         else:
             n = t.numel if t.split == REP else t.numel // tp
+        if not t.trainable:
+            frozen += n
+        elif t.split == EXPERT:
+            expert += n
+        else:
             dense += n
         if t.layer is not None:
             per_layer[t.layer] = per_layer.get(t.layer, 0) + n
         if n < persistence_threshold:
             persistent += n
         local_experts = max(1, model.experts // layout.ep)
-        largest_tensor = max(largest_tensor, n // local_experts if t.split == EXPERT else n)
+        if t.trainable:
+            largest_tensor = max(largest_tensor, n // local_experts if t.split == EXPERT else n)
     dense_dp = layout.dp_cp
     expert_dp = max(1, dense_dp * tp // (layout.ep * etp))
     return RankParams(dense=dense, expert=expert, dense_dp=dense_dp, expert_dp=expert_dp,
                       persistent=persistent, largest_layer=max(per_layer.values(), default=0),
-                      largest_tensor=largest_tensor, layers=tuple(sorted(layers)))
+                      largest_tensor=largest_tensor, layers=tuple(sorted(layers)), frozen=frozen)
 
 
 def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
@@ -156,7 +180,7 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
     lp = DTYPE_BYTES[dtype]
     mixed = dtype != "fp32"
     s = zero.stage
-    items: list[Item] = []
+    items: list[Item] = frozen_items(params, zero, dtype)
     groups = [("", params.dense, params.dense_dp), ("expert ", params.expert, params.expert_dp)]
     for prefix, n, dp in groups:
         if n == 0:
@@ -196,6 +220,52 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
     return items
 
 
+def reference_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
+    """DPO's frozen reference model: the policy's tensors on this rank, weights only (no
+    gradients or optimizer states). Replicated over the data-parallel group, or at stage 3
+    partitioned like the policy (a DeepSpeed engine without optimizer: a 1/dp shard of every
+    tensor plus the whole small ones, on the parameter-offload device when there is one)."""
+    lp = DTYPE_BYTES[dtype]
+    what = f"reference model (frozen, {dtype})"
+    if zero.stage != 3:
+        return [Item(what, GPU, lp * params.total)]
+    shard = -(-params.dense // params.dense_dp) + -(-params.expert // params.expert_dp)
+    device = GPU if zero.offload_param == "none" else zero.offload_param
+    items = [Item(f"{what}, 1/{params.dense_dp} shard", device, lp * shard)]
+    if params.persistent:
+        items.append(Item(f"{what}, persistent small parameters (whole)", GPU,
+                          lp * params.persistent, note="below persistence threshold"))
+    return items
+
+
+def checkpoint_staging_item(params: RankParams, zero: ZeroOptions, dtype: str) -> Item:
+    """Host memory of asynchronous checkpoints (the trainer's ``checkpoint.async``): a copy of
+    what the worst rank writes, kept for the run. Data-parallel rank 0 writes the module state
+    (16-bit parameters; its own shard at stage 3) besides its optimizer partition (fp32 master
+    weights + Adam m, v; all of them at stage 0)."""
+    lp = DTYPE_BYTES[dtype]
+    total = 0
+    for n, dp in ((params.dense, params.dense_dp), (params.expert, params.expert_dp)):
+        shard = -(-n // dp) if zero.stage >= 1 else n
+        master = MASTER_BYTES if (dtype != "fp32" or zero.stage >= 1) else 0
+        total += lp * (shard if zero.stage == 3 else n) + (master + ADAM_STATE_BYTES) * shard
+    return Item("checkpoint staging (async save: host copy of the rank's files)", CPU, total)
+
+
+def frozen_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
+    """LoRA's frozen base weights: in the training dtype, without gradients, fp32 master copies or
+    optimizer states; ZeRO-3 partitions them like every other parameter."""
+    if not params.frozen:
+        return []
+    lp = DTYPE_BYTES[dtype]
+    if zero.stage == 3:
+        device = GPU if zero.offload_param == "none" else zero.offload_param
+        shard = -(-params.frozen // params.dense_dp)
+        return [Item(f"frozen base parameters ({dtype}, 1/{params.dense_dp} shard)", device,
+                     lp * shard)]
+    return [Item(f"frozen base parameters ({dtype})", GPU, lp * params.frozen)]
+
+
 def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
     """DeepSpeed's communication buffers and stage-3 working set."""
     lp = DTYPE_BYTES[dtype]
@@ -210,20 +280,47 @@ def buffer_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item
                           lp * min(zero.reduce_bucket_size, total), transient=True))
         items.append(Item("allgather bucket (after step)", GPU,
                           lp * min(zero.allgather_bucket_size, total), transient=True))
-    if s == 3:
-        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * min(zero.reduce_bucket_size,
-                                                                      total)))
+    if s == 3:  # allocated whole at engine start (contiguous_gradients, the generator's
+        # setting), however few parameters train: a LoRA run's adapters fill a sliver of it
+        items.append(Item("reduce bucket (ipg buffer)", GPU, lp * zero.reduce_bucket_size))
         gathered = min(zero.max_live_parameters,
-                       params.largest_layer + zero.prefetch_bucket_size, total)
+                       params.largest_layer + zero.prefetch_bucket_size, total + params.frozen)
         items.append(Item("gathered layer + prefetch", GPU, lp * gathered, transient=True,
                           note="stage3_max_live_parameters bounds it"))
         if zero.offload_param == NVME:
             items.append(Item("parameter swap buffers (pinned)", CPU,
                               lp * zero.param_buffer_count * zero.param_buffer_size))
+        items += zeropp_items(params, zero, dtype, gathered)
     if zero.offload_optimizer == NVME:
         shard = -(-total // max(1, params.dense_dp))
         sub = min(zero.sub_group_size, shard)
         items.append(Item("optimizer swap buffers (pinned)", CPU,
                           4 * zero.optimizer_buffer_count * sub,
                           note="buffer_count x sub_group_size fp32"))
+    return items
+
+
+def zeropp_items(params: RankParams, zero: ZeroOptions, dtype: str, gathered: int) -> list[Item]:
+    """ZeRO++'s memory (DeepSpeed 0.19 ``partition_parameters.py``, ``coalesced_collectives.py``).
+    hpZ: the secondary partition, 1/hpz of every partitioned (non-persistent) tensor in the
+    parameter dtype, on the GPU (with parameter offload: on the host) from the first forward of
+    a step to the optimizer step. qwZ: the int8 receive buffer of the gathered parameters and
+    their fp16 dequantized flat copy (the kernel works in fp16; each parameter is copied out of
+    it in the training dtype).
+    qgZ: int4 send and receive buffers of one reduce bucket."""
+    lp = DTYPE_BYTES[dtype]
+    items: list[Item] = []
+    if zero.hpz > 1:
+        device = GPU if zero.offload_param == "none" else zero.offload_param
+        partitioned = params.dense - params.persistent
+        items.append(Item(f"hpZ secondary parameter partition ({dtype}, 1/{zero.hpz})", device,
+                          lp * -(-partitioned // zero.hpz),
+                          note="zero_hpz_partition_size; freed at each optimizer step"))
+    if zero.quantized_weights:
+        items.append(Item("qwZ int8 gather buffer + fp16 dequantized copy", GPU, 3 * gathered,
+                          transient=True, note="zero_quantized_weights"))
+    if zero.quantized_gradients:
+        items.append(Item("qgZ int4 all-to-all buffers (one bucket)", GPU,
+                          min(zero.reduce_bucket_size, params.total), transient=True,
+                          note="zero_quantized_gradients: 2 x 0.5 bytes per element"))
     return items

@@ -3,8 +3,8 @@
 megatron-core leaves these to its own DDP wrapper (``finalize_model_grads``); mdtk trains with
 DeepSpeed instead, so it does them here, on ``param.grad``, before the optimizer sees the grads:
 - weights replicated across tensor-parallel ranks whose inputs differ per rank (norms under
-  sequence parallelism, the MoE router under SP, q/k norms that see a rank's heads only): sum
-  over the TP group;
+  sequence parallelism, the MoE router under SP, q/k norms that see a rank's heads only, LoRA
+  tensors marked ``tp_partial_grad``): sum over the TP group;
 - input embedding and output layer tied across the first and last pipeline stage: sum over the
   embedding group.
 """
@@ -18,6 +18,8 @@ from megatron.core import parallel_state as ps
 
 def _needs_tp_sum(name: str, param: torch.nn.Parameter, sequence_parallel: bool) -> bool:
     if sequence_parallel and getattr(param, "sequence_parallel", False):
+        return True
+    if getattr(param, "tp_partial_grad", False):  # e.g. LoRA adapters (toolkit.lora.layers)
         return True
     return "q_layernorm" in name or "k_layernorm" in name
 

@@ -97,7 +97,8 @@ class Efficiency:
 @dataclass(frozen=True)
 class Candidate:
     """One plan's knobs. ``vpp`` 1 = not interleaved. ``offload``: none / optimizer (CPU Adam) /
-    all (optimizer + ZeRO-3 parameters on the host)."""
+    all (optimizer + ZeRO-3 parameters on the host). ZeRO++ (ZeRO-3 only): ``hpz`` the hpZ
+    partition size (1: off), ``qwz`` int8 parameter gathers, ``qgz`` int4 gradient reduction."""
 
     tp: int = 1
     pp: int = 1
@@ -109,8 +110,13 @@ class Candidate:
     offload: str = "none"
     recompute: str = "none"
     micro_batch: int = 1
+    hpz: int = 1
+    qwz: bool = False
+    qgz: bool = False
 
     def __post_init__(self) -> None:
+        if (self.hpz > 1 or self.qwz or self.qgz) and self.zero != 3:
+            raise ValueError(f"ZeRO++ (hpZ, qwZ, qgZ) needs ZeRO-3, not ZeRO-{self.zero}.")
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload={self.offload!r}: use one of {', '.join(OFFLOADS)}.")
         if self.recompute not in RECOMPUTES:
@@ -138,7 +144,8 @@ class Candidate:
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts.append(f"dp{self.dp}")
-        text = " ".join(parts) + f" ZeRO-{self.zero}"
+        text = " ".join(parts) + f" ZeRO-{self.zero}" + "".join(
+            [f"+hpZ{self.hpz}"] * (self.hpz > 1) + ["+qwZ"] * self.qwz + ["+qgZ"] * self.qgz)
         if self.offload != "none":
             text += " +offload(" + ("opt" if self.offload == "optimizer" else "opt+params") + ")"
         if self.recompute != "none":
@@ -153,6 +160,13 @@ class Workload:
     dtype: str = "bf16"
     flash: bool = True  # False: eager attention (mdtk's CPU path), scores through memory
     fused: bool = True  # False: megatron-core's unfused kernels (mdtk on CPU; memory model)
+    pairs: bool = False  # DPO: a sample is a chosen and a rejected sequence (global_batch pairs)
+    reference_model: bool = False  # DPO: a frozen reference runs forward over every micro-batch
+
+    @property
+    def rows(self) -> int:
+        """Sequences per sample."""
+        return 2 if self.pairs else 1
 
 
 @dataclass(frozen=True)
@@ -213,13 +227,24 @@ class StepCost:
     num_microbatches: int
     tokens_per_s_per_gpu: float
     mfu: float
+    reference: float = 0.0  # DPO: the reference model's forward-only pipeline
     volumes: dict[str, float] = field(default_factory=dict)  # bytes per rank per step, by kind
     links: dict[str, str] = field(default_factory=dict)  # the Link.name each kind travels over
+    #: What one rank sends per step (ring factors included) over the GPU link / across nodes,
+    #: by kind, for the data-parallel collectives (ZeRO-3's split, ZeRO++: planner/zeropp.py).
+    sent_intra: dict[str, float] = field(default_factory=dict)
+    sent_inter: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cross_node_bytes(self) -> float:
+        """Bytes one rank sends across nodes per step in the data-parallel collectives."""
+        return sum(self.sent_inter.values())
 
     def breakdown(self) -> dict[str, float]:
         d = asdict(self)
         return {k: d[k] for k in ("compute", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",
-                                  "pp_send", "dp_comm", "buffers", "optimizer", "offload")}
+                                  "pp_send", "dp_comm", "buffers", "optimizer", "offload",
+                                  "reference")}
 
 
 # -- the terms, one function each (tests/test_planner_cost.py checks them by hand) ---------------

@@ -121,6 +121,22 @@ class DeviceError(ValueError):
     """An unknown device or an impossible override; the message lists the known ones."""
 
 
+#: ``--network``: the inter-node network per node, bytes/s per direction; None = the device
+#: table's own (DGX/HGX-style: one 400 Gb/s InfiniBand NDR NIC per GPU; HDR for A100).
+#: ``ethernet`` is one 100 GbE port per node shared by its GPUs (assumed: a commodity or cloud
+#: node without a rail of NICs; --inter-gbps gives any other figure).
+NETWORKS: dict[str, float | None] = {"ib": None, "ethernet": 100e9 / 8}
+
+
+def network_inter(network: str, gpus_per_node: int) -> float | None:
+    """The per-GPU network share of ``network`` (None: the device's own)."""
+    if network not in NETWORKS:
+        raise DeviceError(f"--network {network!r}: use one of {', '.join(NETWORKS)} (or give "
+                          "--inter-gbps).")
+    per_node = NETWORKS[network]
+    return None if per_node is None else per_node / gpus_per_node
+
+
 def get_device(key: str, **overrides: float | int | None) -> Device:
     """A device from the table, with any field replaced (``--peak-tflops`` and friends)."""
     d = DEVICES.get(key.lower())

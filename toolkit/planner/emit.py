@@ -47,7 +47,7 @@ def steps_for(tokens: float | None, work: Workload, default: int = 100) -> int:
     """Optimizer steps that cover ``tokens`` (rounded up), ``default`` without a token count."""
     if not tokens:
         return default
-    return max(1, math.ceil(tokens / (work.global_batch * work.seq_len)))
+    return max(1, math.ceil(tokens / (work.global_batch * work.rows * work.seq_len)))
 
 
 def deepspeed_json(model: ModelShape, work: Workload, plan: Planned, cluster: Cluster,
@@ -63,6 +63,15 @@ def deepspeed_json(model: ModelShape, work: Workload, plan: Planned, cluster: Cl
                   layout=c.layout(), stage=str(c.zero), lr=lr,
                   headroom=budget.headroom, gpu_reserve=budget.gpu_reserve)
     notes: list[str] = []
+    if c.hpz > 1:
+        notes.append(f"ZeRO++ hpZ: zero_hpz_partition_size={c.hpz} (a secondary parameter copy "
+                     f"sharded inside each node; exact). Its groups are {c.hpz} consecutive "
+                     "ranks: each node's ranks must be numbered consecutively, as torchrun and "
+                     "mdtk launch do.")
+    if c.qwz or c.qgz:
+        notes.append("ZeRO++ qwZ/qgZ (allowed with --allow-quantized-comm): lossy int8 "
+                     "parameter gathers / int4 gradient reduction; DeepSpeed's CUDA quantizer "
+                     "kernels, so the run needs GPUs (mdtk's CPU mode refuses it).")
     return build_config(req, option, c.layout().resolve(cluster.world_size), notes), notes
 
 
@@ -80,6 +89,7 @@ def trainer_yaml(plan: Planned, work: Workload, run: RunSpec, ds_config_path: st
     if run.tokenizer and run.model_path:
         model["tokenizer"] = run.tokenizer
     precision = work.dtype
+    dpo = {"dpo": {"precompute_reference": not work.reference_model}} if work.pairs else {}
     return {
         "output_dir": run.output_dir,
         "model": model,
@@ -87,7 +97,9 @@ def trainer_yaml(plan: Planned, work: Workload, run: RunSpec, ds_config_path: st
                      "ep": c.ep, "sequence_parallel": c.sequence_parallel},
         "deepspeed": {"zero_stage": c.zero, "offload": "cpu" if c.offload != "none" else "none",
                       "config": ds_config_path},
-        "data": {"mode": run.data_mode, "sources": list(run.data), "validation_split": 0.0},
+        "data": {"mode": "dpo" if work.pairs else run.data_mode, "sources": list(run.data),
+                 "validation_split": 0.0},
+        **dpo,
         "optim": {"lr": run.lr, "min_lr": run.lr / 10, "warmup_steps": min(100, run.steps // 10),
                   "decay": "cosine", "weight_decay": 0.1, "clip_grad": 1.0},
         "train": {"steps": run.steps, "micro_batch": c.micro_batch,
@@ -158,7 +170,8 @@ def emit(report: PlanReport, folder: Path, model_arg: str, *, rank: int = 1,
     ds_config, notes = deepspeed_json(report.setting.shape, work, plan, cluster,
                                       report.setting.budget)
     raw = trainer_yaml(plan, work, run, str(ds_path))
-    lint_report = lint(ds_config, world_size=cluster.world_size, layout=plan.candidate.layout())
+    lint_report = lint(ds_config, world_size=cluster.world_size, layout=plan.candidate.layout(),
+                       gpus_per_node=cluster.gpus_per_node)
     if lint_report.errors:
         raise EmitError("the emitted DeepSpeed config failed the lint:\n  "
                         + "\n  ".join(lint_report.errors))

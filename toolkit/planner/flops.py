@@ -34,8 +34,10 @@ def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     N = ``matmul_params_per_token`` (active parameters, non-embedding, plus the LM head); the
     second term is attention's score and value matmuls (QK^T and AV: 2 matmuls x 2 FLOPs per
     multiply-add x 3 for forward + backward, over L layers of H = heads * head_dim attention width
-    and s keys)."""
-    return 6.0 * matmul_params_per_token(shape) + 12.0 * shape.layers * shape.q_dim * seq_len
+    and s keys). With LoRA (``shape.lora``) the frozen weights need no weight gradient:
+    4 * N (the adapters' own FLOPs are left out, as biases and norms are)."""
+    weights = 4.0 if shape.lora else 6.0
+    return weights * matmul_params_per_token(shape) + 12.0 * shape.layers * shape.q_dim * seq_len
 
 
 def layer_matmul_params(shape: ModelShape) -> list[float]:

@@ -6,15 +6,17 @@ is the one line the command prints."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.lora import LoraSpec
 from toolkit.memory import GIB, Cluster, ModelShape, load_model_shape, parse_bytes
-from toolkit.planner.cost import Workload
-from toolkit.planner.devices import Device, get_device
+from toolkit.planner.cost import Network, StepCost, Workload
+from toolkit.planner.devices import Device, get_device, network_inter
 from toolkit.planner.search import (
     Budget,
     PlanError,
@@ -24,6 +26,7 @@ from toolkit.planner.search import (
     layout_key,
     search,
 )
+from toolkit.planner.step import step_cost
 from toolkit.planner.sweep import SweepRow, figure, marks, sweep, sweep_global_batch
 
 _SCALE = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -57,9 +60,14 @@ class PlanRequest:
     flash: bool = True
     top: int = 5
     allow_cp: bool = False
+    network: str = "ib"  # devices.NETWORKS; an "inter" device override wins
+    allow_quantized: bool = False  # ZeRO++'s lossy qwZ / qgZ may be ranked too
     per_layout: bool = False
     emit_rank: int = 1  # the search keeps at least this many plans
+    dpo: bool = False  # preference pairs (2 sequences a sample) with a reference model ...
+    precompute_reference: bool = False  # ... unless its log-probabilities are precomputed
     device_overrides: dict[str, float | None] = field(default_factory=dict)  # get_device's
+    lora: LoraSpec | None = None  # train adapters only (--peft)
 
 
 @dataclass(frozen=True)
@@ -70,22 +78,29 @@ class Setting:
     device: Device
     cluster: Cluster
     tokens: float | None
-    kernels: dict[str, bool]  # Workload's flash / fused
+    kernels: dict[str, bool]  # Workload's flash / fused / pairs / reference_model
     space: SearchSpace
     budget: Budget
 
 
 def resolve(req: PlanRequest) -> Setting:
-    device = get_device(req.gpu, **req.device_overrides)
-    shape = load_model_shape(req.model)
+    if req.precompute_reference and not req.dpo:
+        raise ValueError("--precompute-reference applies to --dpo runs: add --dpo.")
+    overrides = dict(req.device_overrides)
+    if overrides.get("inter") is None:
+        overrides["inter"] = network_inter(req.network, req.gpus_per_node)
+    device = get_device(req.gpu, **overrides)
+    shape = load_model_shape(req.model, lora=req.lora)
     count = parse_count(req.tokens)
     gpu_mem = parse_bytes(req.gpu_mem) if req.gpu_mem else int(device.memory_gib * GIB)
     cluster = Cluster(nodes=req.nodes, gpus_per_node=req.gpus_per_node, gpu_mem=gpu_mem,
                       cpu_mem=parse_bytes(req.cpu_mem))
     on_cpu = device.key == "cpu"  # mdtk's CPU path: megatron-core's unfused kernels, eager
-    return Setting(shape, device, cluster, count, {"flash": not on_cpu and req.flash,
-                                                   "fused": not on_cpu},
-                   SearchSpace(allow_cp=req.allow_cp), Budget())
+    kernels = {"flash": not on_cpu and req.flash, "fused": not on_cpu, "pairs": req.dpo,
+               "reference_model": req.dpo and not req.precompute_reference}
+    return Setting(shape, device, cluster, count, kernels,
+                   SearchSpace(allow_cp=req.allow_cp, allow_quantized=req.allow_quantized),
+                   Budget())
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,19 @@ class PlanReport:
             "considered": result.considered, "rejected_memory": result.rejected_memory,
             "plans": [p.to_dict(tokens, self.price) for p in result.plans],
         }
+
+
+def traffic_comparison(report: PlanReport, rank: int = 1) -> dict[str, StepCost]:
+    """The data-parallel traffic of plan ``rank`` beside the same plan without ZeRO++ (empty
+    when the plan has no ZeRO++ option)."""
+    plan = report.result.plans[rank - 1]
+    c, s = plan.candidate, report.setting
+    if not (c.hpz > 1 or c.qwz or c.qgz):
+        return {}
+    plain = dataclasses.replace(c, hpz=1, qwz=False, qgz=False)
+    net = Network(s.device, s.cluster.gpus_per_node)
+    return {"plain ZeRO-3": step_cost(s.shape, report.work, plain, net),
+            f"#{rank}": plan.cost}
 
 
 def plan_layouts(req: PlanRequest) -> PlanReport:

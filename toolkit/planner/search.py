@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from toolkit.dsconfig.generator import AUTO, Option, Request, evaluate, zero_options
+from toolkit.dsconfig.generator import AUTO, Option, Request, evaluate, with_zeropp, zero_options
 from toolkit.memory import CPU, Cluster, Estimate, ModelShape, TrainShape, ZeroOptions
 from toolkit.planner.cost import (
     MDTK,
@@ -50,6 +50,8 @@ class SearchSpace:
     allow_cp: bool = False
     cps: tuple[int, ...] = (1, 2, 4, 8)
     fixed: tuple[tuple[str, int | str], ...] = ()
+    zeropp: bool = True  # ZeRO-3 plans on several nodes also with hpZ (the GPUs per node)
+    allow_quantized: bool = False  # ... and with the lossy qwZ / qgZ
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class Planned:
             "mem_per_gpu_gib": self.estimate.gpu / 2**30,
             "host_mem_per_gpu_gib": self.estimate.total(CPU) / 2**30,
             "breakdown_s": k.breakdown(), "runnable_by_mdtk": self.runnable,
+            "zeropp": {"hpz": c.hpz, "qwz": c.qwz, "qgz": c.qgz},
+            "cross_node_gb_per_gpu": k.cross_node_bytes / 1e9,
         }
         if self.note:
             out["note"] = self.note
@@ -150,11 +154,25 @@ def candidates(model: ModelShape, work: Workload, world: int, gpus_per_node: int
                     continue
                 eps = [e for e in _divisors(model.experts) if (dp * cp * tp) % (e * tp) == 0
                        ] if moe else [1]
+                zpp = zeropp_choices(space, world, gpus_per_node, tp, pp, dp * cp)
                 for ep in choices("ep", eps):
-                    yield from _knobs(model, work, space, fixed, tp, cp, pp, dp, ep, moe)
+                    yield from _knobs(model, work, space, fixed, tp, cp, pp, dp, ep, moe, zpp)
 
 
-def _knobs(model, work, space, fixed, tp, cp, pp, dp, ep, moe) -> Iterator[Candidate]:
+def zeropp_choices(space: SearchSpace, world: int, gpus_per_node: int, tp: int, pp: int,
+                   dp_cp: int) -> list[tuple[int, bool, bool]]:
+    """(hpz, qwz, qgz) to try with ZeRO-3: ZeRO++ only across nodes with pure data parallelism
+    (DeepSpeed 0.19 builds hpZ's and qgZ's groups from consecutive world ranks), hpZ over the
+    GPUs of a node, qwZ / qgZ only when lossy communication is allowed."""
+    plain = [(1, False, False)]
+    if not space.zeropp or world <= gpus_per_node or tp * pp > 1 or dp_cp % gpus_per_node:
+        return plain
+    flags = [(False, False), (True, False), (False, True), (True, True)] \
+        if space.allow_quantized else [(False, False)]
+    return [(h, w, q) for w, q in flags for h in (1, gpus_per_node)]
+
+
+def _knobs(model, work, space, fixed, tp, cp, pp, dp, ep, moe, zpp) -> Iterator[Candidate]:
     per_stage = model.layers // pp
     vpps = [1] if pp == 1 else [v for v in range(1, space.max_vpp + 1) if per_stage % v == 0]
     for mb in (fixed.get("micro_batch"),) if "micro_batch" in fixed else space.micro_batches:
@@ -170,22 +188,26 @@ def _knobs(model, work, space, fixed, tp, cp, pp, dp, ep, moe) -> Iterator[Candi
                 for off in [fixed["offload"]] if "offload" in fixed else space.offloads:
                     if not offload_allowed(zero, off):
                         continue
+                    variants = zpp if zero == 3 and off != "all" else [(1, False, False)]
                     for rc in [fixed["recompute"]] if "recompute" in fixed else space.recomputes:
-                        yield Candidate(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, zero=zero,
-                                        offload=off, recompute=rc, micro_batch=mb)
+                        for hpz, qwz, qgz in variants:
+                            yield Candidate(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp,
+                                            zero=zero, offload=off, recompute=rc,
+                                            micro_batch=mb, hpz=hpz, qwz=qwz, qgz=qgz)
 
 
 def zero_for(model: ModelShape, c: Candidate) -> ZeroOptions:
     """The DeepSpeed settings ``mdtk ds-config`` would write for this candidate."""
     opt = CPU if c.offload != "none" else "none"
     param = CPU if c.offload == "all" else "none"
-    return zero_options(model, c.zero, opt, param)
+    return with_zeropp(zero_options(model, c.zero, opt, param), c.hpz, c.qwz, c.qgz)
 
 
 def train_shape(work: Workload, c: Candidate) -> TrainShape:
     return TrainShape(seq_len=work.seq_len, micro_batch=c.micro_batch,
                       global_batch=work.global_batch, dtype=work.dtype, recompute=c.recompute,
-                      flash_attention=work.flash, fused=work.fused)
+                      flash_attention=work.flash, fused=work.fused, pairs=work.pairs,
+                      reference_model=work.reference_model)
 
 
 @dataclass(frozen=True)
@@ -255,10 +277,11 @@ def search(model: ModelShape, work: Workload, cluster: Cluster, device: Device, 
 
 
 def _tiebreak(c: Candidate) -> tuple:
-    """Among equal times prefer less sharding, no recompute, no offload, smaller models
+    """Among equal times prefer less sharding, exact communication (no qwZ/qgZ) and then hpZ
+    (the same time with fewer cross-node bytes), no recompute, no offload, smaller models
     parallel sizes: the simpler plan."""
-    return (c.tp * c.pp * c.cp, c.zero, c.offload != "none", c.recompute != "none", c.vpp,
-            -c.micro_batch)
+    return (c.tp * c.pp * c.cp, c.zero, c.qwz or c.qgz, -c.hpz, c.offload != "none",
+            c.recompute != "none", c.vpp, -c.micro_batch)
 
 
 def default_global_batch(seq_len: int, world: int, tokens_per_step: int = 2**20) -> int:

@@ -6,7 +6,7 @@ kept apart (one unit per dict), and every traffic kind names the link it travels
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from toolkit.memory import ModelShape
 from toolkit.memory.states import DTYPE_BYTES, RankParams
@@ -30,6 +30,7 @@ from toolkit.planner.cost import (
     tp_collectives_per_layer,
     zero_traffic,
 )
+from toolkit.planner.zeropp import Zero3Group, ZeroPP, kernel_bytes, ring_split, zero3_transfers
 
 # -- the step, one named part each ---------------------------------------------------------------
 
@@ -59,7 +60,8 @@ class StepInputs:
             raise ValueError(f"global batch {work.global_batch} is not micro_batch x dp x "
                              f"accumulation for {c.describe()}")
         return cls(model, work, c, net, framework, eff, e, framework.grad_reduce_bytes or e, m,
-                   net.device.peak_flops(work.dtype), work.seq_len * c.micro_batch / c.cp,
+                   net.device.peak_flops(work.dtype),
+                   work.seq_len * c.micro_batch * work.rows / c.cp,
                    c.tp if c.sequence_parallel else 1)
 
 
@@ -94,7 +96,8 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
     matmul, elem, head_flops = model_terms(model)
     fwd_mm = sum(2.0 * matmul[i] for i in layers) * tokens / c.tp
     fwd_att = 4.0 * model.q_dim * s * tokens / c.tp * len(layers)
-    mm, att = passes * fwd_mm, passes * fwd_att
+    frozen = 1 if model.lora and passes > 1 else 0  # LoRA: frozen weights, no weight gradient
+    mm, att = (passes - frozen) * fwd_mm, passes * fwd_att
     if c.recompute == "selective":
         att += fwd_att
     elem_bytes = sum(w / st.sp_div + inner / c.tp for w, inner in (elem[i] for i in layers))
@@ -103,17 +106,17 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
         score_passes = passes + (1 if c.recompute == "selective" else 0)
         elem_bytes += (EAGER_SCORE_PASSES * e * model.heads / c.tp * s * tokens
                        * len(layers) * score_passes)
-    if is_last:
-        mm += 3 * head_flops * tokens / c.tp
+    if is_last:  # the head is not recomputed: forward and backward (or forward only)
+        mm += (min(passes, 3) - frozen) * head_flops * tokens / c.tp
         elem_bytes += eff.logits_bytes * tokens * model.padded_vocab(c.tp) / c.tp
     return (mm / (st.peak * eff.matmul) + att / (st.peak * eff.attention)
             + elem_bytes / (st.net.device.hbm * eff.memory))
 
 
-def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int
+def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int, forward_only: bool = False,
                 ) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
     """The stage's tensor-, context- and expert-parallel collectives: (exposed seconds, bytes,
-    link), each by kind."""
+    link), each by kind; ``forward_only``: the forward's alone (a frozen model's pass)."""
     model, c, eff, tokens, e = st.model, st.c, st.eff, st.tokens, st.e
     h, s = model.hidden, st.work.seq_len
     comm: dict[str, float] = {}
@@ -121,7 +124,8 @@ def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int
     links: dict[str, str] = {}
     if c.tp > 1:
         link = links["tp"] = st.net.link(c.tp, 1, eff)
-        calls = tp_collectives_per_layer(c.recompute, c.sequence_parallel) * len(layers)
+        calls = (2 if forward_only else tp_collectives_per_layer(c.recompute, c.sequence_parallel)
+                 ) * len(layers)
         payload = tokens * h * e
         per = ring_time(payload, c.tp, "allreduce", link.bandwidth, link.latency)
         if c.sequence_parallel:
@@ -131,6 +135,8 @@ def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int
     if c.cp > 1:
         link = links["cp"] = st.net.link(c.cp, c.tp, eff)
         nbytes = cp_exchange_bytes(model, tokens, c.cp, c.tp, e, c.recompute)
+        if forward_only:
+            nbytes = cp_exchange_bytes(model, tokens, c.cp, c.tp, e, "none") / 3
         per_layer = nbytes / link.bandwidth + passes * (c.cp - 1) * link.latency
         attention = passes * 4.0 * model.q_dim * s * tokens / c.tp / (st.peak * eff.attention)
         comm["cp"] = len(layers) * max(0.0, per_layer - attention)
@@ -138,11 +144,38 @@ def stage_comms(st: StepInputs, layers: tuple[int, ...], passes: int
     moe = [i for i in layers if model.is_moe_layer(i)]
     if c.ep > 1 and moe:
         link = links["ep"] = st.net.link(c.ep, c.tp * c.cp, eff)
-        calls = (6 if c.recompute == "full" else 4) * len(moe)
+        calls = (2 if forward_only else 6 if c.recompute == "full" else 4) * len(moe)
         payload = tokens * model.top_k * h * e
         comm["ep"] = calls * ring_time(payload, c.ep, "alltoall", link.bandwidth, link.latency)
         traffic["ep"] = calls * payload * (c.ep - 1) / c.ep
     return comm, traffic, {k: v.name for k, v in links.items()}
+
+
+def reference_forward(st: StepInputs, first: RankParams, last: RankParams) -> float:
+    """DPO's reference model, when one is held: a forward-only pass of the step's micro-batches
+    through its own pipeline (the slowest stage's pace, the fill and drain, the activation
+    sends), with its ZeRO-3 parameter gathers where they are not hidden. 0 without one."""
+    if not st.work.reference_model:
+        return 0.0
+    c = st.c
+
+    def forward(layers: tuple[int, ...], is_last: bool) -> float:
+        comm = stage_comms(st, layers, 1, forward_only=True)[0]
+        return stage_compute(st, layers, is_last, 1) + sum(comm.values())
+
+    t_last = forward(last.layers, True)
+    t_first = t_last if c.pp == 1 else forward(first.layers, False)
+    mean = (t_first * (c.pp - 1) + t_last) / c.pp
+    seconds = st.m * max(t_first, t_last) + (c.pp - 1) / c.vpp * mean
+    sends, _, _ = pipeline_sends(st)
+    seconds += sends / 2  # forward activations only
+    if c.zero == 3:
+        held = max(r.total + r.frozen for r in (first, last))  # LoRA: the base, adapters off
+        link = st.net.link(c.dp * c.cp, c.tp, st.eff)
+        gather = ring_time(held * st.e, first.dense_dp, "allgather", link.bandwidth,
+                           link.latency)
+        seconds += max(0.0, st.m * gather - st.m * mean)
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -192,39 +225,75 @@ class Overlap:
     after_step: float = 0.0
 
 
-def data_parallel(st: StepInputs, params: RankParams, pipe: Pipeline
-                  ) -> tuple[Overlap, dict[str, float], Link]:
-    """Data parallel / ZeRO over dp x cp (dense) and the expert-data-parallel group (experts):
-    (seconds by overlap, bytes by kind, link). Exposure: gradients reduced at every micro-batch
-    hide behind all backward passes, a once-per-step reduction only behind the last one; ZeRO-3
-    gathers (prefetched) hide behind any compute; the ZeRO-1/2 parameter all-gather follows the
-    step (Megatron: overlapped with the next forward)."""
+@dataclass
+class DataParallel:
+    """The data-parallel collectives of one step: seconds by overlap, and by kind the payload
+    bytes (volume), what one rank sends over the GPU link and across nodes, and the link."""
+
+    overlap: Overlap = field(default_factory=Overlap)
+    volumes: dict[str, float] = field(default_factory=dict)
+    intra: dict[str, float] = field(default_factory=dict)
+    inter: dict[str, float] = field(default_factory=dict)
+    links: dict[str, str] = field(default_factory=dict)
+
+    def add(self, kind: str, link: str, volume: float, intra: float, inter: float) -> None:
+        if not volume and kind not in self.volumes:
+            return  # an empty group (no experts): no traffic kind
+        for d, v in ((self.volumes, volume), (self.intra, intra), (self.inter, inter)):
+            d[kind] = d.get(kind, 0.0) + v
+        self.links[kind] = link
+
+
+def data_parallel(st: StepInputs, params: RankParams, pipe: Pipeline) -> DataParallel:
+    """Data parallel / ZeRO over dp x cp (dense) and the expert-data-parallel group (experts).
+    Exposure: gradients reduced at every micro-batch hide behind all backward passes, a
+    once-per-step reduction only behind the last one; ZeRO-3 gathers (prefetched) hide behind
+    any compute; the ZeRO-1/2 parameter all-gather follows the step (Megatron: overlapped with
+    the next forward). ZeRO-3's dense collectives, with the plan's ZeRO++ options, are
+    ``toolkit.planner.zeropp``'s."""
     c, m, fw = st.c, st.m, st.framework
     link = st.net.link(c.dp * c.cp, c.tp, st.eff)
-    out, volumes = Overlap(), {}
+    out = DataParallel()
     fwd_mean = pipe.t_mean - pipe.bwd_mean
-    for n, count in ((params.dense_dp, params.dense), (params.expert_dp, params.expert)):
+    groups = [(params.dense_dp, params.dense), (params.expert_dp, params.expert)]
+    if c.zero == 3:
+        group = Zero3Group(st.net, st.eff, params.dense_dp, c.tp, st.model.hidden)
+        zpp = ZeroPP(c.hpz, c.qwz, c.qgz)
+        for t in zero3_transfers(group, params.dense, m, st.e, st.e_grad, zpp):
+            out.add(t.kind, t.link, t.payload, t.intra, t.inter)
+            if t.hides == "anywhere":
+                out.overlap.anywhere += t.seconds
+            elif t.calls > 1:
+                out.overlap.backward += t.seconds
+            else:  # one reduction: only the last backward hides it
+                out.overlap.after_step += max(0.0, t.seconds - pipe.bwd_mean)
+        groups = groups[1:]
+    per_node = min(c.dp * c.cp, max(1, st.net.gpus_per_node // c.tp))
+    for n, count in groups:
         traffic = zero_traffic(c.zero, count, n, m, st.e, st.e_grad, fw.grad_reduce_per_micro)
         for kind, nbytes in traffic.items():
-            volumes[f"dp_{kind}"] = volumes.get(f"dp_{kind}", 0.0) + nbytes
             calls = 1
             if kind == "reducescatter" and (fw.grad_reduce_per_micro or c.zero == 3):
                 calls = m
             elif kind == "allgather" and c.zero == 3:
                 calls = 2 * m
+            factor = (2.0 if kind == "allreduce" else 1.0) * (n - 1) / n
+            out.add(f"dp_{kind}", link.name, nbytes,
+                    *ring_split(factor * nbytes, n, min(n, per_node)))
             t = calls * ring_time(nbytes / calls, n, kind, link.bandwidth, link.latency)
             if kind == "allgather":
                 if c.zero == 3:
-                    out.anywhere += t
+                    out.overlap.anywhere += t
                 else:
-                    out.after_step += max(0.0, t - fwd_mean) if fw.param_gather_overlap else t
+                    out.overlap.after_step += (max(0.0, t - fwd_mean) if fw.param_gather_overlap
+                                               else t)
             elif kind == "reducescatter" and calls > 1:
-                out.backward += t
+                out.overlap.backward += t
             elif kind == "reducescatter" or fw.zero0_overlap:
-                out.after_step += max(0.0, t - pipe.bwd_mean)
+                out.overlap.after_step += max(0.0, t - pipe.bwd_mean)
             else:
-                out.after_step += t
-    return out, volumes, link
+                out.overlap.after_step += t
+    return out
 
 
 @dataclass(frozen=True)
@@ -256,12 +325,18 @@ def optimizer_step(st: StepInputs, params: RankParams) -> OptimizerStep:
 def zero_buffers(st: StepInputs, params: RankParams) -> float:
     """ZeRO's memory-bound copies, every micro-batch: ZeRO-3 writes each gathered parameter
     twice (forward, backward; 16-bit); gradients reduced per micro-batch are first copied into
-    the framework's reduce buffers."""
+    the framework's reduce buffers. ZeRO++'s quantization kernels add theirs (per step)."""
     c, fw = st.c, st.framework
     copies = 4.0 * params.total if c.zero == 3 else 0.0
     if c.zero >= 1 and (fw.grad_reduce_per_micro or c.zero == 3):
         copies += fw.grad_copy_bytes * params.total
-    return st.m * copies / (st.net.device.hbm * st.eff.memory)
+    quantized = 0.0
+    if c.qwz or c.qgz:
+        group = Zero3Group(st.net, st.eff, params.dense_dp, c.tp, st.model.hidden)
+        zpp = ZeroPP(c.hpz, c.qwz, c.qgz and group.nodes > 1)
+        quantized = kernel_bytes(params.dense, st.m, st.work.dtype, st.e, zpp, group.n,
+                                 group.per_node)
+    return (st.m * copies + quantized) / (st.net.device.hbm * st.eff.memory)
 
 
 def exposed_dp(st: StepInputs, pipe: Pipeline, overlap: Overlap) -> float:
@@ -286,9 +361,10 @@ def step_cost(model: ModelShape, work: Workload, c: Candidate, net: Network,
     if pp_link is not None:
         volumes["pp"], links["pp"] = pp_bytes, pp_link.name
     params = max(first, last, key=lambda r: r.total)
-    overlap, dp_volumes, dp_link = data_parallel(st, params, pipe)
-    volumes.update(dp_volumes)
-    links.update(dict.fromkeys(dp_volumes, dp_link.name))
+    dp = data_parallel(st, params, pipe)
+    overlap = dp.overlap
+    volumes.update(dp.volumes)
+    links.update(dp.links)
     opt = optimizer_step(st, params)
     volumes["offload_to_host"], volumes["offload_to_device"] = opt.to_host, opt.to_device
     if c.offload != "none":
@@ -297,13 +373,15 @@ def step_cost(model: ModelShape, work: Workload, c: Candidate, net: Network,
         overlap.anywhere += opt.hidden_anywhere
     dp_comm = exposed_dp(st, pipe, overlap)
     buffers = zero_buffers(st, params)
-    step = pipe.seconds + pp_send + dp_comm + buffers + opt.seconds + opt.offload
-    per_gpu = work.global_batch * work.seq_len / step / c.world_size
+    reference = reference_forward(st, first, last)
+    step = pipe.seconds + pp_send + dp_comm + buffers + opt.seconds + opt.offload + reference
+    per_gpu = work.global_batch * work.rows * work.seq_len / step / c.world_size
     slow = pipe.slow
     return StepCost(
         compute=m * slow.compute, tp_comm=m * slow.comm.get("tp", 0.0),
         cp_comm=m * slow.comm.get("cp", 0.0), ep_comm=m * slow.comm.get("ep", 0.0),
         pp_bubble=pipe.bubble, pp_send=pp_send, dp_comm=dp_comm, buffers=buffers,
         optimizer=opt.seconds, offload=opt.offload, step=step, num_microbatches=m,
-        tokens_per_s_per_gpu=per_gpu, mfu=model_flops(model, work.seq_len) * per_gpu / st.peak,
-        volumes=volumes, links=links)
+        reference=reference, tokens_per_s_per_gpu=per_gpu,
+        mfu=model_flops(model, work.seq_len) * per_gpu / st.peak,
+        volumes=volumes, links=links, sent_intra=dp.intra, sent_inter=dp.inter)

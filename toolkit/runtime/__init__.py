@@ -155,7 +155,8 @@ def prepare_deepspeed() -> None:
 
     On CPU: the CPU accelerator, gloo, no shared-memory comm op (it is JIT-compiled at every
     ``initialize`` on CPU, ~30 s on a cold machine, and gloo does the same job for mdtk's sizes),
-    and ZeRO-3 partitions in the model's dtype (``cpu_compat.patch_deepspeed``).
+    ZeRO-3 partitions in the model's dtype (``cpu_compat.patch_deepspeed``), and one CPU probe
+    per process (``cpu_compat.cache_cpu_info``).
     """
     enable_cpu_mode()
     import deepspeed
@@ -163,5 +164,6 @@ def prepare_deepspeed() -> None:
     if not use_cuda():
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         cpu_compat.patch_deepspeed()
+        cpu_compat.cache_cpu_info()
     init_distributed()
     deepspeed.init_distributed(dist_backend=backend())

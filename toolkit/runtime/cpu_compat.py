@@ -12,7 +12,8 @@ Transformer Engine, on GPUs too (seen on an H100 with megatron-core 0.16.1), so 
 every machine.
 
 DeepSpeed gets one fix on such a machine (``patch_deepspeed``, see there). What is patched is
-recorded in ``PATCHED`` so ``mdtk env`` can show it.
+recorded in ``PATCHED`` so ``mdtk env`` can show it. (``cache_cpu_info`` only saves time: one
+answer of DeepSpeed's CPU probe per process.)
 """
 
 from __future__ import annotations
@@ -179,3 +180,27 @@ def patch_deepspeed() -> None:
 
     set_dtype.mdtk_patched = True
     _patch(Init, "_set_dtype", set_dtype, "deepspeed zero.Init keeps an explicit dtype")
+
+
+def cache_cpu_info() -> None:
+    """py-cpuinfo's ``get_cpu_info`` starts a Python process at every call (about a second of
+    CPU), and DeepSpeed calls it twice per op it loads and once per CPU Adam: ask once per
+    process (each caller gets its own copy). Idempotent."""
+    import copy
+
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed then asks lscpu instead
+        return
+    if getattr(cpuinfo.get_cpu_info, "mdtk_patched", False):
+        return
+    once = functools.lru_cache(maxsize=1)(cpuinfo.get_cpu_info)
+
+    @functools.wraps(cpuinfo.get_cpu_info)
+    def get_cpu_info():
+        return copy.deepcopy(once())
+
+    get_cpu_info.mdtk_patched = True
+    # not in PATCHED: that lists the CPU redirects (a process without them stays one, e.g. for
+    # building HF references in the test process), and this changes no answer
+    cpuinfo.get_cpu_info = get_cpu_info

@@ -38,6 +38,8 @@ def _ds_op(builder_name: str) -> str:
         from deepspeed.ops import op_builder
 
         builder = getattr(op_builder, builder_name)()
+        if type(builder).__name__ == "NotImplementedBuilder":
+            return "not implemented on this accelerator"
         if not builder.is_compatible(verbose=False):
             return "not buildable here"
         ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
@@ -74,5 +76,6 @@ def collect() -> EnvReport:
         "deepspeed cpu_adam": _ds_op("CPUAdamBuilder"),
         "deepspeed async_io (NVMe)": _ds_op("AsyncIOBuilder"),
         "deepspeed fused_adam": _ds_op("FusedAdamBuilder"),
+        "deepspeed quantizer (ZeRO++ qwZ/qgZ)": _ds_op("QuantizerBuilder"),
     }
     return EnvReport(versions, device, runtime.backend(), optional, cpu_patches)

@@ -4,13 +4,15 @@ DeepSpeed compiles CPU Adam (optimizer offload) and async_io (NVMe offload) on f
 several ranks hit that at once they queue on a lock file, on a 2-core machine the build takes
 minutes, and a build killed half-way leaves a lock that makes every later build wait forever.
 ``make install`` therefore builds CPU Adam here and starts the async_io build (12 files, about
-3 minutes on 2 cores) in the background at low priority; whoever needs async_io first waits on
-the build's lock (``prebuild(["async_io"])``) instead of building it again. Later loads are
-cached in ``TORCH_EXTENSIONS_DIR`` and take about a second.
+220 CPU-seconds through scripts/pch_cxx.py) in the background at low priority; whoever needs
+async_io first waits for that build (``prebuild(["async_io"])``) instead of building it again.
+Later loads are cached in ``TORCH_EXTENSIONS_DIR`` and take about a second.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
 import time
@@ -26,41 +28,63 @@ def extensions_dir() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
-def _builder_alive(root: Path, name: str) -> bool:
-    """Whether the process that announced it is building ``name`` is still running."""
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An exclusive kernel lock on ``path``: held while the block runs, released by the kernel
+    if this process dies (unlike torch's build lock, a file that outlives a killed build)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _alive(marker: Path) -> bool:
     try:
-        os.kill(int((root / f"{name}.building").read_text()), 0)
+        os.kill(int(marker.read_text()), 0)
     except (OSError, ValueError):
         return False
     return True
 
 
-def clear_stale_locks(root: Path | None = None, max_age_s: float = STALE_LOCK_S) -> list[Path]:
-    """Remove build locks older than ``max_age_s`` whose builder is gone: left by a killed
-    build, they block forever (a low-priority background build may hold one longer)."""
-    root = root or extensions_dir()
-    removed = []
-    for lock in root.glob("*/lock") if root.is_dir() else ():
-        if (time.time() - lock.stat().st_mtime > max_age_s
-                and not _builder_alive(root, lock.parent.name)):
-            lock.unlink(missing_ok=True)
-            removed.append(lock)
-    return removed
+def clear_stale_lock(root: Path, name: str, max_age_s: float = STALE_LOCK_S) -> Path | None:
+    """Remove ``name``'s torch build lock if no build holds it; call with ``name``'s kernel lock
+    held. Every build started here writes its pid to ``<name>.building`` and removes it when
+    done, so one left behind by a process that is gone means its builder died mid-build; a lock
+    without one (a build started outside ``prebuild``) counts as stale after ``max_age_s``."""
+    lock, marker = root / name / "lock", root / f"{name}.building"
+    if not lock.exists():
+        marker.unlink(missing_ok=True)
+        return None
+    if marker.exists():
+        stale = not _alive(marker)
+    else:
+        stale = time.time() - lock.stat().st_mtime > max_age_s
+    if stale:
+        lock.unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
+        return lock
+    return None
 
 
 def prebuild(ops: tuple[str, ...] | list[str] = OPS, log=print) -> dict[str, str]:
     """Load (building if needed, or waiting for a build under way) the named ops: "cpu_adam"
     and "async_io" (needs libaio).
 
+    Builds of one op run one at a time under a kernel lock (``<op>.flock``), so a caller waits
+    for a build under way and a build killed half-way never blocks the next.
     Returns op name -> "ok" or the reason it is unavailable; never raises for a missing op,
     since only offload configurations need them.
     """
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
+    from toolkit.runtime import cpu_compat
+
+    cpu_compat.cache_cpu_info()
+
     root = extensions_dir()
-    for lock in clear_stale_locks(root):
-        log(f"removed stale build lock {lock}")
     builders = {"cpu_adam": CPUAdamBuilder, "async_io": AsyncIOBuilder}
     status = {}
     for name in ops:
@@ -68,24 +92,51 @@ def prebuild(ops: tuple[str, ...] | list[str] = OPS, log=print) -> dict[str, str
         if not b.is_compatible(verbose=False):
             status[b.NAME] = "not buildable here (see `mdtk env`)"
             continue
-        cached = (root / b.NAME / f"{b.NAME}.so").exists()
-        if not cached:
-            log(f"building DeepSpeed op {b.NAME} (once; a few minutes on 2 cores)...")
-        start = time.perf_counter()
-        marker = root / f"{b.NAME}.building"
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            marker.write_text(str(os.getpid()))
-            b.load(verbose=False)
-        except Exception as e:  # noqa: BLE001 - report, do not stop the install
-            status[b.NAME] = f"build failed: {e}"
-            continue
-        finally:
-            marker.unlink(missing_ok=True)
-        status[b.NAME] = "ok"
-        if not cached:
-            log(f"built {b.NAME} in {time.perf_counter() - start:.0f} s")
+        root.mkdir(parents=True, exist_ok=True)
+        with _exclusive(root / f"{b.NAME}.flock"):
+            status[b.NAME] = _load(b, root, log)
     return status
+
+
+def _load(b, root: Path, log) -> str:
+    stale = clear_stale_lock(root, b.NAME)
+    if stale is not None:
+        log(f"removed stale build lock {stale}")
+    cached = (root / b.NAME / f"{b.NAME}.so").exists()
+    if not cached:
+        log(f"building DeepSpeed op {b.NAME} (once; a few minutes on 2 cores)...")
+    start = time.perf_counter()
+    marker = root / f"{b.NAME}.building"
+    try:
+        marker.write_text(str(os.getpid()))
+        b.load(verbose=False)
+    except Exception as e:  # noqa: BLE001 - report, do not stop the install
+        return f"build failed: {e}"
+    finally:
+        marker.unlink(missing_ok=True)
+    if not cached:
+        log(f"built {b.NAME} in {time.perf_counter() - start:.0f} s")
+    return "ok"
+
+
+def quantizer_missing() -> str | None:
+    """Why DeepSpeed's quantizer kernels (ZeRO++ qwZ/qgZ: int8 weight gathers, int4 gradient
+    all-to-alls) cannot run on this machine, or None when they can (built or buildable)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.ops.op_builder import QuantizerBuilder
+
+        builder = QuantizerBuilder()
+        accelerator = get_accelerator().device_name()
+        if type(builder).__name__ == "NotImplementedBuilder":
+            return (f"DeepSpeed's {accelerator} accelerator has no quantizer op (DeepSpeed raises "
+                    "'ValueError: This op had not been implemented on CPU backend.')")
+        if not builder.is_compatible(verbose=False):
+            return (f"DeepSpeed's quantizer op cannot be built on this {accelerator} machine "
+                    "(CUDA toolkit or torch version; see `mdtk env`)")
+    except Exception as e:  # noqa: BLE001 - any failure means the kernels are not usable here
+        return f"DeepSpeed's quantizer op is not usable here ({type(e).__name__}: {e})"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,3 +154,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -1,55 +1,31 @@
-"""Checkpoint folders of a training run: atomic saves, keep-last pruning, resume lookup, and the
-trainer state stored beside DeepSpeed's own engine checkpoint.
-
-Layout of ``checkpoint.dir``::
-
-    step_0000010/
-        engine/                 DeepSpeed engine checkpoint (model, optimizer, ZeRO partitions)
-        rng/rank_00000.pt       RNG states of each global rank (python, numpy, torch, CUDA, mcore)
-        trainer_state.json      step, consumed samples, dp, layout, data fingerprint, config
-        latest                  "engine": DeepSpeed's own tag pointer, so its tools (zero_to_fp32,
-                                get_fp32_state_dict_from_zero_checkpoint) work without a tag
-    latest                      "step_0000010", written last (for people and external tools)
-
-A save is collective: every rank writes into ``.tmp-step_0000010``; rank 0 writes
-``trainer_state.json`` last, fsyncs every file, renames the folder to ``step_0000010`` and then
-rewrites ``latest``. A folder named ``step_*`` therefore only ever exists complete; a crash leaves
-at most a ``.tmp-*`` folder, which resume ignores and the next save removes. Pruning renames a
-folder away before deleting it, so a half-deleted checkpoint never looks complete either.
-Assumes ``checkpoint.dir`` is one shared filesystem for all ranks (as DeepSpeed does).
+"""What a training checkpoint holds besides DeepSpeed's engine files: the trainer state (step,
+data position, layout, config), each rank's RNG states, and the checks that a resume continues
+the same run. The folders themselves (publication, lookup, verification, pruning) are
+``toolkit.train.checkpoint_folders``; the save protocol is ``toolkit.train.saver``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
-import re
-import shutil
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # The folder names of a trainer checkpoint belong to its format (the converter reads them too):
 # engine.save_checkpoint(step_dir, tag=ENGINE_TAG, save_latest=False); STATE_FILE beside it.
-from toolkit.checkpoint.deepspeed import ENGINE_TAG, STATE_FILE
+from toolkit.checkpoint.deepspeed import ENGINE_TAG, STATE_FILE  # noqa: F401 - the trainer's names
 from toolkit.errors import UserError
 
 FORMAT_VERSION = 1
-_STEP_RE = re.compile(r"^step_(\d{7,})$")
 
 
 class ResumeError(UserError):
     """A training checkpoint that cannot be resumed (or kept) as asked; the message says why
     and what to do. Not ``toolkit.checkpoint``'s CheckpointError, which is about reading and
     writing model checkpoint formats."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:07d}"
 
 
 @dataclass
@@ -210,141 +186,3 @@ def check_resume(state: TrainingState, *, layout, global_batch: int, seed: int,
             "engine configuration cannot continue at another dp size. Launch "
             f"{state.dp_size * layout.model_parallel} ranks, or start fresh with "
             "checkpoint.resume=none.")
-
-
-# -- the manager -------------------------------------------------------------------------------
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _barrier() -> None:
-    dist = _dist()
-    if dist is not None:
-        dist.barrier()
-
-
-def _rank() -> int:
-    dist = _dist()
-    return dist.get_rank() if dist is not None else 0
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class CheckpointManager:
-    """Finds, saves and prunes the checkpoints under ``root``. ``keep_last=0`` keeps all.
-
-    ``save`` is collective (call it on every rank); the lookups are local and cheap."""
-
-    def __init__(self, root: str | Path, keep_last: int = 0):
-        if keep_last < 0:
-            raise ResumeError(f"checkpoint.keep_last={keep_last} must be >= 0.")
-        self.root = Path(root)
-        self.keep_last = keep_last
-
-    def path_for(self, step: int) -> Path:
-        return self.root / step_dir_name(step)
-
-    def complete(self) -> list[tuple[int, Path]]:
-        """(step, folder) of every complete checkpoint, oldest first."""
-        if not self.root.is_dir():
-            return []
-        out = []
-        for p in self.root.iterdir():
-            m = _STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / STATE_FILE).is_file():
-                out.append((int(m.group(1)), p))
-        return sorted(out)
-
-    def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1][1] if done else None
-
-    def resolve_resume(self, resume: str) -> Path | None:
-        """``auto``: the newest complete checkpoint (None for a fresh run); ``none``: None;
-        otherwise the folder given, which must be a complete checkpoint."""
-        if resume == "none":
-            return None
-        if resume == "auto":
-            return self.latest()
-        path = Path(resume)
-        if not (path / STATE_FILE).is_file():
-            raise ResumeError(f"checkpoint.resume={resume!r} is not a complete checkpoint "
-                                  f"(no {STATE_FILE}); complete ones under {self.root}: "
-                                  f"{[p.name for _, p in self.complete()] or 'none'}.")
-        return path
-
-    def save(self, state: TrainingState, write_engine: Callable[[Path], None] | None = None,
-             ) -> Path:
-        """Collective atomic save of step ``state.step``; returns the final folder.
-
-        ``write_engine(folder)`` runs on every rank, e.g.
-        ``lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG, save_latest=False)``."""
-        rank = _rank()
-        final = self.path_for(state.step)
-        tmp = self.root / f".tmp-{final.name}"
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        _barrier()
-        if write_engine is not None:
-            write_engine(tmp)
-        save_rng(tmp, rank)
-        _barrier()
-        if rank == 0:
-            if write_engine is not None:  # as engine.save_checkpoint(save_latest=True) writes it
-                (tmp / "latest").write_text(ENGINE_TAG)
-            state_path = tmp / STATE_FILE
-            state_path.write_text(json.dumps(dataclasses.asdict(state), indent=1))
-            _fsync_tree(tmp)
-            if final.exists():  # re-saving a step (e.g. after a resume): replace it
-                self._remove(final)
-            os.rename(tmp, final)
-            pointer = self.root / "latest.tmp"
-            pointer.write_text(final.name + "\n")
-            with open(pointer) as f:
-                os.fsync(f.fileno())
-            os.replace(pointer, self.root / "latest")
-            _fsync_dir(self.root)
-            self.prune()
-        _barrier()
-        return final
-
-    def prune(self) -> list[Path]:
-        """Delete all but the newest ``keep_last`` complete checkpoints and any leftover
-        temporary folder of an interrupted save (call on one rank, outside a save)."""
-        removed = []
-        for p in self.root.glob(".tmp-step_*"):
-            self._remove(p)
-        if self.keep_last:
-            for _, p in self.complete()[: -self.keep_last]:
-                self._remove(p)
-                removed.append(p)
-        return removed
-
-    def _remove(self, path: Path) -> None:
-        doomed = path.parent / f".deleting-{path.name}"
-        if doomed.exists():
-            shutil.rmtree(doomed)
-        os.rename(path, doomed)  # no longer a step_* folder from here on
-        shutil.rmtree(doomed)

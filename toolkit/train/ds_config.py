@@ -54,7 +54,7 @@ def deepspeed_config(cfg: TrainConfig, run: RunPlan, model: RunModel,
                        precision=cfg.train.precision)
     source = ds.config if user else generator_request(cfg, run, model, total_steps)
     try:
-        config, notes = trainer_config(source, keys, run.layout)
+        config, notes = trainer_config(source, keys, run.layout, local_size(run.layout.world_size))
     except ValueError as e:  # dsconfig's ConfigError, or a file that is not a JSON object
         where = f"deepspeed.config={ds.config}" if user else "deepspeed"
         raise ConfigError(f"{where}: {e}") from e
@@ -67,6 +67,13 @@ def _check_engine_rules(ds_config: dict[str, Any], run: RunPlan, model: RunModel
     check_supported(ds_config, pp=run.layout.pp, has_experts=model.has_experts)
 
 
+def dpo_shape(cfg: TrainConfig) -> dict[str, bool]:
+    """The memory model's DPO fields for the run: pairs, and a reference model unless its
+    log-probabilities are precomputed."""
+    dpo = cfg.data.mode == "dpo"
+    return {"pairs": dpo, "reference_model": dpo and not cfg.dpo.precompute_reference}
+
+
 def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
                       total_steps: int) -> Request:
     """What the generator needs to choose: the model, this machine's memory, the run's shape."""
@@ -75,17 +82,25 @@ def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
 
     ds, world = cfg.deepspeed, run.layout.world_size
     gpu_mem, host = device_memory()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    cluster = Cluster(nodes=max(world // local, 1), gpus_per_node=min(local, world),
+    local = local_size(world)
+    cluster = Cluster(nodes=max(world // local, 1), gpus_per_node=local,
                       gpu_mem=gpu_mem, cpu_mem=host, nvme_path=ds.nvme_path)
     warmup = max(cfg.optim.warmup_steps, 1)
     return Request(
         model=model.shape, cluster=cluster,
         train=TrainShape(seq_len=cfg.train.seq_len, micro_batch=run.micro_batch,
                          global_batch=run.global_batch, dtype=cfg.train.precision,
-                         recompute=cfg.train.recompute),
+                         recompute=cfg.train.recompute,
+                         async_checkpoint=cfg.checkpoint.async_, **dpo_shape(cfg)),
         layout=run.layout, stage=str(ds.zero_stage), offload=ds.offload, lr=cfg.optim.lr,
         weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
         eps=cfg.optim.eps, gradient_clipping=cfg.optim.clip_grad,
         warmup_steps=warmup, total_steps=max(total_steps, warmup + 1),
+        hpz=ds.hpz_partition_size, quantized_weights=ds.quantized_weights,
+        quantized_gradients=ds.quantized_gradients,
     )
+
+
+def local_size(world: int) -> int:
+    """Ranks of this run on one node (the launcher's LOCAL_WORLD_SIZE; the world without one)."""
+    return min(int(os.environ.get("LOCAL_WORLD_SIZE", world)), world)

@@ -41,7 +41,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,7 +58,15 @@ from toolkit.train.engine_rules import (
     check_supported,
     with_optimizer_defaults,
 )
-from toolkit.train.loss import Batch, LossFn, StepCounts, count_step, reduce_shares, token_mean
+from toolkit.train.loss import (
+    Batch,
+    LossFn,
+    StepCounts,
+    count_step,
+    loss_names,
+    reduce_shares,
+    token_mean,
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,7 @@ class StepResult:
     skipped: bool  # True when DeepSpeed skipped the update (fp16 overflow)
     num_microbatches: int
     loss_tokens: float = 0.0  # loss tokens in the global batch
+    metrics: dict[str, float] = field(default_factory=dict)  # the loss_fn's metric_names
 
 
 # -- engine ------------------------------------------------------------------------------------
@@ -117,7 +126,10 @@ def build_engine(
     _mark_pipeline_replicas(chunks)
     if experts:
         _register_expert_groups(experts)
-    engine = _initialize(module, config, mpu, lr_scheduler, has_experts=bool(experts))
+    # frozen experts (LoRA) still need their groups (DeepSpeed broadcasts them over the
+    # expert-data-parallel group) but no MoE optimizer groups
+    trained = any(p.requires_grad for p in experts)
+    engine = _initialize(module, config, mpu, lr_scheduler, has_experts=trained)
     # One engine.step() per optimizer step: the schedule already accumulated the micro-batches.
     engine.set_gradient_accumulation_boundary(True)
     return engine
@@ -126,7 +138,7 @@ def build_engine(
 def _initialize(module, config, mpu, lr_scheduler, *, has_experts: bool):
     import deepspeed
 
-    params = list(module.parameters())
+    params = [p for p in module.parameters() if p.requires_grad]  # LoRA: the adapters only
     if not has_experts:
         engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=config,
                                           mpu=mpu, lr_scheduler=lr_scheduler)
@@ -268,9 +280,11 @@ def _forward_step_func(loss_fn: LossFn, counts: StepCounts):
                        packed_seq_params=localise(segments, batch["position_ids"]))
 
         def loss_func(per_token: torch.Tensor):
-            share = loss_fn(per_token, batch, counts)
+            out = loss_fn(per_token, batch, counts)
+            share, metrics = out if isinstance(out, tuple) else (out, {})
             # the schedule divides the returned loss in place by num_microbatches: keep a copy
-            return share * counts.backward_scale, {"loss": share.detach().clone()}
+            reported = {"loss": share.detach().clone(), **metrics}
+            return share * counts.backward_scale, reported
 
         return output, loss_func
 
@@ -287,6 +301,7 @@ def train_step(
     seq_len: int,
     loss_fn: LossFn = token_mean,
     lr: float | None = None,
+    rows_per_sample: int = 1,
 ) -> StepResult:
     """Forward/backward over ``num_microbatches`` micro-batches, one reduction, one update.
 
@@ -296,6 +311,8 @@ def train_step(
     item per micro-batch). ``loss_fn(per_token_loss, batch, counts)`` returns the micro-batch's
     share of the global batch's loss (``toolkit.train.loss``; default: token-weighted mean).
     ``lr``: when given, the update uses this learning rate (a stateless LR schedule).
+    ``rows_per_sample``: sequences per sample (DPO: 2, a chosen and a rejected row), so a
+    micro-batch holds ``micro_batch * rows_per_sample`` rows; DeepSpeed counts samples.
     """
     chunks = list(chunks)
     _check_step_args(engine, chunks, num_microbatches, micro_batch, seq_len)
@@ -307,8 +324,9 @@ def train_step(
     counts = count_step(batches)
 
     def run_schedule():
-        out = _schedule(chunks, batches, loss_fn, counts, micro_batch=micro_batch,
-                        seq_len=seq_len, forward_only=False)
+        out = _schedule(chunks, batches, loss_fn, counts,
+                        micro_batch=micro_batch * rows_per_sample, seq_len=seq_len,
+                        forward_only=False)
         finalize_grads(chunks)
         return out
 
@@ -324,28 +342,55 @@ def train_step(
     if grad_norm is None:
         norm = engine.get_global_grad_norm()
         grad_norm = None if norm is None else float(norm)
-    loss = _step_loss(results, num_microbatches)
-    return StepResult(loss=loss, grad_norm=grad_norm, lr=used_lr,
+    metrics = _step_metrics(results, num_microbatches, loss_fn)
+    return StepResult(loss=metrics.pop("loss"), grad_norm=grad_norm, lr=used_lr,
                       skipped=not engine.was_step_applied(), num_microbatches=num_microbatches,
-                      loss_tokens=counts.loss_tokens)
+                      loss_tokens=counts.loss_tokens, metrics=metrics)
 
 
 def evaluate(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], *,
              num_microbatches: int, micro_batch: int, seq_len: int,
-             loss_fn: LossFn = token_mean, loss_tokens: float | None = None) -> float:
+             loss_fn: LossFn = token_mean, loss_tokens: float | None = None,
+             samples: int | None = None) -> float:
     """The loss over ``num_microbatches`` micro-batches, forward only (no gradients, no update),
-    normalised over all of them at once (``loss_tokens``: their loss tokens over every
-    data-parallel rank when the caller knows it; else they are read first and counted),
-    identical on every rank. The chunks are in eval mode meanwhile (dropout off) and back in
-    training mode afterwards."""
-    chunks = list(chunks)
-    if loss_tokens is None:
+    normalised over all of them at once, identical on every rank (:func:`evaluate_metrics`).
+    The chunks are in eval mode meanwhile (dropout off) and back in training mode
+    afterwards."""
+    return evaluate_metrics(chunks, data_iterator, num_microbatches=num_microbatches,
+                            micro_batch=micro_batch, seq_len=seq_len, loss_fn=loss_fn,
+                            loss_tokens=loss_tokens, samples=samples)["loss"]
+
+
+def evaluate_metrics(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], *,
+                     num_microbatches: int, micro_batch: int, seq_len: int,
+                     loss_fn: LossFn = token_mean, loss_tokens: float | None = None,
+                     samples: int | None = None) -> dict[str, float]:
+    """:func:`evaluate` with the loss_fn's metrics too: {"loss": ..., name: ...}. ``loss_tokens``
+    and ``samples`` (rows that carry loss): the counts over every data-parallel rank when the
+    caller knows them (the micro-batches are then read lazily); else the micro-batches are read
+    first and counted. ``micro_batch`` counts rows."""
+    if loss_tokens is None or samples is None:
         batches: Iterable[Batch] = list(data_iterator)
         counts = count_step(batches)
     else:
         batches = data_iterator
-        counts = count_step([], tokens=loss_tokens)
-        counts = dataclasses.replace(counts, num_microbatches=num_microbatches)
+        counts = dataclasses.replace(count_step([], tokens=loss_tokens, samples=samples),
+                                     num_microbatches=num_microbatches)
+    results = forward_outputs(chunks, batches, loss_fn, num_microbatches=num_microbatches,
+                              micro_batch=micro_batch, seq_len=seq_len, counts=counts)
+    return _step_metrics(results, num_microbatches, loss_fn)
+
+
+def forward_outputs(chunks: Sequence[torch.nn.Module], batches: Iterable[Batch],
+                    loss_fn: LossFn, *, num_microbatches: int, micro_batch: int, seq_len: int,
+                    counts: StepCounts | None = None) -> list[dict[str, torch.Tensor]]:
+    """The last pipeline stage's ``{"loss", **metrics}`` of each micro-batch, forward only (no
+    gradients; the chunks in eval mode meanwhile, back in training mode afterwards); other
+    stages get an empty list. ``micro_batch`` counts rows. ``counts``: what the loss_fn's
+    shares are shares of (none for a loss_fn that only collects values)."""
+    chunks = list(chunks)
+    if counts is None:
+        counts = StepCounts(loss_tokens=0.0, samples=0, num_microbatches=num_microbatches, dp=1)
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
@@ -353,7 +398,7 @@ def evaluate(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], 
                             seq_len=seq_len, forward_only=True)
     for chunk in chunks:
         chunk.train()
-    return _step_loss(results, num_microbatches)
+    return list(results)
 
 
 def _schedule(chunks: list[torch.nn.Module], batches: Iterable[Batch], loss_fn: LossFn,
@@ -409,9 +454,11 @@ def _zero0_grad_norm(engine) -> float:
     return total.sqrt().item()
 
 
-def _step_loss(results: list[dict[str, torch.Tensor]], num_microbatches: int) -> float:
-    """The step's loss (the shares summed, ``loss.reduce_shares``), finite, on every rank."""
-    value = reduce_shares([r["loss"] for r in results], num_microbatches)
-    if not math.isfinite(value):
-        raise FloatingPointError(f"training loss is {value}")
-    return value
+def _step_metrics(results: list[dict[str, torch.Tensor]], num_microbatches: int,
+                  loss_fn: LossFn) -> dict[str, float]:
+    """The step's loss and the loss_fn's metrics (their shares summed,
+    ``loss.reduce_shares``), on every rank; the loss must be finite."""
+    values = reduce_shares(results, num_microbatches, loss_names(loss_fn))
+    if not math.isfinite(values["loss"]):
+        raise FloatingPointError(f"training loss is {values['loss']}")
+    return values

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,14 +29,28 @@ def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
     with gathered:
         path = export_hf(chunks, adapter, out_dir, overwrite=True)
         if verify:
-            diff = _verify_export(chunks, adapter, out_dir)
+            diff = verify_export(chunks, adapter, out_dir)
     return (str(path) if path is not None else None), diff
 
 
-def _verify_export(chunks, adapter, out_dir: str) -> float:
+def verify_export(chunks, adapter, out_dir: str) -> float:
     """Max abs logit difference, HF export (transformers) vs the live model; on every rank."""
+    from toolkit.convert.verify import run_hf
+
+    def reference(tokens: torch.Tensor) -> torch.Tensor:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" of the folder just written
+        return run_hf(Path(out_dir), tokens).logits
+
+    return verify_against(chunks, adapter, reference)
+
+
+def verify_against(chunks, adapter, reference: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """Max abs logit difference on a fixed batch, ``reference(tokens)`` (run on rank 0) vs the
+    live model; on every rank."""
     from toolkit.adapters.live import forward_logits
-    from toolkit.convert.verify import fixed_tokens, run_hf
+    from toolkit.convert.verify import fixed_tokens
 
     vocab = adapter.dims.vocab
     tokens = fixed_tokens(vocab, batch=2, seq_len=16)
@@ -44,10 +59,6 @@ def _verify_export(chunks, adapter, out_dir: str) -> float:
         chunk.train()
     diff = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank() == 0:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # "Loading weights" of the folder just written
-        hf = run_hf(Path(out_dir), tokens).logits.float()
-        diff[0] = (hf - live).abs().max().item()
+        diff[0] = (reference(tokens).float() - live).abs().max().item()
     dist.broadcast(diff, 0)
     return float(diff[0])

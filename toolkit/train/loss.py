@@ -38,7 +38,7 @@ class StepCounts:
     every data-parallel rank), the same on every rank."""
 
     loss_tokens: float  # tokens whose loss counts (the loss mask's sum; every label if no mask)
-    samples: int  # rows
+    samples: int  # rows that carry loss (filler rows of a validation round do not)
     num_microbatches: int  # this rank's micro-batches in the step
     dp: int  # data-parallel ranks (without context parallelism)
 
@@ -50,8 +50,16 @@ class StepCounts:
         return float(self.num_microbatches * self.dp)
 
 
-#: ``loss_fn(per_token_loss, batch, counts) -> share`` (see the module doc).
-LossFn = Callable[[torch.Tensor, Batch, StepCounts], torch.Tensor]
+#: ``loss_fn(per_token_loss, batch, counts) -> share``, or ``(share, {name: share})`` with
+#: the names in the function's ``metric_names``: metrics are shares too (summed like the loss);
+#: a "loss" among them replaces the reported loss (not the one differentiated).
+LossFn = Callable[[torch.Tensor, Batch, StepCounts],
+                  torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def loss_names(loss_fn: LossFn) -> tuple[str, ...]:
+    """The values a loss function reports: the loss, then its ``metric_names``."""
+    return ("loss", *getattr(loss_fn, "metric_names", ()))
 
 
 def loss_tokens(batch: Batch) -> float:
@@ -60,19 +68,29 @@ def loss_tokens(batch: Batch) -> float:
     return float(mask.sum()) if mask is not None else float(batch["labels"].numel())
 
 
-def count_step(batches: Sequence[Batch], *, tokens: float | None = None) -> StepCounts:
+def loss_rows(batch: Batch) -> int:
+    """Rows of one micro-batch that carry loss (a filler row has an all-zero mask)."""
+    mask = batch.get("loss_mask")
+    return int((mask.sum(dim=1) > 0).sum()) if mask is not None else len(batch["labels"])
+
+
+def count_step(batches: Sequence[Batch], *, tokens: float | None = None,
+               samples: int | None = None) -> StepCounts:
     """The counts of the global batch whose share on this rank is ``batches`` (one all-reduce
-    over the data-parallel group, when dp > 1). ``tokens``: the global loss-token count when the
-    caller knows it already (no reduction of it)."""
-    local = torch.tensor([sum(loss_tokens(b) for b in batches) if tokens is None else 0.0,
-                          float(sum(len(b["labels"]) for b in batches))], dtype=torch.float64)
+    over the data-parallel group, when dp > 1 and a count is not given). ``tokens`` /
+    ``samples``: the global counts when the caller knows them already."""
     dp = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if tokens is not None and samples is not None:
+        return StepCounts(loss_tokens=float(tokens), samples=int(samples),
+                          num_microbatches=len(batches), dp=dp)
+    local = torch.tensor([sum(loss_tokens(b) for b in batches),
+                          float(sum(loss_rows(b) for b in batches))], dtype=torch.float64)
     if dp > 1:
         local = local.to(runtime.device())
         dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=False))
         local = local.cpu()
-    total = float(local[0]) if tokens is None else float(tokens)
-    return StepCounts(loss_tokens=total, samples=int(local[1]),
+    return StepCounts(loss_tokens=float(local[0]) if tokens is None else float(tokens),
+                      samples=int(local[1]) if samples is None else int(samples),
                       num_microbatches=len(batches), dp=dp)
 
 
@@ -91,17 +109,20 @@ def sample_mean(per_sample: torch.Tensor, counts: StepCounts,
     return per_sample.float().sum() / float(samples or counts.samples)
 
 
-def reduce_shares(shares: Sequence[torch.Tensor], num_microbatches: int) -> float:
-    """The step's loss on every rank: the last stage's shares summed over micro-batches and
-    over data-parallel x context-parallel ranks, then sent along the pipeline."""
+def reduce_shares(results: Sequence[dict[str, torch.Tensor]], num_microbatches: int,
+                  names: Sequence[str] = ("loss",)) -> dict[str, float]:
+    """The step's values on every rank: each named share of the last stage's micro-batch
+    results summed over micro-batches and over data-parallel x context-parallel ranks, then
+    sent along the pipeline. One all-reduce for all of them."""
     device = runtime.device()
-    total = torch.zeros(1, dtype=torch.float64, device=device)
+    total = torch.zeros(len(names), dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        if len(shares) != num_microbatches:
-            raise RuntimeError(f"schedule returned {len(shares)} losses for "
+        if len(results) != num_microbatches:
+            raise RuntimeError(f"schedule returned {len(results)} losses for "
                                f"{num_microbatches} micro-batches")
-        total += sum(s.double().to(device) for s in shares)
+        for i, name in enumerate(names):
+            total[i] += sum(r[name].double().to(device) for r in results)
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    return total.item()
+    return dict(zip(names, total.tolist(), strict=True))

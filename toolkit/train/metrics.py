@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +90,17 @@ class StepMetrics:
     step_time_s: float | None = None
     consumed_samples: int | None = None
     val_loss: float | None = None
+    tokens_by_source: dict[str, int] | None = None  # pretraining: tokens trained per source
+    extra: dict[str, float] = field(default_factory=dict)  # the objective's (DPO: TRL's names)
+
+    def flat(self) -> dict[str, Any]:
+        """The record's keys with ``extra``'s among them (``rewards/chosen``, ...)."""
+        d = dataclasses.asdict(self)
+        return {**d, **d.pop("extra")}
 
     def to_json(self) -> str:
-        d = dataclasses.asdict(self)
         return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                           for k, v in d.items()})
+                           for k, v in self.flat().items()})
 
 
 class MetricsWriter:
@@ -121,8 +127,10 @@ class MetricsWriter:
     def log(self, m: StepMetrics) -> None:
         self._file.write(m.to_json() + "\n")
         self._file.flush()
-        scalars = {k: v for k, v in dataclasses.asdict(m).items()
+        scalars = {k: v for k, v in m.flat().items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        for name, tokens in (m.tokens_by_source or {}).items():
+            scalars[f"tokens_by_source/{name}"] = tokens
         if m.mem_per_rank:
             scalars["mem_max_rank_gib"] = max(m.mem_per_rank) / 2**30
         if self._tb is not None:

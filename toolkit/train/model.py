@@ -41,7 +41,9 @@ class RunModel:
             raise ConfigError(f"model: {file} not found (model.path must be an HF folder, "
                               "model.config an HF config.json).")
         hf_config = json.loads(file.read_text())
-        return cls(hf_config, model_shape_from_hf(hf_config))
+        from toolkit.train.lora import spec_of  # peft: the memory model counts the adapters
+
+        return cls(hf_config, model_shape_from_hf(hf_config, lora=spec_of(cfg)))
 
     @property
     def has_experts(self) -> bool:

@@ -30,7 +30,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, tp: int = 1, pp: int
     the new ``step_*`` folder.
     """
     from toolkit.runtime.rankpool import RankPool
-    from toolkit.train.checkpointing import CheckpointManager, load_training_state
+    from toolkit.train.checkpoint_folders import CheckpointManager
+    from toolkit.train.checkpointing import load_training_state
 
     path = Path(src)
     if not (path / STATE_FILE).is_file():
@@ -74,8 +75,11 @@ def _convert_rank(raw: dict[str, Any], src: str) -> str:
     import torch.distributed as dist
 
     from toolkit import parallel
+    from toolkit.checkpoint.deepspeed import write_hf_config
+    from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR
     from toolkit.train import config as cfgmod
-    from toolkit.train.checkpointing import CheckpointManager, load_training_state
+    from toolkit.train.checkpoint_folders import CheckpointManager
+    from toolkit.train.checkpointing import load_training_state
     from toolkit.train.ds_config import deepspeed_config
     from toolkit.train.engine import build_engine, mask_vocab_padding
     from toolkit.train.model import RunModel, build_model
@@ -95,7 +99,12 @@ def _convert_rank(raw: dict[str, Any], src: str) -> str:
         load_resharded(src, engine, list(chunks), adapter, saved.step, saved.consumed_samples)
         state = dataclasses.replace(saved, world_size=layout.world_size, dp_size=layout.dp,
                                     layout=dataclasses.asdict(layout), config=cfg.to_dict())
-        return str(CheckpointManager(cfg.checkpoint_dir).save(
+        # the new checkpoint describes its model as the source did (tokenizer files included)
+        folders = [Path(src) / HF_CONFIG_DIR, *(Path(p) for p in (cfg.model.path,
+                   cfg.tokenizer_path) if p and Path(p).is_dir())]
+        manager = CheckpointManager(cfg.checkpoint_dir, describe=lambda d: write_hf_config(
+            d, model.hf_config, [f for f in folders if f.is_dir()]))
+        return str(manager.save(
             state, lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG, save_latest=False)))
     finally:
         if engine is not None:

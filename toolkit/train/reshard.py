@@ -14,6 +14,7 @@ so the resumed run continues as the uninterrupted one would (fp32: to rounding).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,8 +75,6 @@ def load_resharded(path: str | Path, engine: Any, chunks: list[Any], adapter: Ad
     """Fill ``engine`` (built for this run's layout) from the checkpoint at ``path`` saved at
     another layout: weights, fp32 master weights, Adam moments and step counts (collective in
     ZeRO-3, whose fragment API gathers; every rank reads the files itself)."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
     from toolkit.adapters.live import current_coord
 
     src = sources(path, adapter)
@@ -86,6 +85,18 @@ def load_resharded(path: str | Path, engine: Any, chunks: list[Any], adapter: Ad
     if shapes != {(t.chunk, t.name): tuple(t.shape) for t in plans}:
         raise MappingError(f"resume at another layout: this rank's parameters differ from the "
                            f"mapping's plan at {coord}.")
+    values = ((params[(t.chunk, t.name)], local_slice(t, src["fp32"]),  # one at a time
+               {k: local_slice(t, src[k]) for k in MOMENTS}) for t in plans)
+    write_engine_state(engine, values, step, samples)
+
+
+def write_engine_state(engine: Any, values: Iterable[tuple[Any, torch.Tensor, dict[str, Any]]],
+                       step: int, samples: int) -> None:
+    """Set each (parameter, fp32 weight, Adam moments) of this rank in ``engine``: the model
+    weight, and through DeepSpeed's fragment API the fp32 master and moments of whatever
+    partition this rank owns (collective in ZeRO-3); Adam's step count is ``step``."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
     stage = engine.zero_optimization_stage()
     optimizer = engine.optimizer
     base = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer under ZeRO
@@ -100,10 +111,7 @@ def load_resharded(path: str | Path, engine: Any, chunks: list[Any], adapter: Ad
                 if getattr(lp, "_hp_mapping", None) is not None:
                     lp._hp_mapping.set_optim_state_fragment(flat, base.state[flat])
     with torch.no_grad():
-        for t in plans:
-            p = params[(t.chunk, t.name)]
-            weight = local_slice(t, src["fp32"])
-            moments = {k: local_slice(t, src[k]) for k in MOMENTS}
+        for p, weight, moments in values:
             if stage == 0:  # no ZeRO: the fp32 model weights are the optimizer's parameters
                 p.data.copy_(weight)
                 for k, v in moments.items():

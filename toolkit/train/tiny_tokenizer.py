@@ -28,11 +28,16 @@ CHAT_TEMPLATE = (
 )
 
 
+#: The files the tiny tokenizer learns from: the preference pairs (dpo.jsonl) reuse their texts,
+#: and leaving them out keeps the tokenizer (and every test's token ids) as it was.
+TEXT_FILES = ("pretrain.jsonl", "sft.jsonl")
+
+
 def bundled_texts(folder: Path | None = None) -> Iterator[str]:
-    """Every text in the jsonl files of ``folder`` (default: the demo data shipped with mdtk):
-    documents, prompts, responses, chat turns."""
+    """Every text in the pretraining and SFT jsonl files of ``folder`` (default: the demo data
+    shipped with mdtk): documents, prompts, responses, chat turns."""
     folder = folder or bundled.path(bundled.DATA)
-    files = sorted(folder.glob("*.jsonl"))
+    files = sorted(f for f in folder.glob("*.jsonl") if f.name in TEXT_FILES)
     if not files:
         raise FileNotFoundError(f"no *.jsonl files in {folder}: pass texts= explicitly.")
     for path in files:

@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from toolkit import parallel, runtime
 from toolkit.atomic import write_text
 from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
+from toolkit.train import lora as lora_run
 from toolkit.train import reshard
+from toolkit.train.checkpoint_folders import CheckpointManager
 from toolkit.train.checkpointing import (
     ENGINE_TAG,
-    CheckpointManager,
     ResumeError,
     TrainingState,
     check_resume,
@@ -39,21 +39,19 @@ from toolkit.train.checkpointing import (
 )
 from toolkit.train.config import ConfigError, TrainConfig
 from toolkit.train.data import (
+    DataError,
     DataSettings,
     GlobalBatchSampler,
     PreparedData,
-    TokenizedSplit,
-    eval_micro_batches,
-    eval_rows,
     prepare_data_distributed,
-    step_batches,
     with_reset_at_eod,
 )
+from toolkit.train.data.blend import SourceTokens
+from toolkit.train.data.pretrain import check_token_ids
 from toolkit.train.ds_config import deepspeed_config
 from toolkit.train.engine import (
     EngineError,
     build_engine,
-    evaluate,
     mask_vocab_padding,
     train_step,
 )
@@ -67,11 +65,14 @@ from toolkit.train.metrics import (
     throughput,
 )
 from toolkit.train.model import RunModel, build_model, check_packing
+from toolkit.train.objective import Objective
 from toolkit.train.schedule import LRSchedule
+from toolkit.train.validation import validation_metrics
 
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter
     from toolkit.train.faults import Heartbeat, StopGuard
+    from toolkit.train.saver import Saver
 
 
 @dataclass
@@ -82,8 +83,12 @@ class TrainResult:
     start_step: int
     losses: list[float] = field(default_factory=list)
     val_losses: dict[int, float] = field(default_factory=dict)
+    metrics: list[dict[str, float]] = field(default_factory=list)  # per step, besides the loss
+    val_metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # (DPO: TRL's)
     export_dir: str | None = None
     export_max_abs_diff: float | None = None  # HF export vs the trained model's logits
+    adapter_dir: str | None = None  # peft: the HF PEFT folder (export.adapter_dir)
+    adapter_max_abs_diff: float | None = None  # PEFT's model with it vs the trained model
     ds_config: dict[str, Any] = field(default_factory=dict)
     ds_notes: list[str] = field(default_factory=list)
 
@@ -110,10 +115,23 @@ class RunState:
     ds_config: dict[str, Any]
     ds_notes: list[str]
     total_steps: int
+    objective: Objective  # the data mode's micro-batches and loss (DPO: with its reference)
+    lora: Any = None  # the LoraSpec of a LoRA / DoRA run (None: full fine-tuning)
 
     @property
     def checkpoints(self) -> CheckpointManager:
-        return CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
+        c = self.cfg.checkpoint
+        return CheckpointManager(self.cfg.checkpoint_dir, c.keep_last, c.keep_every,
+                                 describe=self._describe_model)
+
+    def _describe_model(self, folder: Path) -> None:
+        """A checkpoint's ``hf_config/``: config.json as read, tokenizer and generation config
+        from the local model and tokenizer folders (a hub id stays in trainer_state.json)."""
+        from toolkit.checkpoint.deepspeed import write_hf_config
+
+        local = [Path(p) for p in (self.cfg.model.path, self.cfg.tokenizer_path)
+                 if p and Path(p).is_dir()]
+        write_hf_config(folder, self.model.hf_config, local)
 
 
 def run(cfg: TrainConfig) -> TrainResult:
@@ -125,15 +143,17 @@ def run(cfg: TrainConfig) -> TrainResult:
     """
     runtime.enable_cpu_mode()
     runtime.init_distributed()
-    engine = None
+    engine = state = None
     try:
         mpu, run_plan, model = _setup(cfg)
         state = _prepare(cfg, mpu, run_plan, model)
         engine = build_engine(state.chunks, mpu, state.ds_config, checked=True)
         return _train(state, engine)
-    except (LayoutError, EngineError, ResumeError) as e:
+    except (LayoutError, EngineError, ResumeError, DataError) as e:
         raise ConfigError(str(e)) from e
     finally:
+        if state is not None:
+            state.objective.close()
         if engine is not None:
             engine.destroy()
         parallel.destroy()
@@ -149,6 +169,9 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
         layout = run_plan.layout
         layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes: checked on load
         model = RunModel.of(cfg)
+        if cfg.data.mode == "pretrain":  # indexed sources' token ids vs the vocab, scanned once
+            check_token_ids(cfg.data.sources + cfg.data.validation_sources, cfg.data_cache_dir,
+                            model.shape.vocab)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     out = Path(str(cfg.output_dir))
@@ -163,18 +186,28 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
 def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -> RunState:
     """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
     layout = run_plan.layout
+    t0 = time.perf_counter()
     data = with_reset_at_eod(prepare_data_distributed(
         DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.data_cache_dir,
         cfg.data.num_proc), cfg.data.reset_at_eod)
-    if data.train.packed or data.train.reset_eod is not None:
+    if getattr(data.train, "packed", False) or data.train.reset_eod is not None:
         _log(check_packing(cfg, layout, model))  # refused here when the model cannot
     total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
+    data.train.reserve(total * run_plan.global_batch)
+    _log(f"data ready in {time.perf_counter() - t0:.2f} s")
     with runtime.failing_together():  # sized from this node's memory; written on rank 0
         ds_config, notes = deepspeed_config(cfg, run_plan, model, total)
         if dist.get_rank() == 0:
             _write_json(Path(str(cfg.output_dir)) / "ds_config.json", ds_config)
     for note in notes:
         _log(f"deepspeed: {note}")
+    dp_rank = mpu.get_data_parallel_rank_without_cp()
+    precomputed = None
+    if cfg.data.mode == "dpo" and cfg.dpo.precompute_reference:  # before the policy exists
+        from toolkit.train.dpo.objective import precomputed_reference
+
+        precomputed = precomputed_reference(cfg, layout, mpu, ds_config, data,
+                                            run_plan.micro_batch, dp_rank, model.hf_config)
     chunks, adapter = build_model(cfg, layout, model)
     vocab = adapter.dims.vocab
     for split in ("train", "validation"):
@@ -183,11 +216,18 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
             raise ConfigError(f"data: token id {top} in the {split} split is outside the model's "
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
     mask_vocab_padding(chunks, vocab)
-    sampler = GlobalBatchSampler(len(data.train), run_plan.global_batch, run_plan.micro_batch,
-                                 layout.dp, mpu.get_data_parallel_rank_without_cp(), cfg.train.seed,
-                                 cfg.data.shuffle)
+    lora = lora_run.attach_adapters(cfg, chunks, adapter) if cfg.peft.method != "none" else None
+    num_samples, shuffle = data.train.sampler_args(cfg.data.shuffle)
+    sampler = GlobalBatchSampler(num_samples, run_plan.global_batch, run_plan.micro_batch,
+                                 layout.dp, dp_rank, cfg.train.seed, shuffle)
+    objective = Objective()
+    if cfg.data.mode == "dpo":
+        from toolkit.train.dpo.objective import dpo_objective
+
+        objective = dpo_objective(cfg, layout, mpu, ds_config, model.hf_config, precomputed,
+                                  chunks)
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
-                    notes, total)
+                    notes, total, objective, lora)
 
 
 def _train(state: RunState, engine) -> TrainResult:
@@ -203,22 +243,28 @@ def _train(state: RunState, engine) -> TrainResult:
                            wandb_project=cfg.logging.wandb_project,
                            run_config=cfg.to_dict()) if rank == 0 else None
     if data.validation is not None and cfg.train.eval_interval and start == 0:
-        result.val_losses[0] = _validation_loss(state)
+        _validate(state, result, 0)
         _log(f"validation loss before training: {result.val_losses[0]:.4f}")
     progress = _progress(total, start) if rank == 0 else None
     from toolkit.train import faults  # imported here: the import block is shared with reshard
+    from toolkit.train.saver import Saver
 
     stop = faults.StopGuard(faults.stop_file(out))
     heartbeat = faults.Heartbeat(cfg.runtime.heartbeat_timeout_s, rank)
+    saver = Saver(state.checkpoints, asynchronous=cfg.checkpoint.async_,
+                  on_error=cfg.checkpoint.on_save_error, log=_log)
     try:
+        if start < total and state.lora is None:
+            saver.prepare(engine)
         with stop, heartbeat:
-            _loop(state, engine, result, start, stop, heartbeat, writer, progress)
+            _loop(state, engine, result, start, stop, heartbeat, saver, writer, progress)
     finally:
+        saver.close()
         if writer is not None:
             writer.close()
         if progress is not None:
             progress.close()
-    if cfg.export.hf_dir:
+    if cfg.export.hf_dir or cfg.export.adapter_dir:
         _export(state, engine, result)
     if rank == 0:
         summary = dataclasses.asdict(result)
@@ -228,9 +274,10 @@ def _train(state: RunState, engine) -> TrainResult:
 
 
 def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGuard,
-          heartbeat: Heartbeat, writer: MetricsWriter | None, progress) -> None:
-    """The steps from ``start``; at each boundary a requested stop (``faults``) saves and
-    raises ``faults.TrainingStopped`` on every rank."""
+          heartbeat: Heartbeat, saver: Saver, writer: MetricsWriter | None, progress) -> None:
+    """The steps from ``start``; at each boundary the save in flight is published when written
+    (``saver.poll``) and a requested stop (``faults``) saves, waits for the save and raises
+    ``faults.TrainingStopped`` on every rank. The run's end waits for the last save."""
     from toolkit.train import faults
 
     cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
@@ -238,25 +285,30 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
     schedule = LRSchedule.from_config(cfg.optim, total)
     flops_per_token = model_flops_per_token(state.model.shape, cfg.train.seq_len)
     peak = peak_tflops(device_name(), cfg.logging.peak_tflops)
-    tokens_per_step = run_plan.global_batch * cfg.train.seq_len
+    tokens_per_step = run_plan.global_batch * cfg.train.seq_len * state.objective.rows_per_sample
+    objective = state.objective
     if start < total and stop.requested():  # asked before this run trained anything
         raise faults.TrainingStopped(start, None, stop.reason or "")
     saved = start
+    fed = SourceTokens.of(data.train, cfg.train.seq_len, run_plan.global_batch, start)
     for step in range(start, total):
         faults.test_hook("step", step, stop)
         t0 = time.perf_counter()
-        res = train_step(engine, state.chunks, step_batches(data.train, sampler, step),
-                         num_microbatches=run_plan.grad_accum,
+        batches = objective.batches("train", data.train, sampler.micro_batches(step))
+        res = train_step(engine, state.chunks, batches, num_microbatches=run_plan.grad_accum,
                          micro_batch=run_plan.micro_batch, seq_len=cfg.train.seq_len,
-                         lr=schedule(step))
+                         lr=schedule(step), loss_fn=objective.loss_fn,
+                         rows_per_sample=objective.rows_per_sample)
         seconds = time.perf_counter() - t0
         result.losses.append(res.loss)
+        result.metrics.append(res.metrics)
         done = step + 1
+        if fed is not None:
+            fed.add(step)
         val = None
         if data.validation is not None and cfg.train.eval_interval and (
                 done % cfg.train.eval_interval == 0 or done == total):
-            val = _validation_loss(state)
-            result.val_losses[done] = val
+            val = _validate(state, result, done)
         if done % cfg.logging.interval == 0 or done == total or val is not None:
             tp = throughput(tokens_per_step, seconds, flops_per_token, world, peak)
             mem = gather_memory()
@@ -265,40 +317,42 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
                     step=done, loss=res.loss, lr=res.lr, grad_norm=res.grad_norm,
                     tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
                     mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds,
-                    consumed_samples=sampler.consumed_samples(done), val_loss=val))
+                    consumed_samples=sampler.consumed_samples(done), val_loss=val,
+                    tokens_by_source=fed.totals() if fed is not None else None,
+                    extra={**res.metrics, **{f"val_{k}": v for k, v in
+                                             result.val_metrics.get(done, {}).items()}}))
         if progress is not None:
             progress.update(done, res.loss, val)
         if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
-            _save(state, engine, done)
+            _checkpoint(state, engine, saver, done)
             saved = done
+        else:
+            saver.poll()
         heartbeat.beat(done)
         if done < total and stop.requested():
-            path = _save(state, engine, done) if saved != done else None
+            path = _checkpoint(state, engine, saver, done) if saved != done else None
+            path = saver.finish() or path
             raise faults.TrainingStopped(done, path and str(path), stop.reason or "")
+    saver.finish()
 
 
 def _write_json(path: Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=1))
 
 
-def _validation_loss(state: RunState) -> float:
+def _validate(state: RunState, result: TrainResult, step: int) -> float:
+    """Validation loss (and the objective's metrics) over the same samples at any layout,
+    forward only, recorded in ``result`` for ``step``; returns the loss."""
     s = state.sampler
-    return validation_loss(state.chunks, state.data.validation, micro_batch=s.micro_batch,
-                           dp_size=s.dp_size, dp_rank=s.dp_rank, seq_len=state.cfg.train.seq_len,
-                           eval_batches=state.cfg.train.eval_batches)
-
-
-def validation_loss(chunks, split: TokenizedSplit, *, micro_batch: int, dp_size: int,
-                    dp_rank: int, seq_len: int, eval_batches: int | None = None) -> float:
-    """The loss over the whole validation set (or its first ``eval_batches`` rounds),
-    token-weighted over all of it: the same number at any layout, micro-batch and packing."""
-    interleaved = len(chunks) > 1  # its schedule wants a multiple of pp micro-batches
-    multiple = ps.get_pipeline_model_parallel_world_size() if interleaved else 1
-    batches = eval_micro_batches(len(split), micro_batch, dp_size, dp_rank, eval_batches, multiple)
-    rows = eval_rows(len(split), micro_batch, dp_size, eval_batches)
-    return evaluate(chunks, (split.batch(i) for i in batches), num_microbatches=len(batches),
-                    micro_batch=micro_batch, seq_len=seq_len,
-                    loss_tokens=split.loss_tokens(rows))
+    metrics = validation_metrics(state.chunks, state.data.validation, micro_batch=s.micro_batch,
+                                 dp_size=s.dp_size, dp_rank=s.dp_rank,
+                                 seq_len=state.cfg.train.seq_len,
+                                 eval_batches=state.cfg.train.eval_batches,
+                                 objective=state.objective)
+    result.val_losses[step] = metrics.pop("loss")
+    if metrics:
+        result.val_metrics[step] = metrics
+    return result.val_losses[step]
 
 
 def _training_state(state: RunState, step: int) -> TrainingState:
@@ -323,11 +377,23 @@ def _absolute_model_paths(config: dict) -> dict:
     return {**config, "model": model}
 
 
+def _checkpoint(state: RunState, engine, saver: Saver, step: int) -> Path | None:
+    """Save step ``step``: through ``saver`` (synchronous or asynchronous), or for LoRA runs
+    (the adapters and their optimizer state, small) synchronously by ``_save``."""
+    if state.lora is not None:
+        return _save(state, engine, step)
+    return saver.save(engine, _training_state(state, step))
+
+
 def _save(state: RunState, engine, step: int) -> Path:
     from toolkit.train import faults
 
     def write_engine(folder: Path) -> None:
-        engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=False)
+        if state.lora is not None:  # the adapters and their optimizer state only
+            lora_run.save_state(folder, engine, state.chunks, state.adapter, state.lora,
+                                state.cfg.model.path)
+        else:
+            engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=False)
         faults.test_hook("save", step)  # tests kill a rank here, mid-save
 
     path = state.checkpoints.save(_training_state(state, step), write_engine)
@@ -339,10 +405,14 @@ def _resume(state: RunState, engine) -> int:
     """The step to start from: 0, or the step of the checkpoint ``checkpoint.resume`` names
     (engine, RNG and data position restored after the run is checked to be the same one)."""
     cfg = state.cfg
-    path = state.checkpoints.resolve_resume(cfg.checkpoint.resume)
+    path = state.checkpoints.resolve_resume(
+        cfg.checkpoint.resume, checksums=cfg.checkpoint.verify == "checksums",
+        warn=lambda text: _log(f"warning: {text}"))
     if path is None:
         return 0
     saved = load_training_state(path)
+    if state.lora is not None or lora_run.has_state(path):
+        return _resume_adapters(state, engine, path, saved)
     # Another layout (or ZeRO stage): resharded through the mapping; the same one: DeepSpeed's
     # native load of its per-rank shards.
     stage = reshard.saved_stage(path)
@@ -367,10 +437,29 @@ def _resume(state: RunState, engine) -> int:
     return saved.step
 
 
+def _resume_adapters(state: RunState, engine, path: Path, saved) -> int:
+    """Resume a LoRA / DoRA run: its adapters and their optimizer state, at any layout."""
+    cfg = state.cfg
+    check_resume(saved, layout=state.plan.layout, global_batch=state.plan.global_batch,
+                 seed=cfg.train.seed, data_fingerprint=state.data.key,
+                 dp_change_ok=state.sampler.supports_dp_change, reshard_ok=True)
+    lora_run.load_state(path, engine, state.chunks, state.lora, saved.step,
+                        saved.consumed_samples)
+    same = reshard.same_layout(saved.layout, state.plan.layout)
+    if not same or not load_rng(path, dist.get_rank()):
+        torch.manual_seed(cfg.train.seed + saved.step)
+    how = "" if same else f" (from {_describe(saved.layout)})"
+    _log(f"resumed adapters from {path} at step {saved.step}{how}")
+    return saved.step
+
+
 def _export(state: RunState, engine, result: TrainResult) -> None:
     from toolkit.train.export import export
 
     cfg = state.cfg
+    if state.lora is not None:
+        lora_run.export(cfg, engine, state.chunks, state.adapter, state.lora, result, _log)
+        return
     result.export_dir, result.export_max_abs_diff = export(
         engine, state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
     if result.export_dir is not None:

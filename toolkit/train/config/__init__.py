@@ -21,19 +21,22 @@ from toolkit.train.config.schema import (
     CheckpointSection,
     DataSection,
     DeepSpeedSection,
+    DpoSection,
     ExportSection,
     LoggingSection,
     ModelSection,
     OptimSection,
     ParallelSection,
+    PeftSection,
     RuntimeSection,
     TrainConfig,
     TrainSection,
 )
 
 __all__ = [
-    "CheckpointSection", "ConfigError", "DataSection", "DeepSpeedSection", "ExportSection",
-    "LoggingSection", "ModelSection", "OptimSection", "ParallelSection", "RunPlan",
+    "CheckpointSection", "ConfigError", "DataSection", "DeepSpeedSection", "DpoSection",
+    "ExportSection", "LoggingSection", "ModelSection", "OptimSection", "ParallelSection",
+    "PeftSection", "RunPlan",
     "RuntimeSection", "TrainConfig", "TrainSection", "apply_overrides", "config_from_dict",
     "load_config", "parse_override", "plan", "total_steps", "validate",
 ]

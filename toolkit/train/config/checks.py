@@ -9,9 +9,10 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, UserError
 from toolkit.parallel.layout import LayoutError
-from toolkit.train.config.schema import TrainConfig
+from toolkit.train.config.schema import DpoSection, TrainConfig
+from toolkit.train.dpo import spec as dpo_spec
 
 
 def check_output_dir(cfg: TrainConfig) -> None:
@@ -48,6 +49,16 @@ def check_deepspeed(cfg: TrainConfig) -> None:
     if ds.config != "auto" and not Path(ds.config).is_file():
         raise ConfigError(f"deepspeed.config={ds.config!r}: no such file; give a DeepSpeed JSON "
                           "or 'auto' to generate one.")
+    zeropp = [k for k, on in (("hpz_partition_size", ds.hpz_partition_size > 1),
+                              ("quantized_weights", ds.quantized_weights),
+                              ("quantized_gradients", ds.quantized_gradients)) if on]
+    if zeropp and ds.config != "auto":
+        raise ConfigError(f"deepspeed.{zeropp[0]} with deepspeed.config={ds.config}: the file "
+                          "decides; set zero_hpz_partition_size / zero_quantized_weights / "
+                          "zero_quantized_gradients in its zero_optimization block instead.")
+    if zeropp and ds.zero_stage not in (3, "auto"):
+        raise ConfigError(f"deepspeed.{zeropp[0]} (ZeRO++) needs deepspeed.zero_stage 3 (or "
+                          f"auto), not {ds.zero_stage}: only ZeRO-3 uses it.")
 
 
 def check_data(cfg: TrainConfig) -> None:
@@ -66,6 +77,39 @@ def check_data(cfg: TrainConfig) -> None:
     if d.format != "auto" and d.mode == "pretrain":
         raise ConfigError(f"data.format={d.format} applies to sft only (pretraining reads "
                           "data.text_field): remove it or set data.mode=sft.")
+    if not d.shuffle and d.mode == "pretrain":
+        raise ConfigError("data.shuffle=false applies to sft only: pretraining reads megatron-core "
+                          "GPTDataset's shuffled samples (seeded by train.seed).")
+    if d.weights and d.mode != "pretrain":
+        raise ConfigError("data.weights blends pretraining sources: remove it or set "
+                          "data.mode=pretrain.")
+    if d.mode == "dpo" and (d.pack or d.format != "auto"):
+        key = "data.pack" if d.pack else f"data.format={d.format}"
+        raise ConfigError(f"{key} applies to sft only (data.mode=dpo reads prompt/chosen/rejected "
+                          "rows, one pair per sample): remove it.")
+    from toolkit.train.data.pretrain import check_sources, check_weights
+
+    try:
+        check_weights(d.weights, d.sources)
+        check_sources(d.sources + d.validation_sources, d.mode)  # headers and sizes, no scan
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_dpo(cfg: TrainConfig) -> None:
+    dpo_spec.check_settings(cfg.data.mode, cfg.dpo, DpoSection())
+    if cfg.data.mode != "dpo":
+        return
+    if cfg.model.config:
+        raise ConfigError("data.mode=dpo tunes a trained model: set model.path (the policy and, "
+                          "unless dpo.reference names another, the reference) instead of "
+                          "model.config.")
+    if cfg.peft.method != "none" and cfg.dpo.reference and not cfg.dpo.precompute_reference:
+        raise ConfigError(f"dpo.reference={cfg.dpo.reference!r} with peft.method="
+                          f"{cfg.peft.method}: the reference is the policy with its adapters off "
+                          "(model.path); remove dpo.reference or set "
+                          "dpo.precompute_reference=true.")
+    dpo_spec.check_reference(cfg.model.path, cfg.dpo.reference)
 
 
 def check_train(cfg: TrainConfig) -> None:
@@ -97,6 +141,43 @@ def check_checkpoint(cfg: TrainConfig) -> None:
                           "checkpoint folder.")
 
 
+def check_peft(cfg: TrainConfig) -> None:
+    p = cfg.peft
+    if p.method == "none":
+        if p.adapter or cfg.export.adapter_dir:
+            raise ConfigError("peft.adapter / export.adapter_dir need peft.method=lora or dora.")
+        return
+    if not cfg.model.path:
+        raise ConfigError(f"peft.method={p.method} fine-tunes adapters on a trained model: set "
+                          "model.path (an HF folder or hub id), not model.config.")
+    if p.dropout >= 1.0:
+        raise ConfigError(f"peft.dropout={p.dropout} must be in [0, 1).")
+    if p.target_modules is not None and not p.target_modules:
+        raise ConfigError("peft.target_modules is empty: name projections (q_proj, ...) or set "
+                          "it to null for every linear layer of the blocks.")
+    from toolkit.lora import LoraError
+    from toolkit.lora.peft_io import read_config
+    from toolkit.lora.targets import model_projections
+
+    targets = p.target_modules
+    try:
+        if p.adapter:
+            spec, _ = read_config(p.adapter)
+            if spec.method != p.method:
+                raise ConfigError(f"peft.adapter {p.adapter} is a {spec.method} adapter but "
+                                  f"peft.method={p.method}: set peft.method={spec.method}.")
+            targets = sorted(spec.targets)
+        config = Path(cfg.model.path) / "config.json"
+        if config.is_file():  # a local model: its family says which targets exist
+            from toolkit.adapters.hfconfig import read_hf_config
+            from toolkit.lora import LoraSpec
+
+            model_projections(read_hf_config(config),
+                              LoraSpec(r=p.r, targets=frozenset(targets or ())))
+    except LoraError as e:
+        raise ConfigError(f"peft: {e}") from None
+
+
 def check_logging(cfg: TrainConfig) -> None:
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb=true but wandb is not installed: `pip install wandb` or "
@@ -107,8 +188,8 @@ def check_logging(cfg: TrainConfig) -> None:
 
 
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
-    check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_train,
-    check_optim, check_checkpoint, check_logging,
+    check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_dpo,
+    check_train, check_optim, check_checkpoint, check_peft, check_logging,
 )
 
 

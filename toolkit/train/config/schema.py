@@ -5,20 +5,21 @@
 
 Key names are fixed by the project's CLI contract (scripts override them):
 ``output_dir``; ``parallel.tp/pp/vpp/cp/ep/etp/sequence_parallel``; ``deepspeed.zero_stage/
-offload/config``; ``train.steps/epochs/micro_batch/global_batch/seq_len/seed/precision/recompute/
-eval_interval``; ``optim.*``; ``checkpoint.*``; ``export.hf_dir``; ``logging.*``.
+offload/config/hpz_partition_size/quantized_weights/quantized_gradients``; ``train.steps/epochs/
+micro_batch/global_batch/seq_len/seed/precision/recompute/eval_interval``; ``optim.*``;
+``checkpoint.*``; ``export.hf_dir``; ``logging.*``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from toolkit.parallel.layout import ParallelLayout
-from toolkit.train.config.typed import opt, plain
+from toolkit.train.config.typed import as_dict, opt
 from toolkit.train.data import MODES, SFT_FORMATS
+from toolkit.train.dpo.spec import LOSSES as DPO_LOSSES
 
 
 @dataclass
@@ -53,18 +54,26 @@ class DeepSpeedSection:
     ``zero_stage``/``offload`` (``auto`` there lets the generator choose from its memory model);
     a path uses the user's JSON (linted by the generator's check first).
     ``offload``: cpu/nvme moves optimizer states (ZeRO >= 1); at ZeRO-3 the generator also moves
-    the parameters there only when the optimizer alone does not make the run fit."""
+    the parameters there only when the optimizer alone does not make the run fit.
+    ZeRO++ (ZeRO-3, tp = pp = 1; written into the generated JSON): ``hpz_partition_size`` keeps
+    a secondary copy of the parameters sharded over that many ranks (the GPUs per node) so most
+    gathers stay inside the node (exact); ``quantized_weights`` (int8 gathers, qwZ) and
+    ``quantized_gradients`` (int4 reduction, qgZ) are lossy and need CUDA kernels."""
 
     zero_stage: int | str = opt(1, choices=(0, 1, 2, 3, "auto"))
     offload: str = opt("none", choices=("none", "cpu", "nvme", "auto"))
     nvme_path: str | None = None
+    hpz_partition_size: int = opt(1, minimum=1)
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
     config: str = "auto"
 
 
 @dataclass
 class DataSection:
     """Sources are local json/jsonl/parquet/text files (globs and folders too) or hub dataset
-    names. ``pretrain`` packs documents into seq_len+1 blocks; ``sft`` trains on responses only.
+    names. ``pretrain`` packs documents into seq_len+1 blocks; ``sft`` trains on responses only;
+    ``dpo`` reads preference pairs (prompt, chosen, rejected; see the ``dpo`` section).
     ``format`` (sft only): ``auto`` detects each row's format from its keys (messages,
     prompt_response, alpaca, sharegpt; see docs/training.md), a name forces it for every row.
     ``template``: ``chat`` renders rows through the tokenizer's chat template, ``plain`` joins
@@ -80,6 +89,7 @@ class DataSection:
     sources: list[str] = opt(factory=list)
     validation_sources: list[str] = opt(factory=list)
     validation_split: float = opt(0.05, minimum=0.0)
+    weights: list[float] = opt(factory=list)
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -91,6 +101,23 @@ class DataSection:
     shuffle: bool = True
     cache_dir: str | None = None
     num_proc: int = opt(1, minimum=1)
+
+
+@dataclass
+class DpoSection:
+    """Preference tuning (``data.mode: dpo``), TRL's ``DPOTrainer`` settings by TRL's names.
+    ``beta``: how far the policy may move from the reference (IPO: its tau). ``loss``: TRL's
+    ``loss_type`` (sigmoid = the DPO paper; see docs/training.md). ``label_smoothing``: the
+    robust and exo_pair losses only. ``reference``: the reference model's HF folder or hub id,
+    same architecture and vocabulary as the policy; unset: the starting model (``model.path``),
+    frozen. ``precompute_reference``: the reference log-probabilities of every pair computed once
+    before training (cached beside the data), so no reference model is held while training."""
+
+    beta: float = opt(0.1, minimum=0.0)
+    loss: str = opt("sigmoid", choices=DPO_LOSSES)
+    label_smoothing: float = opt(0.0, minimum=0.0)
+    reference: str | None = None
+    precompute_reference: bool = False
 
 
 @dataclass
@@ -128,19 +155,50 @@ class TrainSection:
 @dataclass
 class CheckpointSection:
     """``dir`` defaults to ``{output_dir}/checkpoints``; ``interval: 0`` saves only at the end;
-    ``keep_last: 0`` keeps all; ``resume``: auto (latest complete, else start fresh) | none | a
-    checkpoint folder."""
+    ``keep_last: 0`` keeps all, ``keep_every: N`` also keeps every checkpoint whose step is a
+    multiple of N (0: none); ``resume``: auto (the newest intact checkpoint, else start fresh) |
+    none | a checkpoint folder. ``async``: the steps go on while the checkpoint is written (a
+    host copy of the state is taken first; ``latest`` moves once every file is written);
+    ``verify``: what resume checks against each checkpoint's manifest (``checksums``: every
+    file's size and xxh3-128; ``sizes``: sizes only); ``on_save_error``: ``stop`` the run with
+    the error, or ``continue`` training without that checkpoint (a warning)."""
 
     dir: str | None = None
     interval: int = opt(0, minimum=0)
     keep_last: int = opt(2, minimum=0)
+    keep_every: int = opt(0, minimum=0)
     resume: str = "auto"
+    async_: bool = False
+    verify: str = opt("checksums", choices=("checksums", "sizes"))
+    on_save_error: str = opt("stop", choices=("stop", "continue"))
+
+
+@dataclass
+class PeftSection:
+    """Parameter-efficient fine-tuning (docs/training.md, "LoRA and DoRA"). ``method``: none
+    (full fine-tuning), lora or dora. ``target_modules``: HF projection names (q_proj, ...;
+    null: every linear layer of the blocks). ``adapter``: an HF PEFT folder to continue from
+    (its own r, alpha, targets and method apply). ``rslora``: scale by alpha/sqrt(r)."""
+
+    method: str = opt("none", choices=("none", "lora", "dora"))
+    r: int = opt(16, minimum=1)
+    alpha: float = opt(32.0, minimum=0.0)
+    dropout: float = opt(0.0, minimum=0.0)
+    target_modules: list[str] | None = None
+    rslora: bool = False
+    adapter: str | None = None
 
 
 @dataclass
 class ExportSection:
+    """``hf_dir``: the trained model as an HF folder (with peft: the base with the adapters
+    merged in float32, written in the model's dtype). ``adapter_dir`` (peft only): the adapters
+    as an HF PEFT folder. ``verify``: reload each with transformers / PEFT and compare its
+    logits with the live model's."""
+
     hf_dir: str | None = None
-    verify: bool = True  # reload the export with transformers and compare its logits
+    adapter_dir: str | None = None
+    verify: bool = True
 
 
 @dataclass
@@ -170,9 +228,11 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     data: DataSection = field(default_factory=DataSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    peft: PeftSection = field(default_factory=PeftSection)
     export: ExportSection = field(default_factory=ExportSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
@@ -191,4 +251,4 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/YAML-safe dict (tuples become lists); ``config_from_dict`` reads it back."""
-        return plain(dataclasses.asdict(self))
+        return as_dict(self)

@@ -2,12 +2,16 @@
 ``key.path=value`` overrides typed by the field annotations (so ``optim.lr=3e-4`` is a float
 even though YAML 1.1 reads it as a string), unknown keys refused with a did-you-mean, choices
 and minimums from ``opt(...)`` metadata, ``bundled:REL`` values resolved to the file shipped
-inside mdtk. Nothing here knows the trainer's sections (``schema``)."""
+inside mdtk. Nothing here knows the trainer's sections (``schema``).
+
+A key that is a Python keyword (``checkpoint.async``) is a field with a trailing underscore
+(``async_``), as PEP 8 names them; YAML, overrides, messages and ``as_dict`` use the key."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -35,8 +39,24 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def key_of(f: dataclasses.Field) -> str:
+    """The YAML key of a schema field: its name, less the underscore a keyword needs."""
+    stem = f.name[:-1]
+    return stem if f.name.endswith("_") and keyword.iskeyword(stem) else f.name
+
+
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
+    """The fields of a section by YAML key."""
+    return {key_of(f): f for f in dataclasses.fields(cls)}
+
+
+def as_dict(section: Any) -> dict[str, Any]:
+    """A section tree as plain YAML keys and values (tuples become lists)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        out[key_of(f)] = as_dict(value) if dataclasses.is_dataclass(value) else plain(value)
+    return out
 
 
 def _is_section(tp: Any) -> bool:
@@ -134,12 +154,13 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
             raise _unknown(key, list(fields), where)
-        tp = hints[name]
+        f = fields[name]
+        tp = hints[f.name]
         if _is_section(tp):
-            values[name] = build(tp, value, key)
+            values[f.name] = build(tp, value, key)
         else:
-            values[name] = _coerce(value, tp, key)
-            _check_field(values[name], fields[name], key)
+            values[f.name] = _coerce(value, tp, key)
+            _check_field(values[f.name], f, key)
     return cls(**values)
 
 
@@ -147,7 +168,7 @@ def resolve_bundled(section: Any, prefix: str = "") -> None:
     """Replace each ``bundled:REL`` value (one string, or one item of a list) in place by the
     path of that file shipped inside mdtk, so the configs in the package work from any folder."""
     for f in dataclasses.fields(section):
-        key = f"{prefix}.{f.name}" if prefix else f.name
+        key = f"{prefix}.{key_of(f)}" if prefix else key_of(f)
         value = getattr(section, f.name)
         try:
             if dataclasses.is_dataclass(value):
@@ -176,7 +197,7 @@ def parse_override(root: type, text: str) -> tuple[list[str], Any]:
         if name not in fields:
             where = f"section '{'.'.join(path[:depth])}'" if depth else "the top level"
             raise _unknown(sub, list(fields), where)
-        tp = _hints(cls)[name]
+        tp = _hints(cls)[fields[name].name]
         if _is_section(tp):
             if depth == len(path) - 1:
                 raise ConfigError(f"override {text!r} names the section '{sub}': give one of its "

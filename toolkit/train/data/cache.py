@@ -8,8 +8,6 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,95 +20,10 @@ from toolkit.train.data.modes import MODES, tokenize_split
 from toolkit.train.data.progress import datasets_quiet
 from toolkit.train.data.settings import DataError, DataSettings
 from toolkit.train.data.sources import RowsPart, load_parts, split_parts
-
-
-@dataclass
-class TokenizedSplit:
-    """Fixed-length samples: ``tokens`` [N, seq_len+1] int32, ``loss_mask`` [N, seq_len] uint8,
-    and, for SFT, where the examples sit (``extra``: ``examples`` / ``row_offsets``,
-    ``data.segments``). ``packed``: rows hold several examples, kept apart by position ids that
-    restart at each; ``reset_eod``: an EOD id after which position ids restart (pretraining with
-    ``data.reset_at_eod``)."""
-
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    extra: dict[str, np.ndarray] = field(default_factory=dict)
-    packed: bool = False
-    reset_eod: int | None = None
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, Any]:
-        """Tensors for one micro-batch: tokens/labels/position_ids int64 [b, s], loss_mask
-        float32 [b, s] (labels are valid ids everywhere; the mask says which count). An index
-        of -1 is a filler row (row 0's tokens, nothing counted): validation fills its last
-        round with them so that every sample is evaluated once at any micro-batch x dp."""
-        import torch
-
-        idx = np.asarray(indices, dtype=np.int64)
-        rows = np.where(idx < 0, 0, idx)
-        t = np.asarray(self.tokens[rows], dtype=np.int64)
-        mask = np.asarray(self.loss_mask[rows], dtype=np.float32)
-        mask[idx < 0] = 0.0
-        seq = t.shape[1] - 1
-        if self.packed:
-            pos = segments.packed_positions(self.extra["examples"], self.extra["row_offsets"],
-                                            idx, seq)
-        elif self.reset_eod is not None:
-            pos = segments.eod_positions(t[:, :-1], self.reset_eod)
-        else:
-            pos = np.broadcast_to(np.arange(seq, dtype=np.int64), (len(idx), seq))
-        t = torch.from_numpy(t)
-        return {
-            "tokens": t[:, :-1].contiguous(),
-            "labels": t[:, 1:].contiguous(),
-            "loss_mask": torch.from_numpy(mask),
-            "position_ids": torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)),
-        }
-
-    def loss_tokens(self, indices: Sequence[int] | np.ndarray) -> int:
-        """Loss tokens of the rows ``indices`` (-1: a filler row, none)."""
-        idx = np.asarray(indices, dtype=np.int64)
-        idx = idx[idx >= 0]
-        return int(np.asarray(self.loss_mask[np.sort(idx)], dtype=np.int64).sum())
-
-
-@dataclass
-class PreparedData:
-    train: TokenizedSplit
-    validation: TokenizedSplit | None
-    key: str  # cache key: also the data fingerprint a checkpoint records
-    path: Path
-    meta: dict[str, Any]
-
+from toolkit.train.data.split import PreparedData, TokenizedSplit
 
 #: Arrays a mode may add beside tokens and loss mask (``{split}_{name}.npy``).
 EXTRA_ARRAYS = ("examples", "row_offsets")
-
-
-def with_reset_at_eod(data: PreparedData, reset: bool, scan: int = 1 << 20) -> PreparedData:
-    """``data`` whose splits restart position ids (and so attention) after every EOS token
-    (``data.reset_at_eod``); unchanged when ``reset`` is false. Refused when there is no EOS id
-    or the first ``scan`` training tokens hold none (documents could not be told apart)."""
-    if not reset:
-        return data
-    eos = data.meta.get("eos_id")
-    if eos is None:
-        raise DataError("data.reset_at_eod=true needs an EOS token to find document ends, but "
-                        "the data has none: use a tokenizer with an EOS token (or set "
-                        "data.reset_at_eod=false).")
-    rows = max(1, scan // max(data.train.tokens.shape[1], 1))
-    if not np.any(np.asarray(data.train.tokens[:rows]) == eos):
-        raise DataError(f"data.reset_at_eod=true but the first {rows} training samples hold no "
-                        f"EOS token (id {eos}): the documents are not separated by EOS, so "
-                        "they cannot be kept apart; append EOS to every document when "
-                        "tokenising, or set data.reset_at_eod=false.")
-
-    def reset(split: TokenizedSplit | None) -> TokenizedSplit | None:
-        return None if split is None else dataclasses.replace(split, reset_eod=int(eos))
-
-    return dataclasses.replace(data, train=reset(data.train), validation=reset(data.validation))
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -182,6 +95,10 @@ def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | P
     renamed, so a crashed or concurrent writer never leaves a half-written entry behind."""
     if settings.mode not in MODES:
         raise DataError(f"data.mode={settings.mode!r}: choose {' or '.join(MODES)}.")
+    if settings.mode == "pretrain":  # Megatron indexed datasets (pretrain.py), not .npy samples
+        from toolkit.train.data.pretrain import prepare
+
+        return prepare(settings, tokenizer_path, cache_dir, num_proc)
     key = cache_key(settings, tokenizer_path)
     cache = Path(cache_dir)
     final = cache / key
@@ -218,8 +135,8 @@ def prepare_data_distributed(settings: DataSettings, tokenizer_path: str, cache_
 
     from toolkit import runtime
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return prepare_data(settings, tokenizer_path, cache_dir, num_proc)
+    if settings.mode == "pretrain" or not (dist.is_available() and dist.is_initialized()):
+        return prepare_data(settings, tokenizer_path, cache_dir, num_proc)  # pretrain: collective
     with runtime.failing_together():
         if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
             prepare_data(settings, tokenizer_path, cache_dir, num_proc)

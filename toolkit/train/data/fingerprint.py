@@ -10,14 +10,16 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from toolkit.train.data.indexed_format import looks_indexed, paths, strip_suffix
 from toolkit.train.data.settings import DataSettings
 from toolkit.train.data.sources import resolve_sources
 
 FORMAT_VERSION = 1
+PRETRAIN_FORMAT = 2  # pretraining through Megatron indexed datasets (1: .npy blocks, <= session 6)
 # Settings added after FORMAT_VERSION 1 enter the cache key only when changed from these
 # defaults: the data they did not exist for tokenises the same, so its caches and the data
 # fingerprints recorded in checkpoints stay valid.
-_LATER_SETTINGS = {"sft_format": "auto", "conversations_field": "conversations"}
+_LATER_SETTINGS = {"sft_format": "auto", "conversations_field": "conversations", "weights": ()}
 #: Packed SFT data since examples are bin-packed and kept apart (their boundaries recorded):
 #: caches of the older packing, which let examples attend to each other, are never reused.
 PACKING = "ffd-examples-2"
@@ -48,13 +50,30 @@ def tokenizer_fingerprint(path: str) -> str:
     return h.hexdigest()
 
 
+def pretrain_fingerprint(specs: Sequence[str]) -> list:
+    """Per pretraining source: an indexed dataset's index bytes (hashed) and data size, or the
+    content hashes of its files."""
+    out: list = []
+    for spec in specs:
+        if looks_indexed(spec):
+            idx, bin_ = paths(strip_suffix(spec))
+            out.append([_sha256_file(idx), bin_.stat().st_size if bin_.is_file() else None])
+        else:
+            out.append(sources_fingerprint([spec]))
+    return out
+
+
 def cache_key(settings: DataSettings, tokenizer_path: str) -> str:
+    """Also the data fingerprint a checkpoint records. Pretraining (Megatron indexed datasets
+    read through GPTDataset since FORMAT 2) keys on its sources' indexes or files."""
     d = {k: v for k, v in dataclasses.asdict(settings).items()
          if k not in _LATER_SETTINGS or v != _LATER_SETTINGS[k]}
-    d["sources"] = sources_fingerprint(settings.sources)
-    d["validation_sources"] = sources_fingerprint(settings.validation_sources)
+    pretrain = settings.mode == "pretrain"
+    of = pretrain_fingerprint if pretrain else sources_fingerprint
+    d["sources"] = of(settings.sources)
+    d["validation_sources"] = of(settings.validation_sources)
     d["tokenizer"] = tokenizer_fingerprint(tokenizer_path)
-    d["format"] = FORMAT_VERSION
-    if settings.pack:
+    d["format"] = PRETRAIN_FORMAT if pretrain else FORMAT_VERSION
+    if settings.pack and not pretrain:
         d["packing"] = PACKING
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]

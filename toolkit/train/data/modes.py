@@ -1,21 +1,24 @@
-"""The data modes (``data.mode``): how the rows of a split become fixed-length samples. A mode
-is a module whose ``tokenize(parts, tokenizer, settings, procs, progress)`` returns (tokens
-[N, seq_len+1] int32, loss_mask [N, seq_len] uint8, stats); a new mode is a new module and its
-line in ``MODES``."""
+"""The data modes (``data.mode``). ``pretrain`` reads Megatron indexed datasets through
+megatron-core's GPTDataset (``pretrain.prepare``); the other modes tokenise rows into fixed-length
+``.npy`` samples: a module whose ``tokenize(parts, tokenizer, settings, procs, progress)``
+returns (tokens [N, seq_len+1] int32, loss_mask [N, seq_len] uint8, stats), or [N, rows, ...]
+for samples of several rows (``dpo``: a chosen and a rejected row), and its line in
+``SAMPLE_MODES``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from toolkit.train.data.pretrain import tokenize as pretrain
+from toolkit.train.data.preference import tokenize as dpo
 from toolkit.train.data.progress import SplitProgress
 from toolkit.train.data.settings import DataSettings
 from toolkit.train.data.sft import tokenize as sft
 from toolkit.train.data.sources import RowsPart
 
 Tokenize = Callable[..., tuple[Any, Any, dict[str, int]]]
-MODES: dict[str, Tokenize] = {"pretrain": pretrain, "sft": sft}
+SAMPLE_MODES: dict[str, Tokenize] = {"sft": sft, "dpo": dpo}
+MODES: tuple[str, ...] = ("pretrain", *SAMPLE_MODES)
 
 
 def tokenize_split(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, num_proc: int,
@@ -24,4 +27,4 @@ def tokenize_split(parts: Sequence[RowsPart], tokenizer, settings: DataSettings,
     progress bar."""
     procs = num_proc if num_proc > 1 else None
     with SplitProgress(name, sum(len(p) for p in parts)) as progress:
-        return MODES[settings.mode](parts, tokenizer, settings, procs, progress)
+        return SAMPLE_MODES[settings.mode](parts, tokenizer, settings, procs, progress)

@@ -1,5 +1,6 @@
-"""Token lists -> fixed rows of seq_len + 1 tokens: documents concatenated and cut (pretrain),
-examples truncated, dropped, padded or bin-packed with their boundaries recorded (sft)."""
+"""SFT examples -> fixed rows of seq_len + 1 tokens: truncated, dropped, padded or bin-packed
+with their boundaries recorded (pretraining samples are megatron-core GPTDataset's:
+``pretrain``)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,6 @@ from typing import Any
 import numpy as np
 
 from toolkit.train.data.segments import first_fit_decreasing, layout
-
-
-def pack_pretrain(docs: Sequence[Sequence[int]], seq_len: int) -> np.ndarray:
-    """Concatenate token lists and cut blocks of seq_len+1 overlapping by one token."""
-    stream = np.fromiter((t for d in docs for t in d), dtype=np.int64)
-    n = (len(stream) - 1) // seq_len if len(stream) > seq_len else 0
-    if n == 0:
-        return np.zeros((0, seq_len + 1), dtype=np.int32)
-    starts = np.arange(n) * seq_len
-    return stream[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
 
 
 def pack_sft(examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, pad_id: int,

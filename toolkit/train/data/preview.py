@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.train.data.cache import PreparedData, TokenizedSplit
 from toolkit.train.data.sampler import GlobalBatchSampler
+from toolkit.train.data.settings import DataError
+from toolkit.train.data.split import PreparedData, TokenizedSplit
 
 LOSS_OPEN, LOSS_CLOSE, BOUNDARY = "[[", "]]", "||"
 
@@ -27,6 +28,11 @@ LOSS_OPEN, LOSS_CLOSE, BOUNDARY = "[[", "]]", "||"
 def summarize(data: PreparedData) -> dict[str, Any]:
     """Counts over the training split as prepared (see the module doc)."""
     split, meta = data.train, data.meta.get("train", {})
+    if not isinstance(split, TokenizedSplit):  # pretraining: Megatron indexed datasets
+        return _summarize_indexed(data)
+    if split.rows_per_sample != 1:
+        raise DataError("mdtk data preview shows sft and pretrain data; data.mode="
+                        f"{data.meta['settings']['mode']} samples are pairs of rows.")
     n, width = split.tokens.shape
     out: dict[str, Any] = {"sequences": int(n), "seq_len": int(width - 1),
                            "loss_tokens": int(np.asarray(split.loss_mask, dtype=np.int64).sum())}
@@ -51,22 +57,33 @@ def summarize(data: PreparedData) -> dict[str, Any]:
     return out
 
 
-def first_sequences(split: TokenizedSplit, rows: int, seed: int, shuffle: bool) -> np.ndarray:
+def _summarize_indexed(data: PreparedData) -> dict[str, Any]:
+    """Pretraining: the split's documents and tokens (``pretrain._describe``); every sample
+    is full, so there is no padding."""
+    meta, seq = data.meta.get("train", {}), int(data.meta["settings"]["seq_len"])
+    return {"sequences": int(meta.get("samples", len(data.train))), "seq_len": seq,
+            "documents": int(meta.get("documents", 0)), "tokens": int(meta.get("tokens", 0)),
+            "padding_fraction": 0.0}
+
+
+def first_sequences(split, rows: int, seed: int, shuffle: bool) -> np.ndarray:
     """Indices of the first ``rows`` training sequences in the trainer's order."""
+    num, shuffle = split.sampler_args(shuffle)
     rows = min(rows, len(split))
     if rows < 1:
         return np.zeros(0, dtype=np.int64)
-    return GlobalBatchSampler(len(split), rows, 1, 1, 0, seed, shuffle).global_indices(0)
+    split.reserve(rows)
+    return GlobalBatchSampler(num, rows, 1, 1, 0, seed, shuffle).global_indices(0)
 
 
-def render(split: TokenizedSplit, index: int, tokenizer) -> str:
+def render(split, index: int, tokenizer) -> str:
     """One sequence as text: loss spans in ``[[ ]]``, example starts ``||``, padding counted."""
     batch = split.batch([index])
     tokens = np.append(batch["tokens"][0].numpy(), batch["labels"][0, -1].item())
     loss = np.append(0, batch["loss_mask"][0].numpy() > 0)  # token j is the label of j - 1
     starts = set(np.flatnonzero(batch["position_ids"][0].numpy() == 0).tolist())
     end = len(tokens)
-    ex = split.extra.get("examples")
+    ex = getattr(split, "extra", {}).get("examples")
     if ex is not None:  # SFT: the padding after the last example is not an example
         mine = ex[split.extra["row_offsets"][index]:split.extra["row_offsets"][index + 1]]
         end = int(mine[-1, 0] + mine[-1, 1]) if len(mine) else 0
@@ -98,8 +115,12 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
                      f"{c['truncated']}")
     lines.append(f"sequences {summary['sequences']} of {summary['seq_len'] + 1} tokens"
                  + (f", examples {summary['examples']}" if "examples" in summary else ""))
-    lines.append(f"tokens {summary['tokens']}, loss tokens {summary['loss_tokens']}, padding "
-                 f"{100 * summary['padding_fraction']:.1f}%")
+    if "documents" in summary:
+        lines.append(f"documents {summary['documents']}, tokens {summary['tokens']} (in the "
+                     "sources' training part)")
+    else:
+        lines.append(f"tokens {summary['tokens']}, loss tokens {summary['loss_tokens']}, "
+                     f"padding {100 * summary['padding_fraction']:.1f}%")
     if "examples_per_sequence" in summary:
         e = summary["examples_per_sequence"]
         lines.append(f"examples per sequence: mean {e['mean']:.2f}, min {e['min']}, max "

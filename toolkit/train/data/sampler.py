@@ -10,14 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.train.data.cache import TokenizedSplit
 from toolkit.train.data.settings import DataError
+from toolkit.train.data.split import TokenizedSplit
 
 
 @functools.lru_cache(maxsize=4)
-def _epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    if not shuffle:
-        return np.arange(num_samples)
+def _epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
@@ -64,10 +62,12 @@ class GlobalBatchSampler:
         """Sample indices of the whole global batch of 0-based optimizer step ``step``."""
         stream = np.arange(step * self.global_batch, (step + 1) * self.global_batch)
         epochs, pos = np.divmod(stream, self.num_samples)
+        if not self.shuffle:  # in order: no index array of the whole set
+            return pos
         out = np.empty_like(stream)
         for e in np.unique(epochs):
             sel = epochs == e
-            out[sel] = _epoch_order(self.num_samples, self.seed, int(e), self.shuffle)[pos[sel]]
+            out[sel] = _epoch_order(self.num_samples, self.seed, int(e))[pos[sel]]
         return out
 
     def micro_batches(self, step: int) -> list[np.ndarray]:

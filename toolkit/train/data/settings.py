@@ -37,6 +37,7 @@ class DataSettings:
     pack: bool = False
     sft_format: str = "auto"  # data.format: auto (per row) or one of SFT_FORMATS
     conversations_field: str = "conversations"
+    weights: tuple[float, ...] = ()  # pretrain: blend weights, one per source (none: by size)
 
     @classmethod
     def from_config(cls, cfg: Any) -> DataSettings:

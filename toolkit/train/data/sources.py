@@ -19,6 +19,12 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "
              ".text": "text"}
 
 
+def file_type(path: str | Path) -> str:
+    """The suffix that names a file's format, past a ``.gz`` (``a.jsonl.gz`` -> ``.jsonl``)."""
+    p = Path(path)
+    return Path(p.stem).suffix if p.suffix == ".gz" else p.suffix
+
+
 @dataclass(frozen=True)
 class Source:
     """One ``datasets`` load: a builder over local files, or a hub dataset name."""
@@ -37,19 +43,19 @@ def resolve_sources(specs: Sequence[str]) -> list[Source]:
             if not files:
                 raise DataError(f"data source {spec!r}: the glob matches no file.")
         elif Path(spec).is_dir():
-            files = sorted(str(p) for p in Path(spec).rglob("*") if p.suffix in _BUILDERS)
+            files = sorted(str(p) for p in Path(spec).rglob("*") if file_type(p) in _BUILDERS)
             if not files:
                 raise DataError(f"data source {spec!r}: folder holds no "
                                 f"{'/'.join(sorted(_BUILDERS))} file.")
         elif Path(spec).is_file():
             files = [spec]
-        elif Path(spec).suffix in _BUILDERS or spec.startswith((".", "/", "~")):
+        elif file_type(spec) in _BUILDERS or spec.startswith((".", "/", "~")):
             raise DataError(f"data source {spec!r}: no such file.")
         else:
             out.append(Source("hub", name=spec))
             continue
         for f in files:
-            suffix = Path(f).suffix
+            suffix = file_type(f)
             if suffix not in _BUILDERS:
                 raise DataError(f"data file {f!r}: unknown type {suffix!r}; use one of "
                                 f"{', '.join(sorted(_BUILDERS))}.")

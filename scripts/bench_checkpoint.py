@@ -1,0 +1,191 @@
+"""Checkpoint saves: the training stall per save, synchronous vs asynchronous, and mdtk's save
+time vs DeepSpeed's own ``save_checkpoint`` of the same engine.
+
+One process (a gloo group of 1), a Llama-3.2-1B-shaped model (hidden 2048, 32 heads, 8 KV
+heads, FFN 8192, vocab 128256, tied embeddings) from transformers with random weights,
+``--layers`` decoder layers (16 in the real model; fewer where host memory cannot hold the
+engine plus its host copy: the tensor shapes, so the copy and write speeds, stay those of the
+1B model), DeepSpeed ZeRO-1 in ``--precision`` (bf16: 2 B/param weights + 12 B/param fp32 master
+and Adam states in the checkpoint). Each round, alternating:
+
+- ``deepspeed``: ``engine.save_checkpoint`` (torch.save of each file, no fsync, no manifest):
+  the baseline;
+- ``sync``: ``Saver.save`` with ``checkpoint.async: false`` (the same files written by mdtk,
+  fsynced, hashed into the manifest, published atomically): the step loop is blocked for all
+  of it;
+- ``async``: ``Saver.save`` with ``checkpoint.async: true``, then training steps with
+  ``Saver.poll`` at each boundary until the checkpoint is published: the stall is the time the
+  loop spent inside ``save`` and ``poll`` (``SaveTiming.blocked_s``); also the step time while the
+  writer thread runs vs without. It saves the state the synchronous save just saved, so the
+  two manifests (every file's size and xxh3-128) must be equal (``async_files_identical_to_sync``;
+  on a GPU this checks the host copies of CUDA tensors too).
+
+Prints medians and spreads (min-max) of the rounds after a warm-up save of each kind, and the
+ratios ``async stall / sync save`` and ``sync save / deepspeed save``.
+
+    python scripts/bench_checkpoint.py [--layers 2] [--rounds 3] [--dir DIR] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                rope_theta=500000.0)
+
+
+def build_engine(layers: int, precision: str, device: str):
+    import deepspeed
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(**LLAMA_1B, num_hidden_layers=layers, max_position_embeddings=2048)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ds = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
+          "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
+          "bf16": {"enabled": precision == "bf16"}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds)
+    return engine, sum(p.numel() for p in model.parameters())
+
+
+def train_step(engine, seq: int) -> float:
+    import torch
+
+    start = time.perf_counter()
+    ids = torch.randint(0, LLAMA_1B["vocab_size"], (1, seq), device=engine.device)
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - start
+
+
+def _state(step: int):
+    from toolkit.parallel import ParallelLayout
+    from toolkit.train.checkpointing import TrainingState
+
+    return TrainingState(step=step, consumed_samples=step, world_size=1, dp_size=1,
+                         global_batch=1, micro_batch=1, seed=0,
+                         layout=dataclasses.asdict(ParallelLayout().resolve(1)))
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict:
+    from toolkit.train.checkpoint_folders import CheckpointManager
+    from toolkit.train.saver import Saver
+
+    engine, params = build_engine(args.layers, args.precision, args.device)
+    quiet = lambda text: None  # noqa: E731
+    sync = Saver(CheckpointManager(work / "sync"), log=quiet)
+    later = Saver(CheckpointManager(work / "async"), asynchronous=True, log=quiet)
+    later.prepare(engine)
+    later.writer.wait()  # the staging buffers reserved (as they are before a run's first save)
+    idle = [train_step(engine, args.seq) for _ in range(2)][1:]
+    runs: dict[str, list[float]] = {"deepspeed_s": [], "sync_s": [], "async_stall_s": [],
+                                    "async_total_s": [], "step_idle_s": [], "step_writing_s": []}
+    size, same = 0, []
+    for r in range(args.rounds + 1):  # round 0 warms up every path
+        folder = work / f"ds_{r}"
+        start = time.perf_counter()
+        engine.save_checkpoint(str(folder), tag="engine", save_latest=False)
+        ds = time.perf_counter() - start
+        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+        shutil.rmtree(folder)
+        idle.append(train_step(engine, args.seq))
+        start = time.perf_counter()
+        sync_manifest = (sync.save(engine, _state(r + 1)) / "manifest.json").read_text()
+        synced = time.perf_counter() - start
+        shutil.rmtree(work / "sync")
+        later.save(engine, _state(r + 1))  # the same state: the same files are expected
+        writing = []
+        while later.flight is not None:
+            writing.append(train_step(engine, args.seq))
+            later.poll()
+        timing = later.timings[-1]
+        same.append((work / "async" / f"step_{r + 1:07d}" / "manifest.json").read_text()
+                    == sync_manifest)  # every file's size and xxh3-128
+        shutil.rmtree(work / "async")
+        during = statistics.median(writing)
+        print(f"round {r}{' (warm-up)' if r == 0 else ''}: deepspeed {ds:.2f} s, mdtk sync "
+              f"{synced:.2f} s, async stall {timing.blocked_s:.3f} s (written in "
+              f"{timing.total_s:.2f} s during {len(writing)} steps of {during:.2f} s; idle "
+              f"step {idle[-1]:.2f} s)", flush=True)
+        if r:
+            for key, value in (("deepspeed_s", ds), ("sync_s", synced),
+                               ("async_stall_s", timing.blocked_s),
+                               ("async_total_s", timing.total_s), ("step_idle_s", idle[-1]),
+                               ("step_writing_s", during)):
+                runs[key].append(value)
+    stats = {k: _spread(v) for k, v in runs.items()}
+    med = {k: v["median"] for k, v in stats.items()}
+    return {"params": params, "layers": args.layers, "precision": args.precision,
+            "checkpoint_bytes": size, "staging_bytes": later.pool.bytes, "rounds": args.rounds,
+            "async_files_identical_to_sync": all(same),
+            "stats": stats, "stall_over_sync": med["async_stall_s"] / med["sync_s"],
+            "stall_over_sync_per_round": [a / s for a, s in zip(runs["async_stall_s"],
+                                                                 runs["sync_s"], strict=True)],
+            "sync_over_deepspeed": med["sync_s"] / med["deepspeed_s"],
+            "step_slowdown_while_writing": med["step_writing_s"] / med["step_idle_s"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (Llama-3.2-1B: 16)")
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds after one warm-up")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--seq", type=int, default=32, help="tokens of each training step")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dir", type=Path, help="where to write the checkpoints (default: a temp "
+                   "folder under /tmp); removed afterwards")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"})
+    from toolkit.runtime.ports import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from toolkit import runtime
+
+    runtime.prepare_deepspeed()
+    work = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir))
+    try:
+        out = measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    s = out["stats"]
+    print(f"{out['params'] / 1e6:.0f}M params ({args.layers} layers), {args.precision}, "
+          f"checkpoint {out['checkpoint_bytes'] / 2**30:.2f} GiB, staging "
+          f"{out['staging_bytes'] / 2**30:.2f} GiB; medians (min-max) of {args.rounds} rounds:")
+    for key, v in s.items():
+        print(f"  {key:16s} {v['median']:8.3f} ({v['min']:.3f}-{v['max']:.3f})")
+    print(f"async stall / sync save: {out['stall_over_sync']:.3f} (per round "
+          f"{', '.join(f'{x:.3f}' for x in out['stall_over_sync_per_round'])}); sync save / "
+          f"deepspeed save_checkpoint: {out['sync_over_deepspeed']:.2f}; steps while writing: "
+          f"{out['step_slowdown_while_writing']:.2f}x; async files identical to sync: "
+          f"{out['async_files_identical_to_sync']}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

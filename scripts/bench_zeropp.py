@@ -1,0 +1,122 @@
+"""ZeRO++'s quantizer kernels (qwZ int8 parameter gathers, qgZ int4 gradient reduction) on one
+device: their time against a plain copy of the same tensor, and their error.
+
+What the planner assumes (``toolkit.planner.zeropp.kernel_bytes``): the kernels are bound by
+memory bandwidth. The baseline is ``clone()`` of the bf16 tensor (read 2 + write 2 bytes per
+element), measured in the same process; rounds alternate between the three. Each kernel is run
+the way DeepSpeed 0.19 runs it: qwZ through ``CUDAQuantizer`` (fp16 cast, int8 symmetric, one
+scale per <= 8000 elements, dequantized to fp16 and cast back), qgZ through the quantizer op's
+``swizzle_quant`` + ``dequantize`` (int4, one scale per row) for one node. Where DeepSpeed has no
+quantizer op (CPU) the JSON says why (``toolkit.runtime.ops.quantizer_missing``) and nothing is
+timed: mdtk refuses qwZ/qgZ there with that reason.
+
+    python scripts/bench_zeropp.py [--rows 8192] [--cols 8192] [--rounds 7] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _timed(fn, sync) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def _kernels(x):
+    """name -> (callable returning the round trip, modelled bytes per element)."""
+    import torch
+    from deepspeed.ops.op_builder import QuantizerBuilder
+    from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+
+    qwz = CUDAQuantizer()
+    op = QuantizerBuilder().load()
+    rows = x.shape[0]
+
+    def copy():
+        return x.clone()
+
+    def int8_roundtrip():  # what a qwZ gather does to the parameters, without the wire
+        q, scale = qwz.quantize(x)
+        return qwz.dequantize(q, scale, dtype=torch.bfloat16).view_as(x)
+
+    def int4_roundtrip():  # qgZ on one node: quantize (swizzled), then dequantize
+        q, scale = op.swizzle_quant(x, rows, 4, op.Symmetric, 1, 1, 1)
+        out = op.dequantize(q, scale, scale.numel(), 4, op.Symmetric)
+        return out.view(-1)[:x.numel()].view_as(x).to(torch.bfloat16)
+
+    # bytes per element the planner counts: copy 2 + 2; qwZ read e, write 1, read 1, write 2,
+    # read 2, write e; qgZ read e, write 0.5, read 0.5, write e (one node: k = 1)
+    return {"copy": (copy, 4.0), "qwZ int8": (int8_roundtrip, 8.0),
+            "qgZ int4": (int4_roundtrip, 5.0)}
+
+
+def run(rows: int, cols: int, rounds: int) -> dict:
+    import torch
+
+    from toolkit.runtime.ops import quantizer_missing
+
+    missing = quantizer_missing()
+    if missing:
+        return {"available": False, "reason": missing}
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    kernels = _kernels(x)
+    out = {"available": True, "device": torch.cuda.get_device_name(), "rows": rows,
+           "cols": cols, "load_s": round(time.perf_counter() - start, 2), "kernels": {}}
+    for name, (fn, _) in list(kernels.items()):  # warm-up; a kernel that fails is recorded
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the error is the figure
+            out["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            del kernels[name]
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for _ in range(rounds):
+        for name, (fn, _) in kernels.items():
+            times[name].append(_timed(fn, torch.cuda.synchronize))
+    base = statistics.median(times["copy"])
+    ref = x.float()
+    for name, (fn, bytes_per) in kernels.items():
+        t = times[name]
+        err = (fn().float() - ref).norm() / ref.norm()
+        out["kernels"][name] = {
+            "median_ms": round(1e3 * statistics.median(t), 3),
+            "spread_ms": round(1e3 * (max(t) - min(t)), 3),
+            "ratio_vs_copy": round(statistics.median(t) / base, 3),
+            "modelled_bytes_per_element": bytes_per,
+            "achieved_gbs_at_modelled_bytes": round(
+                bytes_per * x.numel() / statistics.median(t) / 1e9, 1),
+            "relative_error": float(err)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=8192, help="tensor rows (qgZ: one scale each)")
+    parser.add_argument("--cols", type=int, default=8192, help="tensor columns")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (median, spread)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    result = run(args.rows, args.cols, args.rounds)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

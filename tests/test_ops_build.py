@@ -1,0 +1,135 @@
+"""DeepSpeed op builds (toolkit.runtime.ops, scripts/pch_cxx.py): a build killed half-way never
+blocks the next; the compiler wrapper changes nothing but the cost.
+
+torch's JIT build lock is a plain file that outlives a killed build; every process that then
+loads the op waits for it forever (on this machine: seven sessions' test runs at once).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from toolkit.runtime import ops
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _lock(root, name="cpu_adam", marker_pid=None, age_s=0.0):
+    (root / name).mkdir(parents=True, exist_ok=True)
+    lock = root / name / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - age_s,) * 2)
+    if marker_pid is not None:
+        (root / f"{name}.building").write_text(str(marker_pid))
+    return lock
+
+
+def test_lock_of_a_dead_builder_is_removed_at_once(tmp_path):
+    lock = _lock(tmp_path, marker_pid=_dead_pid())
+    assert ops.clear_stale_lock(tmp_path, "cpu_adam") == lock
+    assert not lock.exists() and not (tmp_path / "cpu_adam.building").exists()
+
+
+def test_lock_of_a_live_builder_stays(tmp_path):
+    lock = _lock(tmp_path, marker_pid=os.getpid(), age_s=2 * ops.STALE_LOCK_S)
+    assert ops.clear_stale_lock(tmp_path, "cpu_adam") is None
+    assert lock.exists()
+
+
+def test_unmarked_lock_is_stale_only_when_old(tmp_path):
+    lock = _lock(tmp_path, age_s=60)
+    assert ops.clear_stale_lock(tmp_path, "cpu_adam") is None and lock.exists()
+    os.utime(lock, (time.time() - ops.STALE_LOCK_S - 1,) * 2)
+    assert ops.clear_stale_lock(tmp_path, "cpu_adam") == lock and not lock.exists()
+
+
+def test_the_build_lock_of_a_killed_build_is_free_again(tmp_path):
+    """Builds queue on ``<op>.flock`` (a kernel lock): held by a live build, free the moment
+    that build is killed, with no file to clean up."""
+    import fcntl
+
+    path = tmp_path / "async_io.flock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from toolkit.runtime import ops\n"
+         "with ops._exclusive(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)",
+         str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(path, "a") as f:
+            with pytest.raises(BlockingIOError):  # held while the build runs
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder.kill()
+            holder.wait()
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once, without cleanup
+    finally:
+        holder.kill()
+
+
+
+def _wrapper():
+    spec = importlib.util.spec_from_file_location("pch_cxx", ROOT / "scripts" / "pch_cxx.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compiler_wrapper_passes_other_commands_through():
+    """scripts/pch_cxx.py (the ops' CXX, Makefile) hands anything but a torch-extension
+    compile to c++ unchanged."""
+    theirs = subprocess.run(["c++", "--version"], capture_output=True, text=True)
+    mine = subprocess.run([sys.executable, ROOT / "scripts" / "pch_cxx.py", "--version"],
+                          capture_output=True, text=True)
+    assert (mine.returncode, mine.stdout) == (0, theirs.stdout) and mine.stdout
+
+
+def test_compiler_wrapper_precompiles_only_for_ops_of_many_files(tmp_path, monkeypatch):
+    """The precompiled header is keyed by the flags without the file names, and used only
+    where ninja builds at least PCH_FROM_FILES sources (async_io's 12, not CPU Adam's 2)."""
+    w = _wrapper()
+    args = ["-DX", w.MARK, "-MMD", "-MF", "a.o.d", "-O0", "-c", "a.cpp", "-o", "a.o"]
+    assert w._flags(args) == ["-DX", w.MARK, "-O0"]
+    monkeypatch.chdir(tmp_path)
+    assert not w._many_files()  # no build.ninja: not a ninja build
+    lines = [f"build f{i}.o: compile /src/f{i}.cpp" for i in range(w.PCH_FROM_FILES)]
+    (tmp_path / "build.ninja").write_text("\n".join(lines[:-1] + ["build x.so: link f0.o"]))
+    assert not w._many_files()
+    (tmp_path / "build.ninja").write_text("\n".join(lines))
+    assert w._many_files()
+
+
+def test_cpu_probe_runs_once_per_process():
+    """DeepSpeed asks py-cpuinfo (a Python process per call, ~1 s of CPU) twice per op load and
+    once per CPU Adam; after ``cache_cpu_info`` the first answer serves the process, a copy
+    each time, and the builders' flags are what they were."""
+    import cpuinfo
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from toolkit.runtime import cpu_compat
+
+    before = AsyncIOBuilder().cxx_args()  # asks twice (-march, SIMD width)
+    patched = list(cpu_compat.PATCHED)
+    cpu_compat.cache_cpu_info()
+    cpu_compat.cache_cpu_info()
+    first = cpuinfo.get_cpu_info()
+    start = time.perf_counter()
+    assert AsyncIOBuilder().cxx_args() == before
+    again = cpuinfo.get_cpu_info()
+    assert time.perf_counter() - start < 0.1  # no process started (one takes ~1 s)
+    assert cpu_compat.PATCHED == patched  # not a CPU redirect: HF references can still be built
+    assert again == first and again is not first and "flags" in first
+    again["flags"].clear()
+    assert cpuinfo.get_cpu_info()["flags"] == first["flags"]

@@ -1,0 +1,113 @@
+"""DPO in the trainer: the objective its loop runs (``DpoObjective``) and the reference it
+needs, built from the run's config: a frozen model with the policy's layout, or the log-
+probabilities of every pair computed once before the policy is built (and cached)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from toolkit.errors import ConfigError
+from toolkit.train.dpo import reference as ref
+from toolkit.train.dpo.loss import DpoLoss
+from toolkit.train.dpo.spec import architecture_difference
+from toolkit.train.objective import Objective
+
+
+class DpoObjective(Objective):
+    """Two rows per sample (chosen, rejected); each step's micro-batches get the reference's
+    log-probabilities before the policy's schedule runs them."""
+
+    rows_per_sample = 2
+
+    def __init__(self, loss_fn: DpoLoss, reference: Any):
+        self.loss_fn, self.reference = loss_fn, reference
+
+    def batches(self, split_name: str, split: Any, index_lists: Sequence[np.ndarray],
+                ) -> Iterator[dict[str, Any]]:
+        batches = [split.batch(i) for i in index_lists]
+        self.reference.attach(split_name, index_lists, batches)
+        return iter(batches)
+
+    def close(self) -> None:
+        self.reference.close()
+
+
+def reference_path(cfg) -> str:
+    return cfg.dpo.reference or str(cfg.model.path)
+
+
+def build_model_reference(cfg, layout, mpu, ds_config: dict[str, Any],
+                          policy_config: dict[str, Any]) -> ref.ModelReference:
+    """The reference checkpoint's chunks with the policy's layout and precision, frozen, padded
+    vocab masked; under ZeRO-3 partitioned over the data-parallel group."""
+    from toolkit.adapters import live
+    from toolkit.train.engine import mask_vocab_padding
+    from toolkit.train.model import DTYPES
+
+    source = live.resolve_source(reference_path(cfg))
+    difference = architecture_difference(policy_config,
+                                         json.loads((source / "config.json").read_text()))
+    if difference:
+        raise ConfigError(f"dpo.reference={reference_path(cfg)!r} is not the policy's "
+                          f"architecture: {difference} (reference vs policy).")
+    chunks, adapter = live.load_hf(source, layout, dtype=DTYPES[cfg.train.precision])
+    mask_vocab_padding(chunks, adapter.dims.vocab)
+    ref.freeze(chunks)
+    engine = ref.partition(chunks, mpu, ds_config)
+    return ref.ModelReference(chunks, cfg.train.seq_len, engine=engine)
+
+
+def precomputed_reference(cfg, layout, mpu, ds_config: dict[str, Any], data, micro_batch: int,
+                          dp_rank: int, policy_config: dict[str, Any]) -> ref.PrecomputedReference:
+    """Collective, before the policy is built: the cached log-probabilities of every pair, or
+    a reference model run once over the training and validation sets (then freed) and cached
+    atomically beside the data (``data_cache_dir/reference_logps/KEY``)."""
+    key = ref.cache_key(data.key, reference_path(cfg), cfg.train.precision)
+    folder = cfg.data_cache_dir / "reference_logps" / key
+    tables = ref.load_cached(folder)
+    if not _everywhere(tables is not None):  # a rank that does not see the cache computes too
+        model = build_model_reference(cfg, layout, mpu, ds_config, policy_config)
+        try:
+            tables = ref.precompute(model, {"train": data.train, "validation": data.validation},
+                                    micro_batch, layout.dp, dp_rank)
+        finally:
+            model.close()
+        if dist.get_rank() == 0:
+            ref.save_cached(folder, tables, {"reference": reference_path(cfg),
+                                             "data_key": data.key,
+                                             "precision": cfg.train.precision})
+    return ref.PrecomputedReference(tables)
+
+
+def _everywhere(flag: bool) -> bool:
+    import torch
+
+    from toolkit import runtime
+
+    t = torch.tensor([int(flag)], device=runtime.device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def dpo_objective(cfg, layout, mpu, ds_config: dict[str, Any], policy_config: dict[str, Any],
+                  precomputed: ref.PrecomputedReference | None,
+                  policy_chunks: Sequence[Any] = ()) -> DpoObjective:
+    """The run's DPO objective; its reference: ``precomputed`` when given; with LoRA / DoRA the
+    policy's own chunks with every adapter switched off (TRL's reference for a PEFT model: no
+    second copy); else the reference model (built here, after the policy)."""
+    d = cfg.dpo
+    loss = DpoLoss(beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing)
+    if precomputed is not None:
+        return DpoObjective(loss, precomputed)
+    if cfg.peft.method != "none":
+        from toolkit.lora.layers import adapters_disabled
+
+        chunks = list(policy_chunks)
+        return DpoObjective(loss, ref.ModelReference(
+            chunks, cfg.train.seq_len, context=lambda: adapters_disabled(chunks)))
+    return DpoObjective(loss, build_model_reference(cfg, layout, mpu, ds_config, policy_config))
