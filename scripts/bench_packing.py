@@ -31,7 +31,7 @@ CPU = dict(model=dict(hidden_size=256, intermediate_size=704, num_hidden_layers=
            seq_len=512, examples=160, micro_batch=4, dtype="fp32")
 GPU = dict(model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000),
-           seq_len=4096, examples=384, micro_batch=4, dtype="bf16")
+           seq_len=4096, examples=96, micro_batch=4, dtype="bf16")
 
 
 def skewed_examples(n: int, seq_len: int, vocab: int, median: float, sigma: float, seed: int):
@@ -49,9 +49,9 @@ def skewed_examples(n: int, seq_len: int, vocab: int, median: float, sigma: floa
 
 def splits(examples, seq_len: int, seed: int):
     """The unpacked and the packed TokenizedSplit of ``examples`` (the trainer's code)."""
-    from toolkit.train.data.cache import TokenizedSplit
     from toolkit.train.data.packing import pack_sft
     from toolkit.train.data.segments import pack_summary
+    from toolkit.train.data.split import TokenizedSplit
 
     out = {}
     for name, pack in (("unpacked", False), ("packed", True)):
@@ -170,7 +170,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=None, help="default: 512 CPU, 4096 GPU")
-    ap.add_argument("--examples", type=int, default=None, help="default: 160 CPU, 384 GPU")
+    ap.add_argument("--examples", type=int, default=None, help="default: 160 CPU, 96 GPU")
     ap.add_argument("--median", type=float, default=None, help="median example length "
                     "(default seq_len / 8)")
     ap.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the lengths")

@@ -89,7 +89,7 @@ GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
-    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 120,
+    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 105,  # 96 s on an H100, 2026-11-26
          lambda j: _py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        f"--junitxml={j}", *GPU_TESTS),
          _py("-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p", "no:cacheprovider",
@@ -106,7 +106,7 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_lora.py", "--skip-cpu", "--json", str(j)),
          _py("scripts/bench_lora.py", "--help")),
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
-         35, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
+         30, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
     Part("zeropp", "ZeRO++ quantizer kernels (qwZ int8, qgZ int4) vs a copy, 8192 x 8192 bf16: "
          "time, error; includes the op's JIT build", 45,
@@ -125,8 +125,8 @@ PARTS: list[Part] = [
          "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 35,
          lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--json", str(j)),
          _py("scripts/bench_dpo.py", "--help")),
-    Part("packing", "packed vs unpacked SFT (log-normal lengths, seq 4096), loss tokens/s, bf16, "
-         "varlen kernel", 30,
+    Part("packing", "packed vs unpacked SFT (96 log-normal lengths, seq 4096), loss tokens/s, "
+         "bf16, varlen kernel vs SDPA per example", 25,
          lambda j: _py("scripts/bench_packing.py", "--rounds", "3", "--json", str(j)),
          _py("scripts/bench_packing.py", "--help")),
 ]

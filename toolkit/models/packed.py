@@ -217,7 +217,11 @@ def _varlen(name: str, query, key, value, segments: Segments, scale: float, drop
                             window_size=(-1, -1) if window is None else tuple(window))
     else:
         varlen, params = _torch_varlen()
-        kwargs = {"scale": scale}
+        kwargs = {}
+        if "scale" in params:
+            kwargs["scale"] = scale
+        elif scale is not None:  # an older signature: the kernel's default 1/sqrt(d)
+            q = q * (scale * q.shape[-1] ** 0.5)
         if "window_size" in params:
             kwargs["window_size"] = (-1, 0)
         else:  # torch <= 2.10 spelled causal attention as is_causal

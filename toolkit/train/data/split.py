@@ -75,7 +75,7 @@ class TokenizedSplit:
             "tokens": t[:, :-1].contiguous(),
             "labels": t[:, 1:].contiguous(),
             "loss_mask": torch.from_numpy(np.ascontiguousarray(mask)),
-            "position_ids": torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)),
+            "position_ids": torch.from_numpy(np.array(pos, dtype=np.int64)),
         }
 
     def loss_tokens(self, indices: Sequence[int] | np.ndarray) -> int:
