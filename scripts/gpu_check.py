@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements.lock"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"
+RUN = "### GPU check, "  # each recorded run's heading
 MAX_WALL_S = 480  # the issue's bound: the whole check in under 8 minutes
 #: What the GPU image (torch with CUDA, transformers, ...) lacks or holds at other versions
 #: than the lock: carried as wheels, installed with --no-deps into a folder put first on the path.
@@ -200,12 +202,21 @@ def run_part(part: Part, work: Path, left_s: float, env: dict[str, str]) -> dict
         record["figures"] = part.read(result)
     except (OSError, ValueError, ET.ParseError, AttributeError) as e:
         record["figures"] = None
-        record["error"] = f"no figures ({type(e).__name__}: {e})"
+        record["error"] = _cause(record["rc"], limit, tail) or f"no figures ({type(e).__name__})"
     ok = record["rc"] == 0 or (part.name == "gpu_tests" and record["figures"])
     record["status"] = "ok" if ok and record["figures"] else "failed"
     if record["status"] != "ok":
         record["output_tail"] = tail
     return record
+
+
+def _cause(rc: int | str, limit: float, tail: str) -> str:
+    """Why a part left no figures, in one line: its time limit, or the last exception printed."""
+    if rc == "timeout":
+        return f"killed at its time limit ({limit:.0f} s)"
+    errors = [ln.split("]: ", 1)[-1].strip() for ln in tail.splitlines()
+              if re.match(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception|Failure)\b", ln.strip())]
+    return errors[-1][:300] if errors else ""
 
 
 def install_wheels(wheels: Path, site: Path) -> dict:
@@ -388,7 +399,42 @@ def _fmt_part(name: str, rec: dict) -> list[str]:
                 f"{fig['measured_s'] * 1e3:.1f} (train_step): ratio "
                 f"{fig['predicted_over_measured']:.2f}, predicted MFU "
                 f"{100 * fig['predicted_mfu']:.1f}% ({fig['device_table']})"]
-    return [f"- **{name}**: {json.dumps(fig)[:400]}"]
+    if name == "lora":
+        g, m = fig["gpu"], fig["gpu"]["model"]
+
+        def cell(key: str, unit: float, fmt: str) -> str:
+            v = g[key]
+            return (f"{v['lora_over_full']:.3f} ({v['lora'] / unit:{fmt}} vs "
+                    f"{v['full'] / unit:{fmt}})")
+        return [f"- **lora** (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, seq "
+                f"{g['seq']}, micro {g['micro_batch']}; LoRA/full): step time "
+                f"{cell('step_s', 1e-3, '.1f')} ms, bytes held by the engine "
+                f"{cell('held_bytes', 2**30, '.2f')} GiB, peak {cell('peak', 2**30, '.2f')} GiB, "
+                f"trainable {cell('trainable', 1, ',.0f')}"]
+    if name == "indexed_data":
+        t, losses = fig["train"], fig["losses"]
+        return [f"- **indexed_data** (blend {fig['weights']}, {t['steps']} steps, global batch "
+                f"{t['global_batch']} x {t['seq_len']}, {t['precision']}): "
+                f"{fig['tokens_per_s']:,.0f} tokens/s, data set-up {fig['data_s']:.2f} s, first "
+                f"source's share {fig['share_first_source']:.3f}, loss {losses[0]:.4f} -> "
+                f"{losses[-1]:.4f}"]
+    return [f"- **{name}**: " + "; ".join(f"{k} {v}" for k, v in _flat(fig))[:900]]
+
+
+def _flat(fig: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """A part's figures as short `key value` pairs (long lists cut to their ends)."""
+    out: list[tuple[str, str]] = []
+    for k, v in fig.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}.")
+        elif isinstance(v, float):
+            out.append((f"{prefix}{k}", f"{v:.4g}"))
+        elif isinstance(v, list) and len(v) > 4:
+            out.append((f"{prefix}{k}", f"[{v[0]:.4g} .. {v[-1]:.4g}] ({len(v)})"
+                        if all(isinstance(x, float) for x in v) else f"({len(v)} items)"))
+        else:
+            out.append((f"{prefix}{k}", str(v)))
+    return out
 
 
 def markdown(report: dict) -> str:
@@ -409,14 +455,18 @@ def markdown(report: dict) -> str:
 
 
 def record(json_path: Path, docs: Path = BENCHMARKS) -> None:
-    """Put the check's Markdown into docs/benchmarks.md between the gpu-check markers."""
+    """Put the check's Markdown into docs/benchmarks.md between the gpu-check markers, newest
+    first: earlier runs stay (GPU windows are rare; a later run may cover only some parts),
+    a run recorded again replaces its own entry."""
     text = docs.read_text()
     block = markdown(json.loads(json_path.read_text()))
     if BEGIN not in text:
         text += f"\n## GPU check (`scripts/gpu_check.py`)\n\n{BEGIN}\n{END}\n"
     head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    docs.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    runs, tail = rest.split(END, 1)
+    heading = block.splitlines()[0]
+    kept = [f"{RUN}{r}" for r in runs.split(RUN)[1:] if f"{RUN}{r}".splitlines()[0] != heading]
+    docs.write_text(f"{head}{BEGIN}\n{block}{''.join(kept)}{END}{tail}")
 
 
 def dry_run(out: Path, parts: list[Part], budget: float) -> int:

@@ -53,12 +53,20 @@ def test_runner_records_parts_and_skips_what_does_not_fit(tmp_path):
 
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\nbefore\n")
-    for _ in range(2):  # recording twice replaces the block, keeps the rest
+    for _ in range(2):  # recording a run twice replaces its entry, keeps the rest
         assert _run("--record", str(tmp_path / "a" / "gpu_check.json"),
                     "--docs", str(docs)).returncode == 0
     text = docs.read_text()
     assert text.startswith("# Benchmarks\n\nbefore\n")
     assert text.count(gpu_check.BEGIN) == 1 and text.count("### GPU check,") == 1
+    later = json.loads((tmp_path / "b" / "gpu_check.json").read_text())
+    later["date"] = "2099-01-01 00:00 UTC"  # another run: kept beside the first, newest first
+    (tmp_path / "b" / "gpu_check.json").write_text(json.dumps(later))
+    assert _run("--record", str(tmp_path / "b" / "gpu_check.json"), "--docs",
+                str(docs)).returncode == 0
+    text = docs.read_text()
+    assert text.count("### GPU check,") == 2 and text.count(gpu_check.BEGIN) == 1
+    assert text.index("2099-01-01") < text.index("### GPU check,", text.index("2099-01-01") + 1)
 
 
 def test_pytest_results_keep_the_failure_text(tmp_path):
