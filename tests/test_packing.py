@@ -267,18 +267,30 @@ def test_template_without_generation_prompt_is_refused(tmp_path):
         encode_chat(chat, tok)
 
 
-def test_reset_at_eod_without_eos_and_config_errors(assets):
+def test_reset_at_eod_without_eos_and_config_errors(assets, tmp_path):
     import dataclasses
 
     from toolkit.train.config import ConfigError, load_config
     from toolkit.train.data import with_reset_at_eod
+    from toolkit.train.data.preprocess import TokenizeSpec, output_prefix, preprocess
 
-    s = DataSettings(mode="pretrain", sources=(str(BUNDLED_DATA / "pretrain.jsonl"),), seq_len=SEQ)
+    pre = str(BUNDLED_DATA / "pretrain.jsonl")
+    s = DataSettings(mode="pretrain", sources=(pre,), seq_len=SEQ)
     data = prepare_data(s, assets["tokenizer"], assets["cache"])
-    assert with_reset_at_eod(data, True).train.reset_eod == data.meta["eos_id"]
-    no_eos = np.where(np.asarray(data.train.tokens) == data.meta["eos_id"], 5,
-                      data.train.tokens)
-    bare = dataclasses.replace(data, train=dataclasses.replace(data.train, tokens=no_eos))
+    eos = data.meta["eos_id"]
+    cut = with_reset_at_eod(data, True)
+    assert cut.train.reset_eod == eos and data.train.reset_eod is None
+    batch = cut.train.batch(np.arange(4))
+    at = batch["tokens"] == eos  # Megatron-LM's rule: the token after an EOS is position 0
+    assert at[:, :-1].any() and (batch["position_ids"][:, 1:][at[:, :-1]] == 0).all()
+    assert bool((batch["position_ids"] == data.train.batch(np.arange(4))["position_ids"])
+                .logical_not().any())
+    # documents written without EOS (mdtk data preprocess without --append-eod): refused
+    spec = TokenizeSpec(assets["tokenizer"], ("text",), append_eod=False)
+    preprocess([pre], spec, str(tmp_path / "bare"), workers=0, progress=False)
+    bare = prepare_data(dataclasses.replace(s, sources=(output_prefix(str(tmp_path / "bare"),
+                                                                      "text"),)),
+                        assets["tokenizer"], str(tmp_path / "cache"))
     with pytest.raises(DataError, match="hold no EOS token .* append EOS"):
         with_reset_at_eod(bare, True)
     with pytest.raises(DataError, match="needs an EOS token"):
@@ -331,6 +343,25 @@ def test_validation_loss_packed_equals_unpacked_2_ranks(two, lay):
     v = two["val"][lay]
     assert v["packed"] == pytest.approx(v["flat"], rel=REL, abs=0), v
     assert v["flat"] == pytest.approx(two["val"]["dp2"]["flat"], rel=1e-5)  # and across layouts
+
+
+def test_validation_loss_is_the_token_weighted_mean_over_the_set(two, assets):
+    """The trainer's validation loss (dp2, 2 rows per micro-batch, last round filled) is the
+    sum of transformers' token losses over the loss tokens of the whole validation set."""
+    from transformers import AutoModelForCausalLM
+
+    split = prepare_data(DataSettings(**sft_settings(False)), assets["tokenizer"],
+                         assets["cache"]).validation
+    batch = split.batch(np.arange(len(split)))
+    hf = AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(batch["tokens"]).logits
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"],
+                                                  reduction="none").double()
+    mask = batch["loss_mask"].double()
+    assert len(split) % 4 == 2  # dp2 x micro 2: the last round holds filler rows
+    assert two["val"]["dp2"]["flat"] == pytest.approx(float((per_token * mask).sum()
+                                                            / mask.sum()), rel=1e-5)
 
 
 @pytest.mark.parametrize("lay", [x.name for x in LAYOUTS_4])
