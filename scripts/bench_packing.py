@@ -89,8 +89,9 @@ def epoch_seconds(chunk, opt, split, micro_batch: int, device) -> float:
 
 
 def kernel_agreement(dtype, device) -> dict | None:
-    """On CUDA with a varlen kernel: its output on packed rows against SDPA per example (the
-    CPU path, tested in fp64 against a block mask), max abs difference; None without one."""
+    """On CUDA with a varlen kernel: its bf16 output on packed rows against SDPA per example in
+    fp32 (the CPU path, tested in fp64 against a block mask), max abs difference; None without
+    one."""
     import torch
 
     from toolkit.models import packed
@@ -105,8 +106,9 @@ def kernel_agreement(dtype, device) -> dict | None:
     q, k, v = (torch.randn(s, 2, h, 64, generator=g, device=device, dtype=dtype)
                for h in (16, 8, 8))
     got = packed._varlen(name, q, k, v, seg, 0.125, 0.0, None)
-    ref = packed._per_example(q, k, v, seg, 0.125, 0.0, None)
-    return {"kernel": name, "max_abs_diff_vs_sdpa_per_example": float((got - ref).abs().max())}
+    ref = packed._per_example(q.float(), k.float(), v.float(), seg, 0.125, 0.0, None)
+    return {"kernel": name, "max_abs_diff_vs_sdpa_per_example_fp32": float(
+        (got.float() - ref).abs().max()), "max_abs_reference": float(ref.abs().max())}
 
 
 def run(opts: dict, rounds: int, median: float | None, sigma: float, seed: int) -> dict:
