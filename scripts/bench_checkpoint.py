@@ -20,8 +20,11 @@ and Adam states in the checkpoint). Each round, alternating:
   two manifests (every file's size and xxh3-128) must be equal (``async_files_identical_to_sync``;
   on a GPU this checks the host copies of CUDA tensors too).
 
-Prints medians and spreads (min-max) of the rounds after a warm-up save of each kind, and the
-ratios ``async stall / sync save`` and ``sync save / deepspeed save``.
+DeepSpeed's files are also fsynced and hashed after its save, timed apart
+(``deepspeed_fsync_hash_s``): mdtk's synchronous save does both (durable, checksummed), DeepSpeed's
+returns with the bytes in the page cache, so ``sync / (deepspeed + fsync_hash)`` compares like
+with like. Prints medians and spreads (min-max) of the rounds after a warm-up (one asynchronous
+save), and the ratios ``async stall / sync save`` and ``sync save / deepspeed save``.
 
     python scripts/bench_checkpoint.py [--layers 2] [--rounds 3] [--dir DIR] [--json OUT]
 """
@@ -86,6 +89,39 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _durable(folder: Path) -> float:
+    """Seconds to fsync and xxh3-hash every file of ``folder`` after it was written: what mdtk's
+    synchronous save does on top of DeepSpeed's (which returns with the bytes in the page
+    cache, not on disk, and records no checksums)."""
+    from toolkit.checkpoint.manifest import hash_file
+
+    start = time.perf_counter()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        hash_file(path)
+    return time.perf_counter() - start
+
+
+def _sync_saves(engine, sync, work: Path, r: int) -> dict:
+    """DeepSpeed's ``save_checkpoint`` (then its files made durable and hashed, timed apart),
+    and mdtk's synchronous save of the same state: seconds, bytes, mdtk's manifest."""
+    folder = work / f"ds_{r}"
+    start = time.perf_counter()
+    engine.save_checkpoint(str(folder), tag="engine", save_latest=False)
+    out = {"deepspeed_s": time.perf_counter() - start, "deepspeed_fsync_hash_s": _durable(folder),
+           "bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())}
+    shutil.rmtree(folder)
+    start = time.perf_counter()
+    out["manifest"] = (sync.save(engine, _state(r + 1)) / "manifest.json").read_text()
+    out["sync_s"] = time.perf_counter() - start
+    shutil.rmtree(work / "sync")
+    return out
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict:
     from toolkit.train.checkpoint_folders import CheckpointManager
     from toolkit.train.saver import Saver
@@ -97,50 +133,56 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     later.prepare(engine)
     later.writer.wait()  # the staging buffers reserved (as they are before a run's first save)
     idle = [train_step(engine, args.seq) for _ in range(2)][1:]
-    runs: dict[str, list[float]] = {"deepspeed_s": [], "sync_s": [], "async_stall_s": [],
-                                    "async_total_s": [], "step_idle_s": [], "step_writing_s": []}
-    size, same = 0, []
-    for r in range(args.rounds + 1):  # round 0 warms up every path
-        folder = work / f"ds_{r}"
-        start = time.perf_counter()
-        engine.save_checkpoint(str(folder), tag="engine", save_latest=False)
-        ds = time.perf_counter() - start
-        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-        shutil.rmtree(folder)
-        idle.append(train_step(engine, args.seq))
-        start = time.perf_counter()
-        sync_manifest = (sync.save(engine, _state(r + 1)) / "manifest.json").read_text()
-        synced = time.perf_counter() - start
-        shutil.rmtree(work / "sync")
-        later.save(engine, _state(r + 1))  # the same state: the same files are expected
+    runs: dict[str, list[float]] = {k: [] for k in (
+        "deepspeed_s", "deepspeed_fsync_hash_s", "sync_s", "async_stall_s", "async_total_s",
+        "step_idle_s", "step_writing_s")}
+    same: list[bool] = []
+    for r in range(args.rounds + 1):
+        # round 0 warms up the asynchronous path only (its first stall is ~10x the later ones:
+        # first copies into the pinned staging buffers); DeepSpeed's and mdtk's synchronous
+        # saves take the same time in their first round and later ones (H100 run, 2026-11-26)
+        warm = r == 0
+        if not warm:
+            idle.append(train_step(engine, args.seq))
+            saved = _sync_saves(engine, sync, work, r)
+        later.save(engine, _state(r + 1))  # the sync round's state: the same files expected
         writing = []
         while later.flight is not None:
             writing.append(train_step(engine, args.seq))
             later.poll()
         timing = later.timings[-1]
-        same.append((work / "async" / f"step_{r + 1:07d}" / "manifest.json").read_text()
-                    == sync_manifest)  # every file's size and xxh3-128
-        shutil.rmtree(work / "async")
         during = statistics.median(writing)
-        print(f"round {r}{' (warm-up)' if r == 0 else ''}: deepspeed {ds:.2f} s, mdtk sync "
-              f"{synced:.2f} s, async stall {timing.blocked_s:.3f} s (written in "
-              f"{timing.total_s:.2f} s during {len(writing)} steps of {during:.2f} s; idle "
-              f"step {idle[-1]:.2f} s)", flush=True)
-        if r:
-            for key, value in (("deepspeed_s", ds), ("sync_s", synced),
-                               ("async_stall_s", timing.blocked_s),
-                               ("async_total_s", timing.total_s), ("step_idle_s", idle[-1]),
-                               ("step_writing_s", during)):
-                runs[key].append(value)
+        if warm:
+            print(f"round 0 (warm-up, async only): stall {timing.blocked_s:.3f} s, written in "
+                  f"{timing.total_s:.2f} s during {len(writing)} steps", flush=True)
+            shutil.rmtree(work / "async")
+            continue
+        same.append((work / "async" / f"step_{r + 1:07d}" / "manifest.json").read_text()
+                    == saved["manifest"])  # every file's size and xxh3-128
+        shutil.rmtree(work / "async")
+        print(f"round {r}: deepspeed {saved['deepspeed_s']:.2f} s (+ fsync and hash of its "
+              f"files {saved['deepspeed_fsync_hash_s']:.2f} s), mdtk sync {saved['sync_s']:.2f} "
+              f"s, async stall {timing.blocked_s:.3f} s (written in {timing.total_s:.2f} s "
+              f"during {len(writing)} steps of {during:.2f} s; idle step {idle[-1]:.2f} s)",
+              flush=True)
+        for key, value in (("deepspeed_s", saved["deepspeed_s"]),
+                           ("deepspeed_fsync_hash_s", saved["deepspeed_fsync_hash_s"]),
+                           ("sync_s", saved["sync_s"]), ("async_stall_s", timing.blocked_s),
+                           ("async_total_s", timing.total_s), ("step_idle_s", idle[-1]),
+                           ("step_writing_s", during)):
+            runs[key].append(value)
     stats = {k: _spread(v) for k, v in runs.items()}
     med = {k: v["median"] for k, v in stats.items()}
     return {"params": params, "layers": args.layers, "precision": args.precision,
-            "checkpoint_bytes": size, "staging_bytes": later.pool.bytes, "rounds": args.rounds,
+            "checkpoint_bytes": saved["bytes"], "staging_bytes": later.pool.bytes,
+            "rounds": args.rounds,
             "async_files_identical_to_sync": all(same),
             "stats": stats, "stall_over_sync": med["async_stall_s"] / med["sync_s"],
             "stall_over_sync_per_round": [a / s for a, s in zip(runs["async_stall_s"],
                                                                  runs["sync_s"], strict=True)],
             "sync_over_deepspeed": med["sync_s"] / med["deepspeed_s"],
+            "sync_over_deepspeed_made_durable": med["sync_s"] / (
+                med["deepspeed_s"] + med["deepspeed_fsync_hash_s"]),
             "step_slowdown_while_writing": med["step_writing_s"] / med["step_idle_s"]}
 
 
@@ -176,10 +218,11 @@ def main() -> int:
           f"checkpoint {out['checkpoint_bytes'] / 2**30:.2f} GiB, staging "
           f"{out['staging_bytes'] / 2**30:.2f} GiB; medians (min-max) of {args.rounds} rounds:")
     for key, v in s.items():
-        print(f"  {key:16s} {v['median']:8.3f} ({v['min']:.3f}-{v['max']:.3f})")
+        print(f"  {key:22s} {v['median']:8.3f} ({v['min']:.3f}-{v['max']:.3f})")
     print(f"async stall / sync save: {out['stall_over_sync']:.3f} (per round "
           f"{', '.join(f'{x:.3f}' for x in out['stall_over_sync_per_round'])}); sync save / "
-          f"deepspeed save_checkpoint: {out['sync_over_deepspeed']:.2f}; steps while writing: "
+          f"deepspeed save_checkpoint: {out['sync_over_deepspeed']:.2f} (made durable and hashed: "
+          f"{out['sync_over_deepspeed_made_durable']:.2f}); steps while writing: "
           f"{out['step_slowdown_while_writing']:.2f}x; async files identical to sync: "
           f"{out['async_files_identical_to_sync']}")
     if args.json:

@@ -115,12 +115,12 @@ def bare_steps(cfg) -> list[float]:
     from toolkit.parallel.grads import finalize_grads
     from toolkit.train import config as cfgmod
     from toolkit.train.engine import mark_tensor_parallel_params
-    from toolkit.train.trainer import build_model
+    from toolkit.train.model import RunModel, build_model
 
     run_plan = cfgmod.plan(cfg, dist.get_world_size())
     parallel.initialize(run_plan.layout, seed=cfg.train.seed)
     try:
-        chunks, _ = build_model(cfg, run_plan.layout)
+        chunks, _ = build_model(cfg, run_plan.layout, RunModel.of(cfg))
         device = runtime.device()
         for c in chunks:
             c.to(device)

@@ -87,11 +87,12 @@ def _pytest_read(path: Path) -> dict:
                                for k in ("tests", "failures", "errors", "skipped")}}
 
 
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py",
+             "tests/test_gpu_packing.py"]  # packing: ~15 s (bench_packing.py, 64 examples)
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
-    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 105,  # 96 s on an H100, 2026-11-26
+    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 140,  # 96 s + the quantizer build
          lambda j: _py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        f"--junitxml={j}", *GPU_TESTS),
          _py("-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p", "no:cacheprovider",
@@ -108,29 +109,30 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_lora.py", "--skip-cpu", "--json", str(j)),
          _py("scripts/bench_lora.py", "--help")),
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
-         30, lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
+         30,  # 25 s on an H100
+         lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
          _py("scripts/bench_attention.py", "--help")),
     Part("zeropp", "ZeRO++ quantizer kernels (qwZ int8, qgZ int4) vs a copy, 8192 x 8192 bf16: "
-         "time, error; includes the op's JIT build", 45,
+         "time, error; the op built by gpu_tests (else its JIT build)", 25,
          lambda j: _py("scripts/bench_zeropp.py", "--json", str(j)),
          _py("scripts/bench_zeropp.py", "--help")),
+    # 4 layers x 3 rounds took > 121 s on an H100 (~40 s a round for 7 GB): 1 layer (4.5 GB,
+    # the 1B model's tensor shapes) and an async-only warm-up
     Part("checkpoint", "async checkpoint stall vs synchronous save vs DeepSpeed save_checkpoint, "
-         "Llama-3.2-1B shape (4 layers), bf16 ZeRO-1, GPU engine, pinned host copy", 60,
-         lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "4",
-                       "--rounds", "2", "--seq", "512", "--json", str(j)),
+         "Llama-3.2-1B shape (1 layer), bf16 ZeRO-1, GPU engine, pinned host copy", 55,
+         lambda j: _py("scripts/bench_checkpoint.py", "--device", "cuda", "--layers", "1",
+                       "--rounds", "1", "--seq", "512", "--json", str(j)),
          _py("scripts/bench_checkpoint.py", "--help")),
     Part("indexed_data", "mdtk train on a 0.25/0.75 blend of two Megatron indexed prefixes "
          "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
          lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
          _py("scripts/bench_data.py", "--help")),
     Part("dpo", "DPO step time and peak memory (reference model / precomputed) vs SFT on the "
-         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 35,
-         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--json", str(j)),
+         "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 50,
+         # one round of the 3 runs (~15 s each; the H100 run's first, SFT, ended at ~30 s)
+         lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--rounds", "1", "--json",
+                       str(j)),
          _py("scripts/bench_dpo.py", "--help")),
-    Part("packing", "packed vs unpacked SFT (96 log-normal lengths, seq 4096), loss tokens/s, "
-         "bf16, varlen kernel vs SDPA per example", 25,
-         lambda j: _py("scripts/bench_packing.py", "--rounds", "3", "--json", str(j)),
-         _py("scripts/bench_packing.py", "--help")),
 ]
 
 
@@ -230,12 +232,39 @@ def install_wheels(wheels: Path, site: Path) -> dict:
             "s": round(time.monotonic() - start, 1), "output_tail": proc.stderr[-2000:]}
 
 
+def device_arch() -> str | None:
+    """This machine's GPUs' compute capabilities ("9.0"), from nvidia-smi; None if unknown."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    caps = sorted(set(out), key=lambda c: tuple(int(x) for x in c.split(".")))
+    return ";".join(caps) if caps and all(c.replace(".", "").isdigit() for c in caps) else None
+
+
 def run_all(out: Path, parts: list[Part], budget: float, wheels: Path | None) -> dict:
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MDTK_DEVICE": "cuda", "DS_ACCELERATOR": "cuda"}
     report: dict = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     "budget_s": budget, "parts": {}}
+    # DeepSpeed's JIT op builds (ZeRO++'s quantizer) for this GPU only, not for every arch the
+    # image lists: one arch builds in a fraction of the time (the image's list is recorded).
+    arch = device_arch()
+    report["torch_cuda_arch_list"] = {"image": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+                                      "used": arch or os.environ.get("TORCH_CUDA_ARCH_LIST")}
+    if arch:
+        env["TORCH_CUDA_ARCH_LIST"] = arch
+    # one op cache and one compiler command for every part (as tests/conftest.py sets them), so
+    # the quantizer op gpu_tests builds is loaded, not built again, by zeropp
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
+    if not env.get("CXX", "").endswith("pch_cxx.py"):
+        env.setdefault("MDTK_REAL_CXX", env.get("CXX", "c++"))
+        env["CXX"] = str(ROOT / "scripts" / "pch_cxx.py")
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         if wheels is not None:
@@ -443,6 +472,10 @@ def markdown(report: dict) -> str:
              "```bash", "python scripts/gpu_check.py OUT --wheels .whl   # make gpu-check", "```",
              "", f"Wall time {report.get('wall_s', 0):.0f} s of a {report['budget_s']:.0f} s "
              "budget; each part's peak is the device memory in use while it ran.", ""]
+    if report.get("torch_cuda_arch_list"):
+        arch = report["torch_cuda_arch_list"]
+        lines += [f"DeepSpeed's CUDA ops built for TORCH_CUDA_ARCH_LIST={arch['used']!r} "
+                  f"(the image's: {arch['image']!r}).", ""]
     for name, rec in report["parts"].items():
         try:
             lines += _fmt_part(name, rec)

@@ -292,3 +292,19 @@ def test_cli_commands_count_the_reference():
                               "--recompute", "none", "-q"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["zero_optimization"]["stage"] == 3
+
+
+def test_reference_off_the_trainers_device_is_refused_before_its_forward():
+    """The H100 run: a reference model left on the CPU while the batches went to cuda:0 failed
+    deep in an embedding lookup. The reference now checks, at its first run, that every tensor
+    is on the trainer's device (``runtime.device()``); a module on another device (meta here,
+    as cuda vs cpu on a GPU) is named. The trainer's own runs (tests/test_trainer_dpo.py) pass
+    the same check on CPU."""
+    from toolkit.train.dpo.reference import ModelReference
+
+    stray = torch.nn.Embedding(8, 4, device="meta")
+    batch = {"tokens": torch.zeros(2, 4, dtype=torch.long),
+             "loss_mask": torch.ones(2, 4)}
+    with pytest.raises(RuntimeError, match=r"DPO reference: weight is on meta, the trainer runs "
+                                           r"on cpu"):
+        ModelReference([stray], 4).logps([batch])

@@ -133,3 +133,50 @@ def test_cpu_probe_runs_once_per_process():
     assert again == first and again is not first and "flags" in first
     again["flags"].clear()
     assert cpuinfo.get_cpu_info()["flags"] == first["flags"]
+
+
+# -- TORCH_CUDA_ARCH_LIST for DeepSpeed's CUDA op builds (the H100 run: '9.0a' broke ZeRO++) ----
+
+IMAGE_ARCHS = "7.5 8.0;8.6;9.0a;10.0a;12.0f+PTX"  # torch's syntax, as a CUDA image may set it
+
+
+def _deepspeed_parses(arch_list: str) -> str:
+    """DeepSpeed 0.19.8's own JIT arch parsing (QuantizerBuilder.compute_capability_args, which
+    needs no GPU once a list is given): the list it hands torch, or its error."""
+    from deepspeed.ops.op_builder.quantizer import QuantizerBuilder
+
+    b = QuantizerBuilder()
+    b.jit_mode, b._jit_arch_list = True, arch_list
+    b.compute_capability_args()
+    return os.environ["TORCH_CUDA_ARCH_LIST"]
+
+
+def test_arch_list_normalised_to_what_deepspeed_parses(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")  # DeepSpeed writes its result there
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        _deepspeed_parses(IMAGE_ARCHS)  # the failure of the H100 run, reproduced on CPU
+    fixed, dropped = ops.normalize_arch_list(IMAGE_ARCHS)
+    assert (fixed, dropped) == ("7.5;8.0;8.6;9.0;10.0;12.0+PTX", [])
+    assert _deepspeed_parses(fixed) == fixed
+    assert ops.normalize_arch_list("9.0a;9.0 Hopper;9.0a+PTX") == ("9.0;9.0+PTX", ["Hopper"])
+    assert ops.normalize_arch_list(" ; ") == ("", [])
+
+
+def test_arch_list_prepared_once_per_process_on_cuda(monkeypatch):
+    """The CUDA branch of ``prepare_cuda_arch_list`` (device choice forced, env on CPU): the
+    variable is rewritten and said once; without CUDA it is left alone."""
+    from toolkit import runtime
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a 10.0a")
+    monkeypatch.setattr(ops, "_arch_logged", False)
+    monkeypatch.setenv("MDTK_DEVICE", "cpu")
+    assert ops.prepare_cuda_arch_list() is None
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a 10.0a"
+    monkeypatch.setattr(runtime, "use_cuda", lambda: True)
+    said: list[str] = []
+    assert ops.prepare_cuda_arch_list(log=said.append) == "9.0;10.0"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0;10.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0a")
+    assert ops.prepare_cuda_arch_list(log=said.append) == "8.0"
+    assert said == ["TORCH_CUDA_ARCH_LIST '9.0a 10.0a' -> '9.0;10.0' (normalised for "
+                    "DeepSpeed's op builder)"]

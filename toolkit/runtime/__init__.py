@@ -156,9 +156,14 @@ def prepare_deepspeed() -> None:
     On CPU: the CPU accelerator, gloo, no shared-memory comm op (it is JIT-compiled at every
     ``initialize`` on CPU, ~30 s on a cold machine, and gloo does the same job for mdtk's sizes),
     ZeRO-3 partitions in the model's dtype (``cpu_compat.patch_deepspeed``), and one CPU probe
-    per process (``cpu_compat.cache_cpu_info``).
+    per process (``cpu_compat.cache_cpu_info``). On CUDA: a ``TORCH_CUDA_ARCH_LIST`` that
+    DeepSpeed's JIT op builds can parse (``ops.prepare_cuda_arch_list``).
     """
     enable_cpu_mode()
+    if use_cuda():
+        from toolkit.runtime import ops
+
+        ops.prepare_cuda_arch_list()
     import deepspeed
 
     if not use_cuda():

@@ -6,7 +6,9 @@ minutes, and a build killed half-way leaves a lock that makes every later build 
 ``make install`` therefore builds CPU Adam here and starts the async_io build (12 files, about
 220 CPU-seconds through scripts/pch_cxx.py) in the background at low priority; whoever needs
 async_io first waits for that build (``prebuild(["async_io"])``) instead of building it again.
-Later loads are cached in ``TORCH_EXTENSIONS_DIR`` and take about a second.
+Later loads are cached in ``TORCH_EXTENSIONS_DIR`` and take about a second. On CUDA, the ops
+DeepSpeed builds for the GPU (ZeRO++'s quantizer, ...) need a ``TORCH_CUDA_ARCH_LIST`` that
+DeepSpeed can parse: ``prepare_cuda_arch_list`` (called by ``runtime.prepare_deepspeed``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
+#: ``X.Y``, ``X.Y+PTX`` and torch's arch-specific ``X.Ya`` / ``X.Yf`` (e.g. ``9.0a``, ``10.0f``).
+_ARCH = re.compile(r"(\d+)\.(\d+)[a-z]?(\+PTX)?")
+_arch_logged = False
 STALE_LOCK_S = 20 * 60  # no build of these ops takes this long on 2 cores, unless starved
 OPS = ("cpu_adam", "async_io")
 
@@ -117,6 +123,72 @@ def _load(b, root: Path, log) -> str:
     if not cached:
         log(f"built {b.NAME} in {time.perf_counter() - start:.0f} s")
     return "ok"
+
+
+def normalize_arch_list(value: str) -> tuple[str, list[str]]:
+    """``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed 0.19.8's JIT builder parses, and the entries
+    it had to drop.
+
+    DeepSpeed sorts the entries by ``int()`` of each dot-separated part (builder.py,
+    ``compute_capability_args``), so torch's arch-specific suffixes ("9.0a", "10.0f": features
+    of one GPU generation that DeepSpeed's kernels do not use) crash every CUDA op build with
+    ``ValueError: invalid literal for int() with base 10: '0a'``. Each becomes its plain arch
+    ("9.0a" -> "9.0", "9.0a+PTX" -> "9.0+PTX"); duplicates go; separators are ``;`` or spaces.
+    Entries that are no arch at all (named arches such as "Hopper") are dropped and returned.
+    """
+    kept: list[str] = []
+    dropped: list[str] = []
+    for entry in value.replace(" ", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        m = _ARCH.fullmatch(entry)
+        if m is None:
+            dropped.append(entry)
+            continue
+        cc = f"{int(m.group(1))}.{int(m.group(2))}{m.group(3) or ''}"
+        if cc not in kept:
+            kept.append(cc)
+    return ";".join(kept), dropped
+
+
+def device_arch_list() -> str:
+    """The compute capabilities of this machine's visible GPUs, e.g. "9.0"."""
+    import torch
+
+    ccs = []
+    for i in range(torch.cuda.device_count()):
+        cc = "{}.{}".format(*torch.cuda.get_device_capability(i))
+        if cc not in ccs:
+            ccs.append(cc)
+    return ";".join(ccs)
+
+
+def prepare_cuda_arch_list(log=print) -> str | None:
+    """Make ``TORCH_CUDA_ARCH_LIST`` one that DeepSpeed's CUDA op builds (quantizer for ZeRO++,
+    fused Adam, ...) can parse, before any of them is loaded; said once per process when changed.
+
+    Set: normalised (``normalize_arch_list``). Unset, or nothing usable in it: this machine's
+    GPUs (what DeepSpeed would probe itself, except in a forked process where it cannot).
+    Returns the list in effect, or None without CUDA (the CPU ops ignore the variable).
+    """
+    global _arch_logged
+    from toolkit import runtime
+
+    if not runtime.use_cuda():
+        return None
+    raw = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    fixed, dropped = normalize_arch_list(raw)
+    source = "normalised for DeepSpeed's op builder"
+    if not fixed:
+        fixed, source = device_arch_list(), "this machine's GPUs"
+    if fixed and fixed != raw:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
+        if not _arch_logged:
+            _arch_logged = True
+            log(f"TORCH_CUDA_ARCH_LIST {raw or '(unset)'!r} -> {fixed!r} ({source}"
+                + (f"; dropped {dropped}" if dropped else "") + ")")
+    return fixed or None
 
 
 def quantizer_missing() -> str | None:

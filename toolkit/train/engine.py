@@ -135,6 +135,16 @@ def build_engine(
     return engine
 
 
+def place_like_engine(chunks: Sequence[torch.nn.Module]) -> None:
+    """Move ``chunks`` where ``build_engine``'s DeepSpeed engine moves the policy (below
+    ZeRO-3: ``module.to(engine.device)``, the accelerator's device of LOCAL_RANK, which
+    ``runtime.init_distributed`` made current): for models that run beside the policy without
+    an engine of their own (DPO's frozen reference)."""
+    device = runtime.device()
+    for chunk in chunks:
+        chunk.to(device)
+
+
 def _initialize(module, config, mpu, lr_scheduler, *, has_experts: bool):
     import deepspeed
 

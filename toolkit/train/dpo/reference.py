@@ -53,12 +53,16 @@ class ModelReference:
                  engine: Any = None):
         self.chunks, self.seq_len = list(chunks), seq_len
         self.context, self.engine = context, engine
+        self._placed = engine is not None  # a ZeRO-3 engine places its partitions itself
 
     def logps(self, batches: list[Batch]) -> list[torch.Tensor]:
         """Per micro-batch, the rows' summed completion log-probabilities (last stage; [] on
         the others)."""
         if not batches:
             return []
+        if not self._placed:  # once: checked at the first run, after the policy's engine
+            check_on_device(self.chunks)  # placed the LoRA path's (shared) chunks
+            self._placed = True
         rows = int(batches[0]["tokens"].shape[0])
         with self.context():
             out = forward_outputs(self.chunks, iter(batches), _collect,
@@ -115,11 +119,31 @@ def freeze(chunks: Sequence[torch.nn.Module]) -> None:
             p.requires_grad_(False)
 
 
+def check_on_device(chunks: Sequence[torch.nn.Module]) -> None:
+    """Every parameter and buffer of ``chunks`` on the device the micro-batches go to
+    (``runtime.device()``, where DeepSpeed's engine put the policy), else a clear error before
+    the forward fails deep inside an embedding lookup. ZeRO-3 partitions (a LoRA policy's
+    shared chunks) are DeepSpeed's to place."""
+    device = _device()
+    for chunk in chunks:
+        for name, t in (*chunk.named_parameters(), *chunk.named_buffers()):
+            if hasattr(t, "ds_id"):  # a ZeRO-3 partition: DeepSpeed places it
+                continue
+            if t.device != device:
+                raise RuntimeError(f"DPO reference: {name} is on {t.device}, the trainer runs on "
+                                   f"{device} (the reference model was not placed like the "
+                                   "policy).")
+
+
 def partition(chunks: Sequence[torch.nn.Module], mpu: Any, ds_config: dict[str, Any]) -> Any:
     """A DeepSpeed engine (no optimizer) that partitions the frozen ``chunks`` when the policy
-    runs ZeRO-3; None otherwise."""
+    runs ZeRO-3 (DeepSpeed places the partitions, as the policy's); otherwise None, with the
+    chunks moved where DeepSpeed's engine moves the policy's (``place_like_engine``)."""
     config = reference_ds_config(ds_config)
     if config is None:
+        from toolkit.train.engine import place_like_engine
+
+        place_like_engine(chunks)
         return None
     import deepspeed
 
