@@ -241,8 +241,8 @@ def test_data_preview_shows_masks_and_counts_what_the_trainer_reads(assets, tmp_
     for name in ("alpaca", "sharegpt", "prompt_response", "messages"):
         assert _number(out, rf"  {name}: read (\d+)") == fmt[name]["rows"] > 0
     # every example of the dataset starts a segment in the model's position ids
-    starts = sum(int((batch["position_ids"][r, ex[off[r]:off[r + 1], 0]] == 0).sum())
-                 for r in range(len(split)))
+    pos = batch["position_ids"].numpy()
+    starts = sum(int((pos[r, ex[off[r]:off[r + 1], 0]] == 0).sum()) for r in range(len(split)))
     assert starts == len(ex)
 
 
