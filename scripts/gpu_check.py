@@ -87,7 +87,8 @@ def _pytest_read(path: Path) -> dict:
                                for k in ("tests", "failures", "errors", "skipped")}}
 
 
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py",
+             "tests/test_gpu_packing.py"]  # packing: ~15 s (bench_packing.py, 64 examples)
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
