@@ -106,6 +106,13 @@ def _durable(folder: Path) -> float:
     return time.perf_counter() - start
 
 
+def _differing(sync_manifest: str, async_manifest: str) -> list[str]:
+    """The files whose size or xxh3-128 differ between the two saves (or exist in one only):
+    named, so that a mismatch seen on a rare GPU run says where to look."""
+    a, b = (json.loads(m)["files"] for m in (sync_manifest, async_manifest))
+    return sorted(f for f in a.keys() | b.keys() if a.get(f) != b.get(f))
+
+
 def _sync_saves(engine, sync, work: Path, r: int) -> dict:
     """DeepSpeed's ``save_checkpoint`` (then its files made durable and hashed, timed apart),
     and mdtk's synchronous save of the same state: seconds, bytes, mdtk's manifest."""
@@ -136,7 +143,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     runs: dict[str, list[float]] = {k: [] for k in (
         "deepspeed_s", "deepspeed_fsync_hash_s", "sync_s", "async_stall_s", "async_total_s",
         "step_idle_s", "step_writing_s")}
-    same: list[bool] = []
+    differing: list[list[str]] = []  # per round: files whose bytes differ
     for r in range(args.rounds + 1):
         # round 0 warms up the asynchronous path only (its first stall is ~10x the later ones:
         # first copies into the pinned staging buffers); DeepSpeed's and mdtk's synchronous
@@ -157,8 +164,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
                   f"{timing.total_s:.2f} s during {len(writing)} steps", flush=True)
             shutil.rmtree(work / "async")
             continue
-        same.append((work / "async" / f"step_{r + 1:07d}" / "manifest.json").read_text()
-                    == saved["manifest"])  # every file's size and xxh3-128
+        differing.append(_differing(saved["manifest"], (work / "async" / f"step_{r + 1:07d}"
+                                                   / "manifest.json").read_text()))
         shutil.rmtree(work / "async")
         print(f"round {r}: deepspeed {saved['deepspeed_s']:.2f} s (+ fsync and hash of its "
               f"files {saved['deepspeed_fsync_hash_s']:.2f} s), mdtk sync {saved['sync_s']:.2f} "
@@ -176,7 +183,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     return {"params": params, "layers": args.layers, "precision": args.precision,
             "checkpoint_bytes": saved["bytes"], "staging_bytes": later.pool.bytes,
             "rounds": args.rounds,
-            "async_files_identical_to_sync": all(same),
+            "async_files_identical_to_sync": not any(differing),
+            "async_files_differing": sorted({f for d in differing for f in d}),
             "stats": stats, "stall_over_sync": med["async_stall_s"] / med["sync_s"],
             "stall_over_sync_per_round": [a / s for a, s in zip(runs["async_stall_s"],
                                                                  runs["sync_s"], strict=True)],

@@ -87,7 +87,8 @@ def _pytest_read(path: Path) -> dict:
                                for k in ("tests", "failures", "errors", "skipped")}}
 
 
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py",
+             "tests/test_gpu_packing.py"]  # packing: ~15 s (bench_packing.py, 64 examples)
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
@@ -250,7 +251,8 @@ def run_all(out: Path, parts: list[Part], budget: float, wheels: Path | None) ->
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MDTK_DEVICE": "cuda", "DS_ACCELERATOR": "cuda"}
     report: dict = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                    "budget_s": budget, "parts": {}}
+                    "budget_s": budget, "parts": {},
+                    **({"only": [p.name for p in parts]} if len(parts) < len(PARTS) else {})}
     # DeepSpeed's JIT op builds (ZeRO++'s quantizer) for this GPU only, not for every arch the
     # image lists: one arch builds in a fraction of the time (the image's list is recorded).
     arch = device_arch()
@@ -446,6 +448,25 @@ def _fmt_part(name: str, rec: dict) -> list[str]:
                 f"{fig['tokens_per_s']:,.0f} tokens/s, data set-up {fig['data_s']:.2f} s, first "
                 f"source's share {fig['share_first_source']:.3f}, loss {losses[0]:.4f} -> "
                 f"{losses[-1]:.4f}"]
+    if name == "zeropp" and fig.get("available"):
+        cells = [f"{k} " + (v["error"] if "error" in v else
+                            f"{v['median_ms']:.3f} ms (x{v['ratio_vs_copy']:.2f} of a copy, "
+                            f"{v['achieved_gbs_at_modelled_bytes']:,.0f} GB/s at "
+                            f"{v['modelled_bytes_per_element']:g} B/element modelled, relative "
+                            f"error {v['relative_error']:.4f})")
+                 for k, v in fig["kernels"].items()]
+        return [f"- **zeropp** ({fig['rows']} x {fig['cols']} bf16; op load {fig['load_s']} s): "
+                + "; ".join(cells)]
+    if name == "checkpoint":
+        med = {k: v["median"] for k, v in fig["stats"].items()}
+        differ = fig.get("async_files_differing")
+        return [f"- **checkpoint** ({fig['layers']} layer(s), {fig['checkpoint_bytes'] / 1e9:.2f}"
+                f" GB, {fig['rounds']} round(s), median s): DeepSpeed save {med['deepspeed_s']:.2f}"
+                f" (+ fsync and hash {med['deepspeed_fsync_hash_s']:.2f}), mdtk sync "
+                f"{med['sync_s']:.2f}, async stall {med['async_stall_s']:.3f} (x"
+                f"{fig['stall_over_sync']:.3f} of sync; written in {med['async_total_s']:.2f}); "
+                f"async files identical to sync: {fig['async_files_identical_to_sync']}"
+                + (f" (differing: {', '.join(differ)})" if differ else "")]
     return [f"- **{name}**: " + "; ".join(f"{k} {v}" for k, v in _flat(fig))[:900]]
 
 
@@ -466,9 +487,13 @@ def _flat(fig: dict, prefix: str = "") -> list[tuple[str, str]]:
 
 
 def markdown(report: dict) -> str:
-    device = (report["parts"].get("versions", {}).get("figures") or {}).get("device")
+    devices = [(rec.get("figures") or {}).get("device") for rec in report["parts"].values()
+               if isinstance(rec.get("figures"), dict)]  # versions' first; a part's otherwise
+    device = next((d for d in devices if d), None)
     lines = [f"### GPU check, {report['date']}, {device or 'device unknown'}", "",
-             "```bash", "python scripts/gpu_check.py OUT --wheels .whl   # make gpu-check", "```",
+             "```bash", "python scripts/gpu_check.py OUT --wheels .whl"
+             + (f" --only {','.join(report['only'])}" if report.get("only") else "")
+             + f" --budget {report['budget_s']:.0f}   # make gpu-check", "```",
              "", f"Wall time {report.get('wall_s', 0):.0f} s of a {report['budget_s']:.0f} s "
              "budget; each part's peak is the device memory in use while it ran.", ""]
     if report.get("torch_cuda_arch_list"):

@@ -27,7 +27,7 @@ def test_tensor_parallel_matches_single_rank(rank_pool_2, sp, attention):
     results = rank_pool_2.run(gc.check_tensor_parallel, sp, attention)
     for r in results:
         _assert_parity(r)
-        assert r["core"] == ("SDPAttention" if attention == "sdpa" else "DotProductAttention")
+        assert r["core"] == ("SDPAttention" if attention == "sdpa" else "LocalAttention")
     # each rank really holds a shard: well under the full model, more than half (norms replicate)
     for r in results:
         assert r["full_params"] / 2 < r["n_params"] < 0.6 * r["full_params"], r

@@ -332,17 +332,23 @@ def test_bundled_sft_masks_decode_to_the_assistant_text(tiny_tokenizer, tmp_path
 def test_pack_sft_pad_pack_truncate_drop():
     a = ([5, 6, 7], [0, 1, 1])
     b = ([8, 9], [0, 1])
-    tokens, mask, stats = pack_sft([a, b], seq_len=5, pad_id=0, pack=False)
+    tokens, mask, stats, where = pack_sft([a, b], seq_len=5, pad_id=0, pack=False)
     assert tokens.tolist() == [[5, 6, 7, 0, 0, 0], [8, 9, 0, 0, 0, 0]]
     assert mask.tolist() == [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]
-    tokens, mask, _ = pack_sft([a, b], seq_len=5, pad_id=0, pack=True)
+    assert where["examples"].tolist() == [[0, 3], [0, 2]]
+    assert where["row_offsets"].tolist() == [0, 1, 2]
+    tokens, mask, _, where = pack_sft([a, b], seq_len=5, pad_id=0, pack=True)
     assert tokens.tolist() == [[5, 6, 7, 8, 9, 0]]
     assert mask.tolist() == [[1, 1, 0, 1, 0]]
+    assert where["examples"].tolist() == [[0, 3], [3, 2]]
     long_ok = (list(range(10, 18)), [0, 0, 1, 1, 1, 1, 1, 1])
     only_prompt_left = (list(range(10, 18)), [0] * 6 + [1, 1])
-    tokens, mask, stats = pack_sft([long_ok, only_prompt_left], seq_len=3, pad_id=0, pack=False)
+    tokens, mask, stats, _ = pack_sft([long_ok, only_prompt_left], seq_len=3, pad_id=0,
+                                      pack=False, formats=["alpaca", "sharegpt"])
     assert tokens.tolist() == [[10, 11, 12, 13]] and mask.tolist() == [[0, 1, 1]]
-    assert stats == {"examples": 2, "truncated": 2, "dropped": 1}
+    assert stats == {"examples": 2, "truncated": 2, "dropped": 1,
+                     "formats": {"alpaca": {"rows": 1, "truncated": 1, "dropped": 0},
+                                 "sharegpt": {"rows": 1, "truncated": 1, "dropped": 1}}}
 
 
 def test_pretrain_cache_split_and_key(tiny_tokenizer, tmp_path):
@@ -476,11 +482,13 @@ def test_sampler_and_eval_errors():
     with pytest.raises(DataError, match="dp_rank=2"):
         GlobalBatchSampler(10, 4, 1, 2, 2, seed=0)
     got = [eval_micro_batches(11, 2, 2, r) for r in range(2)]
-    assert [m.tolist() for m in got[0]] == [[0, 1], [4, 5]]
-    assert [m.tolist() for m in got[1]] == [[2, 3], [6, 7]]
+    # every sample once; the last round filled with filler rows (-1), the same count per rank
+    assert [m.tolist() for m in got[0]] == [[0, 1], [4, 5], [8, 9]]
+    assert [m.tolist() for m in got[1]] == [[2, 3], [6, 7], [10, -1]]
     assert len(eval_micro_batches(11, 2, 2, 0, max_batches=1)) == 1
-    with pytest.raises(DataError, match="fewer than micro_batch"):
-        eval_micro_batches(3, 2, 2, 0)
+    assert [m.tolist() for m in eval_micro_batches(3, 2, 2, 1)] == [[2, -1]]
+    with pytest.raises(DataError, match="validation set is empty"):
+        eval_micro_batches(0, 2, 2, 0)
 
 
 def rank_prepare(settings: DataSettings, tokenizer: str, cache: str) -> dict:

@@ -109,11 +109,23 @@ def test_unsupported_combinations_refused_before_training(rank_pool_2):
 
 # -- pure parts ----------------------------------------------------------------------------------
 
-def test_masked_mean_loss_counts_only_kept_tokens():
-    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    mask = torch.tensor([[0, 1, 1], [0, 0, 1]])
-    assert te.masked_mean_loss(per_token, {"loss_mask": mask}).item() == pytest.approx(11 / 3)
-    assert te.masked_mean_loss(per_token, {}).item() == pytest.approx(3.5)
+def test_token_mean_shares_add_up_to_the_global_token_mean():
+    """Two micro-batches of unequal loss-token counts: the shares add up to the sum of kept
+    token losses over all kept tokens (not the mean of the two micro-batch means)."""
+    from toolkit.train.loss import StepCounts, sample_mean, token_mean
+
+    per_token = [torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), torch.tensor([[7.0, 8.0, 9.0]])]
+    masks = [torch.tensor([[0, 1, 1], [0, 0, 1]]), torch.tensor([[0, 0, 1]])]
+    counts = StepCounts(loss_tokens=4.0, samples=3, num_microbatches=2, dp=1)
+    shares = [token_mean(p, {"loss_mask": m}, counts).item()
+              for p, m in zip(per_token, masks, strict=True)]
+    assert sum(shares) == pytest.approx((2 + 3 + 6 + 9) / 4)  # 5.0
+    assert (11 / 3 + 9) / 2 != pytest.approx(sum(shares))  # the old mean of means: 6.33
+    no_mask = token_mean(per_token[0], {}, StepCounts(6.0, 2, 1, 1)).item()
+    assert no_mask == pytest.approx(3.5)
+    assert counts.backward_scale == 2.0  # num_microbatches x dp
+    pairs = sample_mean(torch.tensor([0.5, 1.5]), counts, samples=4)
+    assert pairs.item() == pytest.approx(0.5)  # a per-pair loss: summed over the pairs, / 4
 
 
 def test_optimizer_defaults_torch_adam_unless_offloading():

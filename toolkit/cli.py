@@ -56,9 +56,9 @@ COMMAND_MODULES: list[str] = [
     "toolkit.commands.plan",
     "toolkit.commands.verify",
     "toolkit.commands.convert",
-    "toolkit.commands.data",
     "toolkit.commands.train",
     "toolkit.commands.demo",
+    "toolkit.commands.data",
 ]
 
 

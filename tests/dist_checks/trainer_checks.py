@@ -251,7 +251,8 @@ def sft_validation(model: str, assets: dict[str, str], workdir: str,
 
 def sft_loss_by_hand(assets: dict[str, str], workdir: str) -> dict[str, float]:
     """The trainer's first SFT loss vs cross-entropy computed with transformers on the same
-    samples, counting only the response tokens (loss mask), mean per micro-batch."""
+    samples, counting only the response tokens (loss mask), token-weighted over the global
+    batch (the sum of token losses over its loss tokens: docs/training.md, issue 26)."""
     from transformers import AutoModelForCausalLM
 
     from toolkit.train import trainer
@@ -263,7 +264,7 @@ def sft_loss_by_hand(assets: dict[str, str], workdir: str) -> dict[str, float]:
     sampler = GlobalBatchSampler(len(data.train), GLOBAL, MICRO, 1, 0, cfg.train.seed)
     hf = AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32,
                                               attn_implementation="eager")
-    per_micro, kept, total = [], 0, 0
+    loss_sum, kept, total = 0.0, 0, 0
     with torch.no_grad():
         for idx in sampler.micro_batches(0):
             b = data.train.batch(idx)
@@ -271,7 +272,7 @@ def sft_loss_by_hand(assets: dict[str, str], workdir: str) -> dict[str, float]:
             ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), b["labels"],
                                                    reduction="none")
             mask = b["loss_mask"]
-            per_micro.append(((ce * mask).sum() / mask.sum()).item())
+            loss_sum += float((ce.double() * mask).sum())
             kept, total = kept + int(mask.sum()), total + mask.numel()
-    return {"trainer": result.losses[0], "by_hand": sum(per_micro) / len(per_micro),
+    return {"trainer": result.losses[0], "by_hand": loss_sum / kept,
             "kept_tokens": kept, "all_tokens": total}

@@ -310,8 +310,10 @@ def generation_config(adapter: Adapter) -> Any:
 
 
 @torch.no_grad()
-def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[batch, seq, vocab_size]`` (padding stripped, float32) on every rank.
+    ``position_ids``: restarting at 0 where a packed example starts (``models.packed``).
 
     Runs the pipeline one stage at a time (virtual stages in order), which is enough for
     checking numerics; training uses megatron-core's schedules. At cp > 1 each CP rank runs its
@@ -320,14 +322,18 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
     from megatron.core import parallel_state as ps
 
     from toolkit.models.cp_attention import context_parallel_share
+    from toolkit.models.packed import localise, segments_of
 
     b, s = tokens.shape
     device = next(chunks[0].parameters()).device  # CPU, or the GPU the chunks were moved to
     tokens = tokens.to(device)
-    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    pos = (torch.arange(s).unsqueeze(0).expand(b, s) if position_ids is None
+           else position_ids).to(device).contiguous()
+    segments = segments_of(pos)
     cp = ps.get_context_parallel_world_size()
     cut = context_parallel_share({"tokens": tokens, "position_ids": pos})
     tokens, pos = cut["tokens"], cut["position_ids"]
+    segments = localise(segments, pos)
     coord = current_coord()
     config = chunks[0].config
     seq = tokens.shape[1] // coord.tp if config.sequence_parallel else tokens.shape[1]
@@ -342,7 +348,7 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor, vocab_size: int) -> 
                                  device=device)
             dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
             chunk.set_input_tensor(hidden)
-        out = chunk(tokens, pos, None)
+        out = chunk(tokens, pos, None, packed_seq_params=segments)
         if last:
             logits = out
         else:

@@ -1,11 +1,16 @@
-"""``mdtk data preprocess`` / ``mdtk data merge``: Megatron indexed datasets from documents."""
+"""``mdtk data preprocess`` / ``mdtk data merge``: Megatron indexed datasets from documents;
+``mdtk data preview``: what the trainer trains on."""
 
 from __future__ import annotations
 
 import typer
 
-data_app = typer.Typer(help="Pretraining data: tokenise documents into Megatron indexed datasets "
-                       "(PREFIX.bin + PREFIX.idx) and merge them.", no_args_is_help=True)
+from toolkit.commands.data_preview import preview
+
+data_app = typer.Typer(help="Training data: preview what the trainer trains on; tokenise "
+                       "pretraining documents into Megatron indexed datasets (PREFIX.bin + "
+                       "PREFIX.idx) and merge them.", no_args_is_help=True)
+data_app.command("preview")(preview)
 
 
 def _shard(value: str | None) -> tuple[int, int]:

@@ -7,8 +7,10 @@ but it needs CUDA and a matching build. SDPA is in every torch: on CUDA it dispa
 flash / memory-efficient kernels (no s x s tensor), on CPU to the math kernel (same numbers as the
 local path). This class keeps megatron-core's constructor (head counts per TP partition, softmax
 scale incl. query-key layer scaling, dropout) and only replaces ``forward``; anything SDPA cannot
-express (learnable softmax offsets, sliding windows, attention bias, packed sequences) goes back
-to megatron-core's own forward, so choosing SDPA never changes what is computed.
+express (learnable softmax offsets, sliding windows, attention bias) goes back to megatron-core's
+own forward, so choosing SDPA never changes what is computed. Packed micro-batches (examples kept
+apart, ``toolkit.models.packed``) are computed per example by both classes (``LocalAttention`` is
+megatron-core's local attention plus that).
 
 Selected by ``toolkit.models.layer_spec(attention=...)``: ``auto`` (SDPA on CUDA, local on CPU,
 where the local path is the historical reference of the parity tests), ``sdpa`` or ``local``;
@@ -26,10 +28,27 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from toolkit.models.packed import PackingUnsupported, Segments, attend
+
 CHOICES = ("auto", "sdpa", "local")
 
 
-class SDPAttention(DotProductAttention):
+class LocalAttention(DotProductAttention):
+    """megatron-core's local core attention; a packed micro-batch (``packed.Segments``) is
+    computed per example by ``packed.attend`` (megatron-core's own forward refuses it)."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if isinstance(packed_seq_params, Segments):
+            if attention_bias is not None:
+                raise PackingUnsupported("packed sequences with an attention bias are not "
+                                         "supported; set data.pack=false.")
+            return attend(self, query, key, value, packed_seq_params)
+        return super().forward(query, key, value, attention_mask, attn_mask_type,
+                               attention_bias, packed_seq_params)
+
+
+class SDPAttention(LocalAttention):
     """megatron-core core attention computed by SDPA (flash kernels on GPU)."""
 
     def _sdpa_can_run(self, attention_bias, packed_seq_params) -> bool:
@@ -83,7 +102,7 @@ def resolve(choice: str | None = None) -> str:
 
 def core_attention(choice: str | None = None, *, latent: bool = False) -> type[torch.nn.Module]:
     """The core attention class; ``latent``: for megatron-core's multi-latent attention."""
-    cls = SDPAttention if resolve(choice) == "sdpa" else DotProductAttention
+    cls = SDPAttention if resolve(choice) == "sdpa" else LocalAttention
     return (_LATENT[cls] if latent else cls)
 
 
@@ -103,4 +122,4 @@ def _latent(cls: type[DotProductAttention]) -> type[DotProductAttention]:
     return type(f"Latent{cls.__name__}", (cls,), {"__init__": __init__, "__doc__": _latent.__doc__})
 
 
-_LATENT = {c: _latent(c) for c in (SDPAttention, DotProductAttention)}
+_LATENT = {c: _latent(c) for c in (SDPAttention, LocalAttention)}

@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 from megatron.core import parallel_state as ps
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_mlp_module_spec,
@@ -28,6 +27,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from toolkit import runtime
 from toolkit.models import gemma
 from toolkit.models.attention import core_attention
+from toolkit.models.gpt import GPTModel
 from toolkit.models.norm import TorchNorm
 
 # Fused kernels that need CUDA (or apex / Transformer Engine). Off by default everywhere: mdtk

@@ -21,6 +21,10 @@ explicit padding mask (``attention_mask`` [b, 1|heads, sq_local, s_full], True =
 rows this rank's queries, as ``get_batch_on_this_cp_rank`` slices a full mask) or attention
 dropout, both calls take a boolean mask instead (math / memory-efficient kernels, no flash).
 
+Packed rows (``toolkit.models.packed.Segments``: examples kept apart): each query chunk is cut
+at the example boundaries and each piece attends its own example's keys up to itself, the same
+bottom-right causal block (``cp_attention_packed``).
+
 Backward is exact: the gather's backward sums every rank's dK/dV of the gathered keys and hands
 each owner its own rows (reduce-scatter on NCCL; all-reduce + slice on gloo, which lacks
 ``reduce_scatter``). Why all-gather and not a ring: see docs/training.md ("Context parallelism").
@@ -44,6 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch.nn.attention.bias import causal_lower_right
 
+from toolkit.models.packed import Segments
 from toolkit.parallel.layout import LayoutError
 
 
@@ -193,6 +198,42 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, sc
     return torch.cat(outs, dim=2)
 
 
+def cp_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                        *, group, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """:func:`cp_attention` for packed rows: each query chunk is cut at the example boundaries
+    (``Segments.pieces``); a piece attends the keys of its own example up to itself, causal and
+    bottom-right aligned (the same block as a whole chunk's, so the same kernels compute it)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    c = q.shape[2] // 2
+    k_full, v_full = (gather_sequence(t.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3)
+                      for t in (k, v))
+    rows = []
+    for i in range(q.shape[0]):
+        parts = []
+        for half, (lo, hi) in enumerate(cp_chunk_bounds(cp, rank, c)):
+            for q0, q1, k0 in segments.pieces(i, lo, hi):
+                qh = q[i:i + 1, :, half * c + q0 - lo:half * c + q1 - lo]
+                parts.append(_causal_block(qh, k_full[i:i + 1, :, k0:q1],
+                                           v_full[i:i + 1, :, k0:q1], scale, dropout))
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
+
+
+def _causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  dropout: float) -> torch.Tensor:
+    """Queries against keys ending at the queries' own positions (causal, bottom-right)."""
+    if dropout == 0.0 and q.device.type == "cpu":
+        return _PrefixCausalAttention.apply(q, k, v, scale)
+    gqa = q.shape[1] != k.shape[1]
+    lq, lk = q.shape[2], k.shape[2]
+    if dropout == 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk),
+                                              scale=scale, enable_gqa=gqa)
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                          dropout_p=dropout, enable_gqa=gqa)
+
+
 class CPAttention(MegatronModule):
     """megatron-core core attention for cp > 1 (the ``core_attention`` slot), any backend.
 
@@ -231,7 +272,8 @@ class CPAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if attention_bias is not None or packed_seq_params is not None:
+        segments = packed_seq_params if isinstance(packed_seq_params, Segments) else None
+        if attention_bias is not None or (packed_seq_params is not None and segments is None):
             raise CPUnsupported("context parallelism with attention_bias or packed sequences "
                                 "(thd) is not supported; set cp=1.")
         # [s, b, heads, d] -> [b, heads, s, d]
@@ -240,8 +282,13 @@ class CPAttention(MegatronModule):
         rng = (tensor_parallel.get_cuda_rng_tracker().fork()
                if dropout > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
         with rng:
-            context = cp_attention(q, k, v, group=ps.get_context_parallel_group(),
-                                   scale=self.softmax_scale, mask=attention_mask, dropout=dropout)
+            group = ps.get_context_parallel_group()
+            if segments is not None:
+                context = cp_attention_packed(q, k, v, segments, group=group,
+                                              scale=self.softmax_scale, dropout=dropout)
+            else:
+                context = cp_attention(q, k, v, group=group, scale=self.softmax_scale,
+                                       mask=attention_mask, dropout=dropout)
         context = context.permute(2, 0, 1, 3).contiguous()  # [s, b, heads, d]
         return context.view(*context.shape[:2], self.hidden_size_per_partition)
 

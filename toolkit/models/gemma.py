@@ -28,6 +28,9 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from toolkit.models.gpt import per_token_rope
+from toolkit.models.packed import Segments
+
 
 class ZeroCenteredRMSNorm(torch.nn.Module):
     """RMSNorm with a zero-centred gamma: scales by ``1 + weight`` (float32 math)."""
@@ -80,8 +83,12 @@ class LocalRopeSelfAttention(SelfAttention):
             if isinstance(rotary_pos_emb, tuple):
                 raise ValueError("LocalRopeSelfAttention: separate q/k rotary embeddings are not "
                                  "supported.")
-            cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
-            rotary_pos_emb = self.local_rope(rotary_pos_emb.shape[0] * cp)
+            segments = kwargs.get("packed_seq_params")
+            if isinstance(segments, Segments):  # packed examples: positions restart per example
+                rotary_pos_emb = per_token_rope(self.local_rope, segments)
+            else:
+                cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
+                rotary_pos_emb = self.local_rope(rotary_pos_emb.shape[0] * cp)
         return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
 

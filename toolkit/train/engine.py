@@ -19,6 +19,10 @@ gradient clipping and the data-parallel reduction. The two meet in three places:
   ``param.grad`` inside that block, before DeepSpeed sees the gradients.
 - One ``engine.step()`` is one optimizer step: the engine's accumulation boundary is pinned to
   True (the schedule already accumulated ``num_microbatches`` micro-batches).
+- The loss. A loss function returns its micro-batch's share of the global batch's loss
+  (``toolkit.train.loss``: token-weighted over the whole global batch by default); the share is
+  scaled by ``num_microbatches x dp`` for backward, undoing the schedule's division by the
+  micro-batches and DeepSpeed's average over data parallel, and the shares summed are the loss.
 
 Supported: ZeRO 0-3 at pp=1; ZeRO 1-2 with pp>1 (1F1B and interleaved), which DeepSpeed's own
 PipelineEngine refuses for stage 2. Refused up front (``engine_rules.check_supported``): ZeRO-3
@@ -33,8 +37,10 @@ expert-data-parallel group only (scaled by 1/dp like megatron-core's DDP).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,30 +51,34 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from toolkit import runtime
 from toolkit.models.cp_attention import context_parallel_share
+from toolkit.models.packed import localise, segments_of
 from toolkit.parallel.grads import finalize_grads
 from toolkit.train.engine_rules import (
     EngineError,
     check_supported,
     with_optimizer_defaults,
 )
-
-Batch = dict[str, torch.Tensor]
-# ``loss_fn(per_token_loss, batch)``: the micro-batch's loss, or (loss, {metric: scalar}) with
-# the metrics' names in the function's ``metric_names`` (averaged like the loss); a "loss" among
-# them replaces the reported loss (not the one differentiated).
-LossFn = Callable[[torch.Tensor, Batch],
-                  torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]]
+from toolkit.train.loss import (
+    Batch,
+    LossFn,
+    StepCounts,
+    count_step,
+    loss_names,
+    reduce_shares,
+    token_mean,
+)
 
 
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step produced, identical on every rank."""
 
-    loss: float  # mean over micro-batches and data-parallel ranks
+    loss: float  # the global batch's loss (``toolkit.train.loss``: token-weighted by default)
     grad_norm: float | None  # global norm DeepSpeed computed before clipping (None: not known)
     lr: float  # learning rate the update used
     skipped: bool  # True when DeepSpeed skipped the update (fp16 overflow)
     num_microbatches: int
+    loss_tokens: float = 0.0  # loss tokens in the global batch
     metrics: dict[str, float] = field(default_factory=dict)  # the loss_fn's metric_names
 
 
@@ -261,47 +271,30 @@ def _vocab_mask_hook(vocab_size: int, padded: int):
 
 # -- one step, one evaluation --------------------------------------------------------------
 
-def masked_mean_loss(per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean per-token loss of a micro-batch over the tokens ``loss_mask`` keeps (all if none).
-
-    With context parallelism each rank holds part of every sequence: its loss is the sum over
-    its own kept tokens divided by the kept tokens of the whole micro-batch (counted over the CP
-    group), so the CP ranks' losses add up to the micro-batch's mean, token-weighted however the
-    SFT mask falls on the chunks. megatron-core's schedule multiplies the loss by cp before
-    backward and DeepSpeed averages gradients over dp x cp: the gradient is the single-rank one.
-    """
-    per_token = per_token.float()
-    mask = batch.get("loss_mask")
-    mask = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
-    count = mask.sum()
-    if ps.get_context_parallel_world_size() > 1:
-        count = count.detach().clone()
-        dist.all_reduce(count, group=ps.get_context_parallel_group())
-    return (per_token * mask).sum() / count.clamp(min=1.0)
-
-
-def _forward_step_func(loss_fn: LossFn):
+def _forward_step_func(loss_fn: LossFn, counts: StepCounts):
     device = runtime.device()
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
-        # Only the chunks that take tokens (first stage) or compute the loss (last stage) read a
-        # micro-batch, so one iterator per rank serves every chunk of the interleaved schedule.
-        batch: Batch = {}
-        if model.pre_process or model.post_process:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-            tokens = batch.get("tokens")
-            if tokens is not None and batch.get("position_ids") is None:
-                batch["position_ids"] = torch.arange(tokens.shape[1], device=device).unsqueeze(
-                    0).expand_as(tokens)
-            batch = context_parallel_share(batch)  # positions are cut before RoPE sees them
-        output = model(batch.get("tokens"), batch.get("position_ids"), None,
-                       labels=batch.get("labels"))
+        # Every chunk reads the micro-batch (each its own iterator): the first stage its tokens,
+        # the last its labels and mask, and every stage, middle and virtual ones included, the
+        # position ids, which say where packed examples start (attention and RoPE restart there).
+        batch: Batch = dict(next(data_iterator))
+        tokens = batch["tokens"]
+        if batch.get("position_ids") is None:
+            batch["position_ids"] = torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1)
+        segments = segments_of(batch["position_ids"])  # on the CPU, before the CP cut
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = context_parallel_share(batch)  # positions are cut before RoPE sees them
+        output = model(batch["tokens"] if model.pre_process else None, batch["position_ids"],
+                       None, labels=batch["labels"] if model.post_process else None,
+                       packed_seq_params=localise(segments, batch["position_ids"]))
 
         def loss_func(per_token: torch.Tensor):
-            out = loss_fn(per_token, batch)
-            loss, metrics = out if isinstance(out, tuple) else (out, {})
+            out = loss_fn(per_token, batch, counts)
+            share, metrics = out if isinstance(out, tuple) else (out, {})
             # the schedule divides the returned loss in place by num_microbatches: keep a copy
-            return loss, {"loss": loss.detach().clone(), **metrics}
+            reported = {"loss": share.detach().clone(), **metrics}
+            return share * counts.backward_scale, reported
 
         return output, loss_func
 
@@ -316,16 +309,17 @@ def train_step(
     num_microbatches: int,
     micro_batch: int,
     seq_len: int,
-    loss_fn: LossFn = masked_mean_loss,
+    loss_fn: LossFn = token_mean,
     lr: float | None = None,
     rows_per_sample: int = 1,
 ) -> StepResult:
     """Forward/backward over ``num_microbatches`` micro-batches, one reduction, one update.
 
-    ``data_iterator`` yields this rank's micro-batches as dicts of CPU or device tensors:
-    ``tokens`` and ``labels`` ([micro_batch, seq_len] int64), optional ``loss_mask`` and
-    ``position_ids``. Only first/last pipeline stages read it (one item per micro-batch).
-    ``loss_fn(per_token_loss, batch)`` reduces a micro-batch's per-token loss to a scalar.
+    ``data_iterator`` yields this rank's micro-batches as dicts of CPU tensors: ``tokens`` and
+    ``labels`` ([micro_batch, seq_len] int64), optional ``loss_mask`` and ``position_ids``
+    (restarting at 0 where a packed example starts). Every rank of the pipeline reads it (one
+    item per micro-batch). ``loss_fn(per_token_loss, batch, counts)`` returns the micro-batch's
+    share of the global batch's loss (``toolkit.train.loss``; default: token-weighted mean).
     ``lr``: when given, the update uses this learning rate (a stateless LR schedule).
     ``rows_per_sample``: sequences per sample (DPO: 2, a chosen and a rejected row), so a
     micro-batch holds ``micro_batch * rows_per_sample`` rows; DeepSpeed counts samples.
@@ -336,9 +330,11 @@ def train_step(
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
     stage = engine.zero_optimization_stage()
+    batches = list(data_iterator)
+    counts = count_step(batches)
 
     def run_schedule():
-        out = _schedule(chunks, data_iterator, loss_fn, num_microbatches=num_microbatches,
+        out = _schedule(chunks, batches, loss_fn, counts,
                         micro_batch=micro_batch * rows_per_sample, seq_len=seq_len,
                         forward_only=False)
         finalize_grads(chunks)
@@ -356,56 +352,75 @@ def train_step(
     if grad_norm is None:
         norm = engine.get_global_grad_norm()
         grad_norm = None if norm is None else float(norm)
-    metrics = mean_metrics(results, num_microbatches, _names(loss_fn))
+    metrics = _step_metrics(results, num_microbatches, loss_fn)
     return StepResult(loss=metrics.pop("loss"), grad_norm=grad_norm, lr=used_lr,
                       skipped=not engine.was_step_applied(), num_microbatches=num_microbatches,
-                      metrics=metrics)
+                      loss_tokens=counts.loss_tokens, metrics=metrics)
 
 
 def evaluate(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], *,
              num_microbatches: int, micro_batch: int, seq_len: int,
-             loss_fn: LossFn = masked_mean_loss) -> float:
-    """Mean loss over ``num_microbatches`` micro-batches, forward only (no gradients, no update):
-    the same reduction as :func:`train_step`'s loss, identical on every rank. The chunks are in
-    eval mode meanwhile (dropout off) and back in training mode afterwards."""
+             loss_fn: LossFn = token_mean, loss_tokens: float | None = None,
+             samples: int | None = None) -> float:
+    """The loss over ``num_microbatches`` micro-batches, forward only (no gradients, no update),
+    normalised over all of them at once, identical on every rank (:func:`evaluate_metrics`).
+    The chunks are in eval mode meanwhile (dropout off) and back in training mode
+    afterwards."""
     return evaluate_metrics(chunks, data_iterator, num_microbatches=num_microbatches,
-                            micro_batch=micro_batch, seq_len=seq_len, loss_fn=loss_fn)["loss"]
+                            micro_batch=micro_batch, seq_len=seq_len, loss_fn=loss_fn,
+                            loss_tokens=loss_tokens, samples=samples)["loss"]
 
 
 def evaluate_metrics(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], *,
                      num_microbatches: int, micro_batch: int, seq_len: int,
-                     loss_fn: LossFn = masked_mean_loss) -> dict[str, float]:
-    """:func:`evaluate` with the loss_fn's metrics too: {"loss": ..., name: ...}."""
-    results = forward_outputs(chunks, data_iterator, loss_fn, num_microbatches=num_microbatches,
-                              micro_batch=micro_batch, seq_len=seq_len)
-    return mean_metrics(results, num_microbatches, _names(loss_fn))
+                     loss_fn: LossFn = token_mean, loss_tokens: float | None = None,
+                     samples: int | None = None) -> dict[str, float]:
+    """:func:`evaluate` with the loss_fn's metrics too: {"loss": ..., name: ...}. ``loss_tokens``
+    and ``samples`` (rows that carry loss): the counts over every data-parallel rank when the
+    caller knows them (the micro-batches are then read lazily); else the micro-batches are read
+    first and counted. ``micro_batch`` counts rows."""
+    if loss_tokens is None or samples is None:
+        batches: Iterable[Batch] = list(data_iterator)
+        counts = count_step(batches)
+    else:
+        batches = data_iterator
+        counts = dataclasses.replace(count_step([], tokens=loss_tokens, samples=samples),
+                                     num_microbatches=num_microbatches)
+    results = forward_outputs(chunks, batches, loss_fn, num_microbatches=num_microbatches,
+                              micro_batch=micro_batch, seq_len=seq_len, counts=counts)
+    return _step_metrics(results, num_microbatches, loss_fn)
 
 
-def forward_outputs(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch],
-                    loss_fn: LossFn, *, num_microbatches: int, micro_batch: int,
-                    seq_len: int) -> list[dict[str, torch.Tensor]]:
+def forward_outputs(chunks: Sequence[torch.nn.Module], batches: Iterable[Batch],
+                    loss_fn: LossFn, *, num_microbatches: int, micro_batch: int, seq_len: int,
+                    counts: StepCounts | None = None) -> list[dict[str, torch.Tensor]]:
     """The last pipeline stage's ``{"loss", **metrics}`` of each micro-batch, forward only (no
     gradients; the chunks in eval mode meanwhile, back in training mode afterwards); other
-    stages get an empty list. ``micro_batch`` counts rows."""
+    stages get an empty list. ``micro_batch`` counts rows. ``counts``: what the loss_fn's
+    shares are shares of (none for a loss_fn that only collects values)."""
     chunks = list(chunks)
+    if counts is None:
+        counts = StepCounts(loss_tokens=0.0, samples=0, num_microbatches=num_microbatches, dp=1)
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
-        results = _schedule(chunks, data_iterator, loss_fn, num_microbatches=num_microbatches,
-                            micro_batch=micro_batch, seq_len=seq_len, forward_only=True)
+        results = _schedule(chunks, batches, loss_fn, counts, micro_batch=micro_batch,
+                            seq_len=seq_len, forward_only=True)
     for chunk in chunks:
         chunk.train()
     return list(results)
 
 
-def _schedule(chunks: list[torch.nn.Module], data_iterator: Iterator[Batch], loss_fn: LossFn, *,
-              num_microbatches: int, micro_batch: int, seq_len: int, forward_only: bool):
+def _schedule(chunks: list[torch.nn.Module], batches: Iterable[Batch], loss_fn: LossFn,
+              counts: StepCounts, *, micro_batch: int, seq_len: int, forward_only: bool):
     """megatron-core's schedule (none, 1F1B or interleaved, from the pipeline layout) over this
-    rank's chunks; one iterator serves every chunk. Returns the last stage's loss dicts."""
+    rank's chunks, each reading the micro-batches through its own iterator. Returns the last
+    stage's loss dicts."""
+    iterators = itertools.tee(iter(batches), len(chunks))
     return get_forward_backward_func()(
-        forward_step_func=_forward_step_func(loss_fn),
-        data_iterator=[data_iterator] * len(chunks) if len(chunks) > 1 else data_iterator,
-        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
+        forward_step_func=_forward_step_func(loss_fn, counts),
+        data_iterator=list(iterators) if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=counts.num_microbatches,
         seq_length=seq_len, micro_batch_size=micro_batch, forward_only=forward_only,
     )
 
@@ -449,28 +464,11 @@ def _zero0_grad_norm(engine) -> float:
     return total.sqrt().item()
 
 
-def _names(loss_fn: LossFn) -> tuple[str, ...]:
-    return ("loss", *getattr(loss_fn, "metric_names", ()))
-
-
-def mean_metrics(results: list[dict[str, torch.Tensor]], num_microbatches: int,
-                 names: Sequence[str] = ("loss",)) -> dict[str, float]:
-    """Mean of each named value over micro-batches (last stage) and data-parallel ranks, sent to
-    every rank (context-parallel ranks hold parts of one micro-batch's values: summed, not
-    averaged). One all-reduce for all of them."""
-    device = runtime.device()
-    total = torch.zeros(len(names), dtype=torch.float64, device=device)
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        if len(results) != num_microbatches:
-            raise RuntimeError(f"schedule returned {len(results)} losses for "
-                               f"{num_microbatches} micro-batches")
-        for i, name in enumerate(names):
-            total[i] += sum(r[name].double() for r in results) / num_microbatches
-        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
-        total /= ps.get_data_parallel_world_size()
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    values = dict(zip(names, total.tolist(), strict=True))
+def _step_metrics(results: list[dict[str, torch.Tensor]], num_microbatches: int,
+                  loss_fn: LossFn) -> dict[str, float]:
+    """The step's loss and the loss_fn's metrics (their shares summed,
+    ``loss.reduce_shares``), on every rank; the loss must be finite."""
+    values = reduce_shares(results, num_microbatches, loss_names(loss_fn))
     if not math.isfinite(values["loss"]):
         raise FloatingPointError(f"training loss is {values['loss']}")
     return values

@@ -61,11 +61,28 @@ def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout, model: RunMod
     overrides = dict(RECOMPUTE[cfg.train.recompute])
     if cfg.model.path:
         return live.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
-    from transformers import AutoConfig
-
-    hf = AutoConfig.for_model(**model.hf_config)
-    adapter = adapter_for(hf, dtype=dtype)
+    adapter = adapter_for(_hf_config(model), dtype=dtype)
     adapter.validate(layout)
     chunks = live.build_model(adapter, layout, **overrides)
     initialize(chunks, adapter, cfg.train.seed)  # the same weights at every layout
     return chunks, adapter
+
+
+def check_packing(cfg: TrainConfig, layout: parallel.ParallelLayout, model: RunModel) -> str:
+    """Refuse, before the model is built, a model whose attention packed examples cannot be
+    kept apart in (``toolkit.models.packed.check_packing``); else the log line naming the
+    kernel that keeps them apart."""
+    from toolkit import runtime
+    from toolkit.adapters import adapter_for
+    from toolkit.models import packed
+
+    source = cfg.model.path if cfg.model.path else _hf_config(model)
+    config = adapter_for(source, dtype=DTYPES[cfg.train.precision]).transformer_config(layout)
+    packed.check_packing(config)
+    return packed.describe(config, runtime.device())
+
+
+def _hf_config(model: RunModel):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**model.hf_config)

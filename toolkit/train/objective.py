@@ -2,7 +2,8 @@
 an evaluation, the loss function the engine reduces them with, and how many rows a sample has.
 ``Objective`` is pretraining's and SFT's (one row per sample, the masked mean token loss);
 DPO's is ``toolkit.train.dpo.objective.DpoObjective`` (two rows, reference log-probabilities
-attached, the DPO loss and TRL's metrics)."""
+attached, the DPO loss and TRL's metrics). Loss functions return shares of the global batch's
+loss (``toolkit.train.loss``)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.train.engine import LossFn, masked_mean_loss
+from toolkit.train.loss import LossFn, token_mean
 
 
 class Objective:
     rows_per_sample = 1
-    loss_fn: LossFn = staticmethod(masked_mean_loss)
+    loss_fn: LossFn = staticmethod(token_mean)
 
     def batches(self, split_name: str, split: Any, index_lists: Sequence[np.ndarray],
                 ) -> Iterator[dict[str, Any]]:

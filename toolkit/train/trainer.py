@@ -43,8 +43,8 @@ from toolkit.train.data import (
     DataSettings,
     GlobalBatchSampler,
     PreparedData,
-    eval_micro_batches,
     prepare_data_distributed,
+    with_reset_at_eod,
 )
 from toolkit.train.data.blend import SourceTokens
 from toolkit.train.data.pretrain import check_token_ids
@@ -52,7 +52,6 @@ from toolkit.train.ds_config import deepspeed_config
 from toolkit.train.engine import (
     EngineError,
     build_engine,
-    evaluate_metrics,
     mask_vocab_padding,
     train_step,
 )
@@ -65,9 +64,10 @@ from toolkit.train.metrics import (
     peak_tflops,
     throughput,
 )
-from toolkit.train.model import RunModel, build_model
+from toolkit.train.model import RunModel, build_model, check_packing
 from toolkit.train.objective import Objective
 from toolkit.train.schedule import LRSchedule
+from toolkit.train.validation import validation_metrics
 from toolkit.train.zero3_release import release_zero3
 
 if TYPE_CHECKING:
@@ -189,8 +189,11 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
     layout = run_plan.layout
     t0 = time.perf_counter()
-    data = prepare_data_distributed(DataSettings.from_config(cfg), cfg.tokenizer_path,
-                                    cfg.data_cache_dir, cfg.data.num_proc)
+    data = with_reset_at_eod(prepare_data_distributed(
+        DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.data_cache_dir,
+        cfg.data.num_proc), cfg.data.reset_at_eod)
+    if getattr(data.train, "packed", False) or data.train.reset_eod is not None:
+        _log(check_packing(cfg, layout, model))  # refused here when the model cannot
     total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
     data.train.reserve(total * run_plan.global_batch)
     _log(f"data ready in {time.perf_counter() - t0:.2f} s")
@@ -340,20 +343,14 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _validate(state: RunState, result: TrainResult, step: int) -> float:
-    """Validation loss (and the objective's metrics) over the same samples at any layout, forward
-    only, recorded in ``result`` for ``step``; returns the loss."""
-    split, s = state.data.validation, state.sampler
-    batches = eval_micro_batches(len(split), s.micro_batch, s.dp_size, s.dp_rank,
-                                 state.cfg.train.eval_batches)
-    if not batches:
-        raise ConfigError(
-            f"validation split has {len(split)} samples, fewer than micro_batch*dp = "
-            f"{s.micro_batch * s.dp_size}: lower train.eval_interval to 0 or add data.")
-    objective = state.objective
-    metrics = evaluate_metrics(state.chunks, objective.batches("validation", split, batches),
-                               num_microbatches=len(batches),
-                               micro_batch=s.micro_batch * objective.rows_per_sample,
-                               seq_len=state.cfg.train.seq_len, loss_fn=objective.loss_fn)
+    """Validation loss (and the objective's metrics) over the same samples at any layout,
+    forward only, recorded in ``result`` for ``step``; returns the loss."""
+    s = state.sampler
+    metrics = validation_metrics(state.chunks, state.data.validation, micro_batch=s.micro_batch,
+                                 dp_size=s.dp_size, dp_rank=s.dp_rank,
+                                 seq_len=state.cfg.train.seq_len,
+                                 eval_batches=state.cfg.train.eval_batches,
+                                 objective=state.objective)
     result.val_losses[step] = metrics.pop("loss")
     if metrics:
         result.val_metrics[step] = metrics

@@ -69,7 +69,11 @@ def check_data(cfg: TrainConfig) -> None:
     if not 0.0 <= d.validation_split < 1.0:
         raise ConfigError(f"data.validation_split={d.validation_split} must be in [0, 1).")
     if d.pack and d.mode == "pretrain":
-        raise ConfigError("data.pack applies to sft only (pretraining always packs): remove it.")
+        raise ConfigError("data.pack applies to sft only (pretraining always packs; "
+                          "data.reset_at_eod keeps its documents apart): remove it.")
+    if d.reset_at_eod and d.mode != "pretrain":
+        raise ConfigError(f"data.reset_at_eod applies to pretraining documents (data.mode="
+                          f"{d.mode}); SFT examples are kept apart by data.pack: remove it.")
     if d.format != "auto" and d.mode == "pretrain":
         raise ConfigError(f"data.format={d.format} applies to sft only (pretraining reads "
                           "data.text_field): remove it or set data.mode=sft.")

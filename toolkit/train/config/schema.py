@@ -78,7 +78,11 @@ class DataSection:
     prompt_response, alpaca, sharegpt; see docs/training.md), a name forces it for every row.
     ``template``: ``chat`` renders rows through the tokenizer's chat template, ``plain`` joins
     prompt + response + EOS, ``auto`` uses the chat template when the tokenizer has one.
-    ``pack`` (sft only): several examples per sequence instead of one padded example."""
+    ``pack`` (sft only): several examples per sequence instead of one padded example, bin-packed
+    and kept apart (attention and position ids restart at every example).
+    ``reset_at_eod`` (pretrain only): attention and position ids restart after every EOS token,
+    so a document never attends to the one before it (Megatron-LM's ``--reset-attention-mask
+    --reset-position-ids``)."""
 
     mode: str = opt("sft", choices=tuple(MODES))
     format: str = opt("auto", choices=("auto", *SFT_FORMATS))
@@ -93,6 +97,7 @@ class DataSection:
     conversations_field: str = "conversations"
     template: str = opt("auto", choices=("auto", "chat", "plain"))
     pack: bool = False
+    reset_at_eod: bool = False
     shuffle: bool = True
     cache_dir: str | None = None
     num_proc: int = opt(1, minimum=1)

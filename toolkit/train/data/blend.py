@@ -17,6 +17,7 @@ their sizes (megatron-core's exhaustive blending).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from toolkit.atomic import temp_dir
+from toolkit.train.data import segments
 from toolkit.train.data.gpt_sources import _quiet
 
 ENDLESS = 1 << 62  # positions of a single-source stream never wrap
@@ -74,6 +76,7 @@ class IndexedSplit:
         self.sizes = sizes
         self.weights = list(weights) if weights is not None else [float(s) for s in sizes]
         self.blend = None
+        self.reset_eod: int | None = None  # data.reset_at_eod: the EOD id
         self.length = ENDLESS if stream and len(self.datasets) == 1 else 0
         if not stream and len(self.datasets) > 1:
             self.blend = _blended(self.datasets, [int(s) for s in sizes], None, None)
@@ -118,15 +121,35 @@ class IndexedSplit:
             return got
         return self.datasets[0][int(position)]
 
+    def with_reset_eod(self, eod: int) -> IndexedSplit:
+        """This split with position ids restarting after every ``eod`` token
+        (``data.reset_at_eod``: Megatron-LM's --reset-position-ids --reset-attention-mask, the
+        boundaries read off the position ids by the model)."""
+        out = copy.copy(self)
+        out.reset_eod = int(eod)
+        return out
+
     def batch(self, positions) -> dict[str, Any]:
         """Tensors for one micro-batch, as ``TokenizedSplit.batch``: tokens/labels/position_ids
-        int64 [b, s], loss_mask float32 [b, s]."""
+        int64 [b, s], loss_mask float32 [b, s]; a position of -1 is a filler sample (position
+        0's tokens, nothing counted)."""
         import torch
 
-        samples = [self.sample(p) for p in np.asarray(positions).tolist()]
-        return {k: torch.stack([s[k] for s in samples]).to(
-                    torch.float32 if k == "loss_mask" else torch.int64)
-                for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        pos = np.asarray(positions, dtype=np.int64)
+        samples = [self.sample(p) for p in np.where(pos < 0, 0, pos).tolist()]
+        out = {k: torch.stack([s[k] for s in samples]).to(
+                   torch.float32 if k == "loss_mask" else torch.int64)
+               for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        out["loss_mask"][torch.from_numpy(pos < 0)] = 0.0
+        if self.reset_eod is not None:
+            out["position_ids"] = torch.from_numpy(
+                segments.eod_positions(out["tokens"].numpy(), self.reset_eod))
+        return out
+
+    def loss_tokens(self, positions) -> int:
+        """Loss tokens of the samples at ``positions`` (-1: a filler sample, none)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        return int(sum(float(self.sample(p)["loss_mask"].sum()) for p in pos[pos >= 0].tolist()))
 
 
 def _blended(datasets: Sequence, weights: Sequence, size: int | None, cache: str | None):

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from toolkit.train.data import segments
 from toolkit.train.data.encoding import load_tokenizer
 from toolkit.train.data.fingerprint import FORMAT_VERSION, cache_key
 from toolkit.train.data.modes import MODES, tokenize_split
@@ -20,6 +21,9 @@ from toolkit.train.data.progress import datasets_quiet
 from toolkit.train.data.settings import DataError, DataSettings
 from toolkit.train.data.sources import RowsPart, load_parts, split_parts
 from toolkit.train.data.split import PreparedData, TokenizedSplit
+
+#: Arrays a mode may add beside tokens and loss mask (``{split}_{name}.npy``).
+EXTRA_ARRAYS = ("examples", "row_offsets")
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -32,11 +36,16 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 def _load(path: Path) -> PreparedData:
     meta = json.loads((path / "meta.json").read_text())
 
+    packed = meta["settings"]["mode"] == "sft" and bool(meta["settings"].get("pack"))
+
     def split(name: str) -> TokenizedSplit | None:
         if not (path / f"{name}_tokens.npy").exists():
             return None
+        extra = {k: np.load(path / f"{name}_{k}.npy", mmap_mode="r") for k in EXTRA_ARRAYS
+                 if (path / f"{name}_{k}.npy").exists()}
         return TokenizedSplit(np.load(path / f"{name}_tokens.npy", mmap_mode="r"),
-                              np.load(path / f"{name}_loss_mask.npy", mmap_mode="r"))
+                              np.load(path / f"{name}_loss_mask.npy", mmap_mode="r"), extra,
+                              packed=packed)
 
     train = split("train")
     assert train is not None, f"{path} lacks train arrays"  # meta.json is written after them
@@ -44,7 +53,7 @@ def _load(path: Path) -> PreparedData:
 
 
 def _build(settings: DataSettings, tokenizer_path: str, key: str, num_proc: int,
-           ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+           ) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
     """Load, split and tokenise: (meta.json contents, arrays per split)."""
     tokenizer = load_tokenizer(tokenizer_path)
     parts = load_parts(settings.sources)
@@ -58,19 +67,23 @@ def _build(settings: DataSettings, tokenizer_path: str, key: str, num_proc: int,
                             "settings": dataclasses.asdict(settings),
                             "tokenizer": tokenizer_path, "vocab_size": len(tokenizer),
                             "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id}
-    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    arrays: dict[str, dict[str, np.ndarray]] = {}
     for name, split in (("train", parts), ("validation", val_parts)):
         if split is None:
             continue
-        tokens, mask, stats = tokenize_split(split, tokenizer, settings, num_proc, name)
+        tokens, mask, stats, *more = tokenize_split(split, tokenizer, settings, num_proc, name)
+        extra = more[0] if more else {}
         if name == "train" and len(tokens) == 0:
             raise DataError(f"no training sample of seq_len+1={settings.seq_len + 1} tokens could "
                             f"be built from {list(settings.sources)} ({stats}): add data or "
                             "lower train.seq_len.")
-        arrays[name] = (tokens, mask)
+        arrays[name] = {"tokens": tokens, "loss_mask": mask, **extra}
         meta[name] = {"samples": len(tokens), **stats,
                       "max_token_id": int(tokens.max()) if len(tokens) else -1,
                       "loss_tokens": int(mask.sum())}
+        if "examples" in extra:
+            meta[name].update(segments.pack_summary(extra["examples"], extra["row_offsets"],
+                                                    settings.seq_len + 1))
     return meta, arrays
 
 
@@ -98,9 +111,9 @@ def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | P
     tmp = cache / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        for name, (tokens, mask) in arrays.items():
-            _save_npy(tmp / f"{name}_tokens.npy", tokens)
-            _save_npy(tmp / f"{name}_loss_mask.npy", mask)
+        for name, named in arrays.items():
+            for what, array in named.items():
+                _save_npy(tmp / f"{name}_{what}.npy", array)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(tmp, final)

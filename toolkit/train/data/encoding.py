@@ -35,19 +35,37 @@ def encode_chat(messages: list[dict[str, Any]], tokenizer) -> tuple[list[int], l
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
-        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=False,
-                                               add_generation_prompt=True) if i else ""
+        prefix = _prompt(tokenizer, messages[:i]) if i else ""
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (upto.startswith(prefix) and full.startswith(upto)):
             raise DataError("the tokenizer's chat template renders a conversation differently "
                             "from its prefixes, so assistant tokens cannot be located; use "
                             "data.template=plain with prompt/response rows or another template.")
+        if len(upto) == len(prefix):
+            raise DataError(f"the tokenizer's chat template renders assistant turn {i} as "
+                            "nothing, so there is no answer to train on: use a chat template that "
+                            "renders assistant turns, or data.template=plain.")
         spans.append((len(prefix), len(upto)))
     if not spans:
         raise DataError(f"conversation has no assistant turn: {messages!r}")
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
+
+
+def _prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
+    """``messages`` rendered with the generation prompt, which must differ from without it:
+    a template without one (no generation marker) gives no way to tell an assistant turn's role
+    header from its answer, and the header would silently be trained on as answer."""
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if prompt == tokenizer.apply_chat_template(messages, tokenize=False):
+        raise DataError("the tokenizer's chat template has no generation prompt "
+                        "(add_generation_prompt changes nothing), so the assistant turns' own "
+                        "tokens cannot be told from their role header: give the template a "
+                        "generation prompt ({% if add_generation_prompt %}...{% endif %}, the "
+                        "assistant header), or use data.template=plain with prompt/response or "
+                        "alpaca rows.")
+    return prompt
 
 
 def encode_plain(prompt: str, response: str, tokenizer) -> tuple[list[int], list[int]]:

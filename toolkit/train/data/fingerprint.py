@@ -20,6 +20,9 @@ PRETRAIN_FORMAT = 2  # pretraining through Megatron indexed datasets (1: .npy bl
 # defaults: the data they did not exist for tokenises the same, so its caches and the data
 # fingerprints recorded in checkpoints stay valid.
 _LATER_SETTINGS = {"sft_format": "auto", "conversations_field": "conversations", "weights": ()}
+#: Packed SFT data since examples are bin-packed and kept apart (their boundaries recorded):
+#: caches of the older packing, which let examples attend to each other, are never reused.
+PACKING = "ffd-examples-2"
 
 
 def _sha256_file(path: str | Path) -> str:
@@ -71,4 +74,6 @@ def cache_key(settings: DataSettings, tokenizer_path: str) -> str:
     d["validation_sources"] = of(settings.validation_sources)
     d["tokenizer"] = tokenizer_fingerprint(tokenizer_path)
     d["format"] = PRETRAIN_FORMAT if pretrain else FORMAT_VERSION
+    if settings.pack and not pretrain:
+        d["packing"] = PACKING
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]

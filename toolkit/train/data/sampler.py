@@ -86,17 +86,33 @@ def step_batches(split: TokenizedSplit, sampler: GlobalBatchSampler, step: int,
 
 
 def eval_micro_batches(num_samples: int, micro_batch: int, dp_size: int, dp_rank: int,
-                       max_batches: int | None = None) -> list[np.ndarray]:
+                       max_batches: int | None = None, multiple: int = 1) -> list[np.ndarray]:
     """Validation in order, ``micro_batch * dp`` samples per round, rank ``r`` taking the r-th
-    micro-batch of each round; the incomplete last round is dropped so every rank runs the same
-    number of micro-batches. ``max_batches`` caps the rounds."""
+    micro-batch of each round. The last round is completed with filler rows (index -1, nothing
+    counted: ``TokenizedSplit.batch``), so every rank runs the same number of micro-batches and
+    every sample is evaluated once, at any micro_batch x dp. ``max_batches`` caps the rounds;
+    ``multiple``: filler rounds are added up to a multiple of it (the interleaved pipeline
+    schedule wants a multiple of pp)."""
+    if num_samples < 1:
+        raise DataError("the validation set is empty: add validation data or raise "
+                        "data.validation_split.")
     per_round = micro_batch * dp_size
-    rounds = num_samples // per_round
-    if rounds == 0:
-        raise DataError(f"the validation set has {num_samples} samples, fewer than micro_batch * "
-                        f"dp = {per_round}: add validation data or raise data.validation_split.")
+    rounds = -(-num_samples // per_round)
     if max_batches is not None:
         rounds = min(rounds, max_batches)
     start = dp_rank * micro_batch
-    return [np.arange(r * per_round + start, r * per_round + start + micro_batch)
-            for r in range(rounds)]
+    out = []
+    for r in range(-(-rounds // multiple) * multiple):
+        idx = np.arange(r * per_round + start, r * per_round + start + micro_batch)
+        out.append(np.where(idx < num_samples, idx, -1))
+    return out
+
+
+def eval_rows(num_samples: int, micro_batch: int, dp_size: int,
+              max_batches: int | None = None) -> np.ndarray:
+    """Every sample the validation rounds of all ranks evaluate (``eval_micro_batches``)."""
+    per_round = micro_batch * dp_size
+    rounds = -(-num_samples // per_round)
+    if max_batches is not None:
+        rounds = min(rounds, max_batches)
+    return np.arange(min(num_samples, rounds * per_round))

@@ -1,6 +1,7 @@
 """``data.mode: sft``: each row read in its format (``sft_formats``) and encoded with a loss mask
 on the response tokens, then truncated, padded or packed into rows of ``seq_len + 1``
-(``packing.pack_sft``). A row that cannot be read is reported with its file and line."""
+(``packing.pack_sft``: bin-packed, each example's boundaries recorded, so the model keeps the
+examples of a row apart). A row that cannot be read is reported with its file and line."""
 
 from __future__ import annotations
 
@@ -9,26 +10,31 @@ from collections.abc import Sequence
 from toolkit.train.data.packing import pack_sft
 from toolkit.train.data.progress import SplitProgress
 from toolkit.train.data.settings import DataError, DataSettings
-from toolkit.train.data.sft_formats import encode_sft_row
+from toolkit.train.data.sft_formats import detect_format, encode_sft_row
 from toolkit.train.data.sources import RowsPart, row_location
 
 
 def tokenize(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, procs: int | None,
              progress: SplitProgress):
-    """-> (tokens [N, L+1] int32, loss_mask [N, L] uint8, stats); sources in order."""
+    """-> (tokens [N, L+1] int32, loss_mask [N, L] uint8, stats, where the examples sit);
+    sources in order."""
     examples: list[tuple[list[int], list[int]]] = []
+    formats: list[str] = []
     for part in parts:
         source, index = part.source, part.index
 
         def enc(row, i, offset, source=source, index=index):
             try:
                 ids, mask = encode_sft_row(row, tokenizer, settings)
+                fmt = detect_format(row, settings)
             except DataError as e:
                 at = row_location(source, int(index[offset + i]) if index is not None
                                   else offset + i)
                 raise DataError(f"{at}: {e}") from None
-            return {"ids": ids, "mask": mask}
+            return {"ids": ids, "mask": mask, "format": fmt}
 
         for _, out in progress.map(part.rows, enc, with_indices=True, num_proc=procs):
             examples += zip(out["ids"], out["mask"], strict=True)
-    return pack_sft(examples, settings.seq_len, tokenizer.pad_token_id, settings.pack)
+            formats += out["format"]
+    return pack_sft(examples, settings.seq_len, tokenizer.pad_token_id, settings.pack,
+                    seed=settings.seed, formats=formats)

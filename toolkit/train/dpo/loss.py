@@ -3,9 +3,11 @@ cross-entropy of 2b rows (b chosen, then b rejected) -> per-sequence log-probabi
 completions -> the configured per-pair loss (``losses.LOSSES``), its mean over the b pairs, and
 TRL's metrics.
 
-Every micro-batch holds the same number of pairs, so the schedule's mean over micro-batches and
-DeepSpeed's mean over data-parallel ranks make the loss the mean over the global batch's pairs,
-as TRL's ``DPOTrainer`` computes it, for any micro_batch, accumulation and dp.
+The engine's loss functions return shares (``toolkit.train.loss``): here the sum of the
+micro-batch's per-pair losses over the pairs of the whole global batch (``sample_mean``, never
+token-weighted), so the step's loss is the mean over the global batch's pairs, as TRL's
+``DPOTrainer`` computes it, for any micro_batch, accumulation and dp; the metrics likewise.
+A pair without completion tokens (a filler of the last validation round) counts for nothing.
 
 Context parallelism: each rank holds part of every sequence, so its log-probabilities are
 partial sums. They are completed over the CP group (all-reduce) with the gradient flowing only
@@ -26,6 +28,7 @@ from megatron.core import parallel_state as ps
 
 from toolkit.train.dpo.losses import LOSSES, Pairs
 from toolkit.train.dpo.spec import METRICS
+from toolkit.train.loss import StepCounts, sample_mean
 
 
 def sequence_logps(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -49,31 +52,36 @@ def token_counts(mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DpoLoss:
-    """``loss_fn(per_token, batch) -> (loss, metrics)`` of the engine; ``batch['ref_logps']``
-    holds the reference log-probabilities of the 2b rows."""
+    """``loss_fn(per_token, batch, counts) -> (share, metrics)`` of the engine;
+    ``batch['ref_logps']`` holds the reference log-probabilities of the 2b rows."""
 
     beta: float = 0.1
     loss: str = "sigmoid"
     label_smoothing: float = 0.0
-    metric_names = METRICS  # what the engine averages besides the loss
+    metric_names = METRICS  # what the engine sums besides the loss, as shares
 
-    def __call__(self, per_token: torch.Tensor, batch: dict[str, torch.Tensor]):
+    def __call__(self, per_token: torch.Tensor, batch: dict[str, torch.Tensor],
+                 counts: StepCounts):
         mask = batch["loss_mask"].to(torch.float32)
         logps = sequence_logps(per_token, mask)
         ref = batch["ref_logps"].to(logps)
-        counts = token_counts(mask)
-        pairs = Pairs(*logps.chunk(2), *ref.chunk(2), *counts.chunk(2))
-        loss = LOSSES[self.loss](pairs, self.beta, self.label_smoothing).mean()
+        tokens = token_counts(mask)
+        pairs = Pairs(*logps.chunk(2), *ref.chunk(2), *tokens.chunk(2))
+        real = (pairs.chosen_tokens > 0).to(logps.dtype)  # filler pairs count for nothing
+        n = max(counts.samples // 2, 1)  # the global batch's pairs
+        share = sample_mean(real * LOSSES[self.loss](pairs, self.beta, self.label_smoothing),
+                            counts, n)
         cp = ps.get_context_parallel_world_size()
-        reported = {"loss": loss.detach(), **self.metrics(pairs)}
-        return loss, {k: v / cp for k, v in reported.items()}
+        reported = {"loss": share.detach(), **self.metrics(pairs, real, counts, n)}
+        return share, {k: v / cp for k, v in reported.items()}
 
-    def metrics(self, p: Pairs) -> dict[str, torch.Tensor]:
-        """TRL's names: micro-batch means (the engine averages them over the global batch)."""
+    def metrics(self, p: Pairs, real: torch.Tensor, counts: StepCounts,
+                n: int) -> dict[str, torch.Tensor]:
+        """TRL's names, as shares of their means over the global batch's pairs."""
         with torch.no_grad():
             chosen, rejected = self.beta * p.chosen_ratio, self.beta * p.rejected_ratio
-            return {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
-                    "rewards/margins": (chosen - rejected).mean(),
-                    "rewards/accuracies": (chosen > rejected).float().mean(),
-                    "logps/chosen": p.chosen.detach().mean(),
-                    "logps/rejected": p.rejected.detach().mean()}
+            values = {"rewards/chosen": chosen, "rewards/rejected": rejected,
+                      "rewards/margins": chosen - rejected,
+                      "rewards/accuracies": (chosen > rejected).float(),
+                      "logps/chosen": p.chosen.detach(), "logps/rejected": p.rejected.detach()}
+            return {k: sample_mean(real * v, counts, n) for k, v in values.items()}

@@ -1,0 +1,131 @@
+"""``mdtk data preview``: the training sequences as the trainer will see them, without a model.
+
+The data is prepared exactly as the trainer prepares it (``prepare_data``: same cache, template,
+truncation and packing) and read through ``TokenizedSplit.batch``, so the boundaries shown are
+where the micro-batch's position ids restart (where attention and RoPE restart in the model).
+Sequences are listed in the order the first optimizer steps draw them (``GlobalBatchSampler``).
+
+In the listing, text between ``[[`` and ``]]`` carries loss (its tokens are labels the loss mask
+keeps), ``||`` marks where an example (or, with ``data.reset_at_eod``, a document) starts, and
+``<pad xN>`` is padding. ``summarize`` counts over the whole training split: rows read, dropped
+and truncated (per SFT format), sequences, examples, tokens, loss tokens, padding fraction and
+examples per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from toolkit.train.data.sampler import GlobalBatchSampler
+from toolkit.train.data.settings import DataError
+from toolkit.train.data.split import PreparedData, TokenizedSplit
+
+LOSS_OPEN, LOSS_CLOSE, BOUNDARY = "[[", "]]", "||"
+
+
+def summarize(data: PreparedData) -> dict[str, Any]:
+    """Counts over the training split as prepared (see the module doc)."""
+    split, meta = data.train, data.meta.get("train", {})
+    if not isinstance(split, TokenizedSplit):  # pretraining: Megatron indexed datasets
+        return _summarize_indexed(data)
+    if split.rows_per_sample != 1:
+        raise DataError("mdtk data preview shows sft and pretrain data; data.mode="
+                        f"{data.meta['settings']['mode']} samples are pairs of rows.")
+    n, width = split.tokens.shape
+    out: dict[str, Any] = {"sequences": int(n), "seq_len": int(width - 1),
+                           "loss_tokens": int(np.asarray(split.loss_mask, dtype=np.int64).sum())}
+    for key in ("examples", "dropped", "truncated"):
+        if key in meta:
+            out["rows_read" if key == "examples" else key] = int(meta[key])
+    if "formats" in meta:
+        out["formats"] = meta["formats"]
+    ex = split.extra.get("examples")
+    if ex is not None:
+        per_row = np.diff(split.extra["row_offsets"])
+        out["examples"] = int(len(ex))
+        out["tokens"] = int(ex[:, 1].sum())
+        out["examples_per_sequence"] = {"mean": float(per_row.mean()), "min": int(per_row.min()),
+                                        "max": int(per_row.max())}
+    else:  # pretraining: every token is a document's; documents end at EOS
+        out["tokens"] = int(n * width)
+        eos = data.meta.get("eos_id")
+        if split.reset_eod is not None and eos is not None:
+            out["documents_cut_at_eos"] = int((np.asarray(split.tokens[:, :-1]) == eos).sum())
+    out["padding_fraction"] = 1.0 - out["tokens"] / (n * width) if n else 0.0
+    return out
+
+
+def _summarize_indexed(data: PreparedData) -> dict[str, Any]:
+    """Pretraining: the split's documents and tokens (``pretrain._describe``); every sample
+    is full, so there is no padding."""
+    meta, seq = data.meta.get("train", {}), int(data.meta["settings"]["seq_len"])
+    return {"sequences": int(meta.get("samples", len(data.train))), "seq_len": seq,
+            "documents": int(meta.get("documents", 0)), "tokens": int(meta.get("tokens", 0)),
+            "padding_fraction": 0.0}
+
+
+def first_sequences(split, rows: int, seed: int, shuffle: bool) -> np.ndarray:
+    """Indices of the first ``rows`` training sequences in the trainer's order."""
+    num, shuffle = split.sampler_args(shuffle)
+    rows = min(rows, len(split))
+    if rows < 1:
+        return np.zeros(0, dtype=np.int64)
+    split.reserve(rows)
+    return GlobalBatchSampler(num, rows, 1, 1, 0, seed, shuffle).global_indices(0)
+
+
+def render(split, index: int, tokenizer) -> str:
+    """One sequence as text: loss spans in ``[[ ]]``, example starts ``||``, padding counted."""
+    batch = split.batch([index])
+    tokens = np.append(batch["tokens"][0].numpy(), batch["labels"][0, -1].item())
+    loss = np.append(0, batch["loss_mask"][0].numpy() > 0)  # token j is the label of j - 1
+    starts = set(np.flatnonzero(batch["position_ids"][0].numpy() == 0).tolist())
+    end = len(tokens)
+    ex = getattr(split, "extra", {}).get("examples")
+    if ex is not None:  # SFT: the padding after the last example is not an example
+        mine = ex[split.extra["row_offsets"][index]:split.extra["row_offsets"][index + 1]]
+        end = int(mine[-1, 0] + mine[-1, 1]) if len(mine) else 0
+    parts: list[str] = []
+    j = 0
+    while j < end:
+        k = j + 1
+        while k < end and loss[k] == loss[j] and k not in starts:
+            k += 1
+        text = tokenizer.decode(tokens[j:k].tolist())
+        if j in starts and j > 0:
+            parts.append(BOUNDARY)
+        parts.append(f"{LOSS_OPEN}{text}{LOSS_CLOSE}" if loss[j] else text)
+        j = k
+    if end < len(tokens):
+        parts.append(f"<pad x{len(tokens) - end}>")
+    return "".join(parts)
+
+
+def format_summary(summary: dict[str, Any]) -> list[str]:
+    """The summary as lines for people."""
+    lines = []
+    if "rows_read" in summary:
+        lines.append(f"rows read {summary['rows_read']}, dropped {summary['dropped']} (no "
+                     f"response token left), truncated {summary['truncated']} (longer than "
+                     f"seq_len + 1 = {summary['seq_len'] + 1})")
+    for fmt, c in summary.get("formats", {}).items():
+        lines.append(f"  {fmt}: read {c['rows']}, dropped {c['dropped']}, truncated "
+                     f"{c['truncated']}")
+    lines.append(f"sequences {summary['sequences']} of {summary['seq_len'] + 1} tokens"
+                 + (f", examples {summary['examples']}" if "examples" in summary else ""))
+    if "documents" in summary:
+        lines.append(f"documents {summary['documents']}, tokens {summary['tokens']} (in the "
+                     "sources' training part)")
+    else:
+        lines.append(f"tokens {summary['tokens']}, loss tokens {summary['loss_tokens']}, "
+                     f"padding {100 * summary['padding_fraction']:.1f}%")
+    if "examples_per_sequence" in summary:
+        e = summary["examples_per_sequence"]
+        lines.append(f"examples per sequence: mean {e['mean']:.2f}, min {e['min']}, max "
+                     f"{e['max']}")
+    if "documents_cut_at_eos" in summary:
+        lines.append(f"EOS tokens (attention and positions restart after each): "
+                     f"{summary['documents_cut_at_eos']}")
+    return lines
