@@ -9,7 +9,9 @@ checks that ``run`` tears its process groups and engine down.
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,7 @@ def run_case(case: Case, assets: dict[str, str], workdir: str,
     out = Path(workdir) / case.name
     cfg = config(case, assets, out)
     seen: dict[str, Any] = {}
+    built: list[weakref.ref] = []  # the engines this run built: freed when it returns?
     original = trainer.build_engine
 
     def spy(chunks, mpu, ds_config, **kw):  # records the layout the run really used
@@ -140,6 +143,7 @@ def run_case(case: Case, assets: dict[str, str], workdir: str,
                     ep=ps.get_expert_model_parallel_world_size(), chunks=len(chunks),
                     padded_vocab=int(chunks[0].vocab_size))
         engine = original(chunks, mpu, ds_config, **kw)
+        built.append(weakref.ref(engine))
         if case.grads:
             _record_first_grads(engine, seen)
         if on_engine is not None:
@@ -151,14 +155,17 @@ def run_case(case: Case, assets: dict[str, str], workdir: str,
         result = trainer.run(cfg)
     finally:
         trainer.build_engine = original
+    gc.collect()
+    freed = bool(built) and all(ref() is None for ref in built)
     metrics = []
     if dist.get_rank() == 0:
         metrics = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text()
                    .splitlines()]
     return {"case": case.name, "losses": result.losses, "start": result.start_step,
             "metrics": metrics, "stage": result.ds_config["zero_optimization"]["stage"],
-            "left_initialised": _groups_left(), "export_diff": result.export_max_abs_diff,
-            "adapter_diff": result.adapter_max_abs_diff, **seen}
+            "left_initialised": _groups_left(), "engine_freed": freed,
+            "export_diff": result.export_max_abs_diff, "adapter_diff": result.adapter_max_abs_diff,
+            **seen}
 
 
 def _record_first_grads(engine, seen: dict[str, Any]) -> None:
