@@ -128,7 +128,10 @@ def _assert_parity(ranks: list[dict], ref: dict, case: Case, world: int) -> None
         assert r["stage"] == case.zero
         assert not r["left_initialised"]  # run() tore its process groups down
         assert r["engine_freed"], (case.name, case.zero)  # nothing keeps the engine (ZeRO-3's
-        # DeepSpeed references: toolkit/train/zero3_release.py), nor its groups' threads
+        # DeepSpeed references: toolkit/train/zero3_release.py), nor its groups' gloo threads
+        # (megatron-core's leftovers: toolkit/parallel/state.destroy)
+        before, after = r["gloo_threads"]
+        assert after <= before, (case.name, r["gloo_threads"])
     assert ranks[0]["metrics"] == ranks[0]["losses"]  # metrics.jsonl holds the same numbers
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +135,7 @@ def run_case(case: Case, assets: dict[str, str], workdir: str,
     cfg = config(case, assets, out)
     seen: dict[str, Any] = {}
     built: list[weakref.ref] = []  # the engines this run built: freed when it returns?
+    threads = _gloo_threads()
     original = trainer.build_engine
 
     def spy(chunks, mpu, ds_config, **kw):  # records the layout the run really used
@@ -155,8 +158,10 @@ def run_case(case: Case, assets: dict[str, str], workdir: str,
         result = trainer.run(cfg)
     finally:
         trainer.build_engine = original
-    gc.collect()
+    gc.collect()  # twice: objects with finalizers in a cycle (the MoE layers' groups) are freed
+    gc.collect()  # by the collection after the one that finalizes them
     freed = bool(built) and all(ref() is None for ref in built)
+    threads = (threads, _gloo_threads(settle_to=threads))
     metrics = []
     if dist.get_rank() == 0:
         metrics = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text()
@@ -164,6 +169,7 @@ def run_case(case: Case, assets: dict[str, str], workdir: str,
     return {"case": case.name, "losses": result.losses, "start": result.start_step,
             "metrics": metrics, "stage": result.ds_config["zero_optimization"]["stage"],
             "left_initialised": _groups_left(), "engine_freed": freed,
+            "gloo_threads": threads,
             "export_diff": result.export_max_abs_diff, "adapter_diff": result.adapter_max_abs_diff,
             **seen}
 
@@ -180,6 +186,24 @@ def _record_first_grads(engine, seen: dict[str, Any]) -> None:
         return step(*args, **kwargs)
 
     engine.step = recording_step
+
+
+def _gloo_threads(settle_to: int | None = None) -> int:
+    """This process's gloo transport threads: one per live process group's device, each waking
+    ~100 times a second (what a group that outlives its run costs an idle rank). A group freed
+    by the garbage collector stops its threads asynchronously: with ``settle_to``, wait up to
+    2 s for the count to come down to it."""
+    for _ in range(20):
+        count = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                count += "gloo" in Path(f"/proc/self/task/{task}/comm").read_text()
+            except OSError:  # the thread ended meanwhile
+                pass
+        if settle_to is None or count <= settle_to:
+            break
+        time.sleep(0.1)
+    return count
 
 
 def _groups_left() -> bool:

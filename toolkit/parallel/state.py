@@ -171,6 +171,16 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if not dist.is_initialized():
         return
+    # megatron-core 0.16.1's destroy_model_parallel misses some of its globals (e.g.
+    # _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP): a group still named there outlives its
+    # destruction below with its gloo threads (~3 per layout run, each waking 100 times a second)
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
+    _clear_rotary_caches()
+    moe = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe is not None:  # its aux-loss tracker keeps each loss's reduce group
+        moe.get_moe_layer_wise_logging_tracker().clear()
     from torch.distributed import distributed_c10d as c10d
 
     ds_groups = sys.modules.get("deepspeed.utils.groups")
@@ -185,3 +195,19 @@ def destroy() -> None:
         # with one): left pointing at the groups just destroyed, a later engine built without
         # an mpu would ask it for a data-parallel group that no longer exists.
         ds_groups.mpu = None
+
+
+_ROTARY = ("megatron.core.models.common.embeddings.rotary_pos_embedding",
+           "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
+
+
+def _clear_rotary_caches() -> None:
+    """megatron-core memoizes rotary embeddings' ``forward`` with ``lru_cache`` on the method:
+    the cache keeps each model's rotary module, and with it its CP group, for the life of the
+    process (one destroyed group's gloo threads per layout run)."""
+    for name in _ROTARY:
+        module = sys.modules.get(name)
+        for cls in (v for v in vars(module).values() if isinstance(v, type)) if module else ():
+            for attr in vars(cls).values():
+                if callable(getattr(attr, "cache_clear", None)):
+                    attr.cache_clear()
