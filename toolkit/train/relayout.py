@@ -13,6 +13,7 @@ from typing import Any
 
 from toolkit.train.checkpointing import ENGINE_TAG, STATE_FILE, ResumeError
 from toolkit.train.reshard import load_resharded, saved_stage
+from toolkit.train.zero3_release import destroy_engine
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, *, tp: int = 1, pp: int = 1,
@@ -108,5 +109,5 @@ def _convert_rank(raw: dict[str, Any], src: str) -> str:
             state, lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG, save_latest=False)))
     finally:
         if engine is not None:
-            engine.destroy()
+            destroy_engine(engine)
         parallel.destroy()

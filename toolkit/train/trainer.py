@@ -68,7 +68,7 @@ from toolkit.train.model import RunModel, build_model, check_packing
 from toolkit.train.objective import Objective
 from toolkit.train.schedule import LRSchedule
 from toolkit.train.validation import validation_metrics
-from toolkit.train.zero3_release import release_zero3
+from toolkit.train.zero3_release import destroy_engine
 
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter
@@ -156,8 +156,7 @@ def run(cfg: TrainConfig) -> TrainResult:
         if state is not None:
             state.objective.close()
         if engine is not None:
-            engine.destroy()
-            release_zero3(engine.module)
+            destroy_engine(engine)
         parallel.destroy()
 
 

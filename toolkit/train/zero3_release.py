@@ -18,10 +18,18 @@ second: an idle rank that has run a few ZeRO-3 jobs burns CPU for the rest of it
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
 _BWD_CLASSES = ("pre_bwd_fn", "post_bwd_fn")
+
+
+def destroy_engine(engine: Any) -> None:
+    """``engine.destroy()``, then what DeepSpeed keeps after it: every place that is done with
+    an engine (trainer, relayout, DPO reference) ends it here."""
+    engine.destroy()
+    release_zero3(engine.module)
 
 
 def release_zero3(root: torch.nn.Module | None = None) -> int:

@@ -32,6 +32,7 @@ from megatron.core import parallel_state as ps
 
 from toolkit.train.dpo.loss import sequence_logps
 from toolkit.train.engine import forward_outputs
+from toolkit.train.zero3_release import destroy_engine
 
 Batch = dict[str, torch.Tensor]
 SPLITS = ("train", "validation")
@@ -76,7 +77,7 @@ class ModelReference:
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.destroy()
+            destroy_engine(self.engine)
         self.chunks, self.engine = [], None
 
 
