@@ -12,6 +12,7 @@ INSTALLER ?= uv
 # TORCH_SPEC or TORCH_INDEX, e.g. TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cpu).
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
+TORCH_LINKS ?= $(PIP_FIND_LINKS)
 STAMP  := $(VENV)/.mdtk-installed
 
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/build/torch_extensions
@@ -31,14 +32,19 @@ $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	@# Leave an existing torch (e.g. a CUDA build) alone; otherwise CUDA machines get the lock's
-	@# default wheel and CPU machines the CPU build, by pip (uv does not look on this machine's
-	@# disk). The bytecode is compiled here (~40 s): with --no-compile, a machine that sets
-	@# PYTHONDONTWRITEBYTECODE would compile torch at every process start (import torch 3.2 s
-	@# instead of 1.4 s), and the tests start hundreds.
+	@# default wheel and CPU machines the CPU build: by uv where pip's find-links folder
+	@# (TORCH_LINKS, default $$PIP_FIND_LINKS: this workplace's disk) is set, else by pip (uv
+	@# reads no pip configuration). The bytecode is compiled here: with --no-compile, a machine
+	@# that sets PYTHONDONTWRITEBYTECODE would compile torch at every process start (import torch
+	@# 3.2 s instead of 1.4 s), and the tests start hundreds.
 	@if $(PY) -c "import torch" >/dev/null 2>&1; then \
 	    echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
 	    $(PY) -m pip install -q -c $(LOCK) torch; \
+	elif [ "$(INSTALLER)" = uv ] && [ -n "$(TORCH_LINKS)" ] && [ -z "$(TORCH_INDEX)" ] \
+	    && $(PY) -m pip install -q -c $(LOCK) uv && $(VENV)/bin/uv pip install -q --python $(PY) \
+	        --compile-bytecode $(foreach l,$(TORCH_LINKS),--find-links $(l)) -c $(LOCK) "$(TORCH_SPEC)"; then \
+	    :; \
 	else \
 	    $(PY) -m pip install -q -c $(LOCK) $(TORCH_INDEX) "$(TORCH_SPEC)"; \
 	fi
@@ -51,11 +57,12 @@ $(STAMP): pyproject.toml $(LOCK)
 	fi
 	@$(PY) scripts/lockfile.py check $(LOCK)
 	@bash scripts/install_libaio.sh || true
-	@# DeepSpeed's CPU ops, built once in one process, not by racing ranks: CPU Adam now; async_io
-	@# (NVMe offload, ~220 CPU-seconds) in the background at low priority, so that the tests or
-	@# the demo start at once; the first NVMe user waits on its build lock (toolkit/runtime/ops.py).
-	@$(PY) -m toolkit.runtime.ops cpu_adam || echo "warning: DeepSpeed CPU Adam unavailable; optimizer offload will not run"
-	@mkdir -p build && nohup nice -n 19 $(PY) -m toolkit.runtime.ops async_io >build/async_io-build.log 2>&1 </dev/null &
+	@# DeepSpeed's CPU ops, built once in one process, not by racing ranks, in the background so
+	@# that the tests or the demo start at once: CPU Adam (optimizer offload, ~55 CPU-seconds),
+	@# then async_io (NVMe offload, ~180) at low priority; the first user of an op waits on its
+	@# build lock (toolkit/runtime/ops.py). The log says whether each op is available.
+	@mkdir -p build && nohup sh -c '$(PY) -m toolkit.runtime.ops cpu_adam; \
+	    nice -n 19 $(PY) -m toolkit.runtime.ops async_io' >build/ops-build.log 2>&1 </dev/null &
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -6,8 +6,11 @@ machine code as it was.
 * ``-g0``: DeepSpeed asks for debug info (``-g``), which gcc spends much of each file's time
   on, for torch's headers; gcc's code does not depend on ``-g``.
 * An op of many files (async_io: 12) gets ``<torch/extension.h>`` precompiled once per set of
-  flags and pre-included in each file: that header is most of every file's compile. An op of
-  few files (CPU Adam: 2) is faster without (the header is parsed once per file anyway).
+  flags and pre-included in each file that includes torch: that header is most of such a
+  file's compile. A file that does not include torch is compiled as it is (pre-included, the
+  header's deferred template work costs ~7 CPU-s in every file: 0.6 s -> 7.5 s each for three
+  of async_io's files). An op of few files (CPU Adam: 2) is faster without (the header is
+  parsed once per file anyway).
 
 A fresh clone's ops then build in a fraction of the CPU time (docs/benchmarks.md, "Test
 suite"). Anything but a torch-extension compile (links, other files) goes to ``c++``
@@ -20,12 +23,15 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 MARK = "-DTORCH_API_INCLUDE_EXTENSION_H"  # torch's flag on every extension source
 PCH_FROM_FILES = 4  # ops with at least this many sources get the precompiled header
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+TORCH_HEADERS = ("torch/", "ATen/", "c10/", "pybind11/")  # what the precompiled header holds
 
 
 def _flags(args: list[str]) -> list[str]:
@@ -49,6 +55,33 @@ def _many_files() -> bool:
         return False
     return sum(1 for line in text.splitlines()
                if line.startswith("build ") and ": compile " in line) >= PCH_FROM_FILES
+
+
+def _includes_torch(source: Path, dirs: list[Path], seen: set[Path] | None = None) -> bool:
+    """Whether ``source`` includes a torch header, directly or through headers found beside it
+    or in ``dirs`` (the -I folders; torch's own are -isystem and never searched)."""
+    seen = set() if seen is None else seen
+    try:
+        text = source.read_text(errors="replace")
+    except OSError:
+        return False
+    for name in _INCLUDE.findall(text):
+        if name.startswith(TORCH_HEADERS):
+            return True
+        for folder in (source.parent, *dirs):
+            found = (folder / name).resolve()
+            if found.is_file():
+                if found not in seen:
+                    seen.add(found)
+                    if _includes_torch(found, dirs, seen):
+                        return True
+                break
+    return False
+
+
+def _source_includes_torch(args: list[str]) -> bool:
+    dirs = [Path(a[2:]) for a in args if a.startswith("-I") and len(a) > 2]
+    return _includes_torch(Path(args[args.index("-c") + 1]), dirs)
 
 
 def _pch(cxx: list[str], args: list[str]) -> Path | None:
@@ -78,7 +111,7 @@ def main(args: list[str]) -> int:
     cxx = [os.environ.get("MDTK_REAL_CXX", "c++")]
     if "-c" in args and "-o" in args and MARK in args:
         args = args + ["-g0"]
-        header = _pch(cxx, args) if _many_files() else None
+        header = _pch(cxx, args) if _many_files() and _source_includes_torch(args) else None
         if header is not None:
             done = subprocess.run(cxx + ["-include", str(header)] + args)
             if done.returncode == 0:

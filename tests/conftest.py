@@ -28,13 +28,15 @@ _OPS_READY = False
 
 
 def _prebuild_ops() -> None:
-    """Ranks must find DeepSpeed's CPU ops built: ranks building them at once queue on a lock
-    for minutes (`make install` builds them; this covers a bare `pytest`)."""
+    """CPU Adam built once before ranks need it, by this process, unless `make install`'s
+    background build has it: then the ranks that need it wait for that build (on torch's build
+    lock) while the tests before them run."""
     global _OPS_READY
     if not _OPS_READY:
         from toolkit.runtime import ops
 
-        ops.prebuild(["cpu_adam"])
+        if not ops.build_under_way("cpu_adam"):
+            ops.prebuild(["cpu_adam"])
         _OPS_READY = True
 
 

@@ -3,9 +3,11 @@
 DeepSpeed compiles CPU Adam (optimizer offload) and async_io (NVMe offload) on first use. When
 several ranks hit that at once they queue on a lock file, on a 2-core machine the build takes
 minutes, and a build killed half-way leaves a lock that makes every later build wait forever.
-``make install`` therefore builds CPU Adam here and starts the async_io build (12 files, about
-220 CPU-seconds through scripts/pch_cxx.py) in the background at low priority; whoever needs
-async_io first waits for that build (``prebuild(["async_io"])``) instead of building it again.
+``make install`` therefore starts both builds in the background, CPU Adam first (2 files, ~55
+CPU-seconds), then async_io at low priority (12 files and DeepSpeed's pin_memory op, ~180
+CPU-seconds through scripts/pch_cxx.py), so that the tests or the demo start at once; whoever
+needs an op first waits for its build (``prebuild``, or torch's build lock for a rank that loads
+it; ``build_under_way``) instead of building it again.
 Later loads are cached in ``TORCH_EXTENSIONS_DIR`` and take about a second. On CUDA, the ops
 DeepSpeed builds for the GPU (ZeRO++'s quantizer, ...) need a ``TORCH_CUDA_ARCH_LIST`` that
 DeepSpeed can parse: ``prepare_cuda_arch_list`` (called by ``runtime.prepare_deepspeed``).
@@ -72,6 +74,22 @@ def clear_stale_lock(root: Path, name: str, max_age_s: float = STALE_LOCK_S) -> 
         marker.unlink(missing_ok=True)
         return lock
     return None
+
+
+def build_under_way(name: str) -> bool:
+    """Whether another process holds ``name``'s build lock (``make install``'s background build,
+    or a caller waiting for it). A rank that needs the op then waits for that build on torch's
+    own build lock instead of starting a second one."""
+    path = extensions_dir() / f"{name}.flock"
+    if not path.exists():
+        return False
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
 
 
 def prebuild(ops: tuple[str, ...] | list[str] = OPS, log=print) -> dict[str, str]:
