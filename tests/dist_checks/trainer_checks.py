@@ -9,7 +9,6 @@ checks that ``run`` tears its process groups and engine down.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import time
@@ -20,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dist_checks import pool_jobs
 
 PRETRAIN = "bundled:examples/data/pretrain.jsonl"
 SFT = "bundled:examples/data/sft.jsonl"
@@ -158,8 +159,9 @@ def run_case(case: Case, assets: dict[str, str], workdir: str,
         result = trainer.run(cfg)
     finally:
         trainer.build_engine = original
-    gc.collect()  # twice: objects with finalizers in a cycle (the MoE layers' groups) are freed
-    gc.collect()  # by the collection after the one that finalizes them
+    # twice: objects with finalizers in a cycle (the MoE layers' groups) are freed by the
+    # collection after the one that finalizes them
+    pool_jobs.collect(times=2)
     freed = bool(built) and all(ref() is None for ref in built)
     threads = (threads, _gloo_threads(settle_to=threads))
     metrics = []
