@@ -37,11 +37,12 @@ def extensions_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path):
+def _exclusive(path: Path, wait: bool = True):
     """An exclusive kernel lock on ``path``: held while the block runs, released by the kernel
-    if this process dies (unlike torch's build lock, a file that outlives a killed build)."""
+    if this process dies (unlike torch's build lock, a file that outlives a killed build).
+    ``wait=False``: ``BlockingIOError`` at once if another process holds it."""
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             yield
         finally:
@@ -83,13 +84,11 @@ def build_under_way(name: str) -> bool:
     path = extensions_dir() / f"{name}.flock"
     if not path.exists():
         return False
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return False
+    try:
+        with _exclusive(path, wait=False):
+            return False
+    except BlockingIOError:
+        return True
 
 
 def prebuild(ops: tuple[str, ...] | list[str] = OPS, log=print) -> dict[str, str]:
