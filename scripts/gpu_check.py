@@ -34,6 +34,8 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pch_cxx  # beside this file: the compiler wrapper of DeepSpeed's op builds
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements.lock"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
@@ -260,12 +262,9 @@ def run_all(out: Path, parts: list[Part], budget: float, wheels: Path | None) ->
                                       "used": arch or os.environ.get("TORCH_CUDA_ARCH_LIST")}
     if arch:
         env["TORCH_CUDA_ARCH_LIST"] = arch
-    # one op cache and one compiler command for every part (as tests/conftest.py sets them), so
-    # the quantizer op gpu_tests builds is loaded, not built again, by zeropp
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
-    if not env.get("CXX", "").endswith("pch_cxx.py"):
-        env.setdefault("MDTK_REAL_CXX", env.get("CXX", "c++"))
-        env["CXX"] = str(ROOT / "scripts" / "pch_cxx.py")
+    # one op cache and one compiler command for every part (those of make install and
+    # tests/conftest.py), so the quantizer op gpu_tests builds is loaded, not built again, by zeropp
+    pch_cxx.use_in(env)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         if wheels is not None:

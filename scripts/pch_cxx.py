@@ -107,6 +107,18 @@ def _pch(cxx: list[str], args: list[str]) -> Path | None:
     return header
 
 
+def use_in(env) -> None:
+    """Point the DeepSpeed op builds of ``env`` (a mutable mapping: ``os.environ`` or a child's
+    environment) at what `make install` uses (Makefile): this checkout's op cache unless one is
+    set, and this wrapper as ``CXX``. The compiler's path is part of torch's build command, so a
+    process with another ``CXX`` would build every op again instead of loading it."""
+    here = Path(__file__).resolve()
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(here.parent.parent / "build" / "torch_extensions"))
+    if not env.get("CXX", "").endswith("pch_cxx.py"):
+        env.setdefault("MDTK_REAL_CXX", env.get("CXX", "c++"))
+        env["CXX"] = str(here)
+
+
 def main(args: list[str]) -> int:
     cxx = [os.environ.get("MDTK_REAL_CXX", "c++")]
     if "-c" in args and "-o" in args and MARK in args:

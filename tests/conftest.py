@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -10,13 +11,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
-# DeepSpeed's ops built as `make install` builds them (Makefile: scripts/pch_cxx.py), so a bare
-# pytest reuses that build instead of compiling them again. The compiler's path is part of the
-# build command: checkouts sharing one TORCH_EXTENSIONS_DIR set CXX to one pch_cxx.py.
-if not os.environ.get("CXX", "").endswith("pch_cxx.py"):
-    os.environ.setdefault("MDTK_REAL_CXX", os.environ.get("CXX", "c++"))
-    os.environ["CXX"] = str(ROOT / "scripts" / "pch_cxx.py")
+# DeepSpeed's ops built as `make install` builds them (same cache, same compiler wrapper), so a
+# bare pytest reuses that build instead of compiling them again
+_spec = importlib.util.spec_from_file_location("pch_cxx", ROOT / "scripts" / "pch_cxx.py")
+pch_cxx = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pch_cxx)
+pch_cxx.use_in(os.environ)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes tests/dist_checks importable
 

@@ -115,6 +115,23 @@ def test_compiler_wrapper_precompiles_only_for_ops_of_many_files(tmp_path, monke
     assert w._many_files()
 
 
+def test_compiler_wrapper_settings_are_make_installs():
+    """``use_in``: what the Makefile exports for the op builds (the checkout's cache, this
+    wrapper over the user's compiler), set once for conftest and gpu_check; a set cache or an
+    already wrapped compiler stays."""
+    w = _wrapper()
+    env = {"CXX": "g++-13"}
+    w.use_in(env)
+    assert env == {"CXX": str(ROOT / "scripts" / "pch_cxx.py"), "MDTK_REAL_CXX": "g++-13",
+                   "TORCH_EXTENSIONS_DIR": str(ROOT / "build" / "torch_extensions")}
+    again = {**env, "TORCH_EXTENSIONS_DIR": "/elsewhere"}
+    w.use_in(again)
+    assert again == {**env, "TORCH_EXTENSIONS_DIR": "/elsewhere"}
+    bare: dict[str, str] = {}
+    w.use_in(bare)
+    assert bare["MDTK_REAL_CXX"] == "c++"
+
+
 def test_compiler_wrapper_precompiles_only_for_files_that_include_torch(tmp_path):
     """Pre-included into a file without torch, the header costs ~7 CPU-s of template work
     (async_io's deepspeed_aio_types.cpp: 0.6 s -> 7.5 s): such files are compiled as they are.
