@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -11,16 +10,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# DeepSpeed's ops built as `make install` builds them (same cache, same compiler wrapper), so a
-# bare pytest reuses that build instead of compiling them again
-_spec = importlib.util.spec_from_file_location("pch_cxx", ROOT / "scripts" / "pch_cxx.py")
-pch_cxx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pch_cxx)
-pch_cxx.use_in(os.environ)
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes tests/dist_checks importable
 
-from dist_checks import pool_jobs  # noqa: E402
+from dist_checks import load_script, pool_jobs  # noqa: E402
+
+# DeepSpeed's ops built as `make install` builds them (same cache, same compiler wrapper), so a
+# bare pytest reuses that build instead of compiling them again
+load_script("pch_cxx").use_in(os.environ)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from toolkit.runtime.rankpool import RankPool  # noqa: E402
 

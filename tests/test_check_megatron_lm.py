@@ -8,7 +8,6 @@ stored for the fixture's model (the same Llama, launched by Megatron-LM itself).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -16,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_checks import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "check_megatron_lm.py"
@@ -23,11 +23,7 @@ MLM = ROOT / ".." / "shared" / "fixtures" / "megatron-lm-core_v0.16.1"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("check_megatron_lm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up while being built
-    spec.loader.exec_module(module)
-    return module
+    return load_script("check_megatron_lm")
 
 
 @pytest.mark.skipif(not MLM.is_dir(), reason=f"fixtures not found at {MLM}")

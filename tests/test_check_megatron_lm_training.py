@@ -11,7 +11,6 @@ the two trainers are checked to be the same settings.
 from __future__ import annotations
 
 import filecmp
-import importlib.util
 import json
 import os
 import re
@@ -20,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_checks import load_script
 
 from toolkit import bundled
 
@@ -32,12 +32,7 @@ NEEDS_CHECKOUT = pytest.mark.skipif(
 
 
 def _script():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("check_megatron_lm_training", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
+    return load_script("check_megatron_lm_training")
 
 
 def _flag_values(flags: list[str]) -> dict[str, str]:

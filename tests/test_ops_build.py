@@ -7,7 +7,6 @@ loads the op waits for it forever (on this machine: seven sessions' test runs at
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_checks import load_script
 
 from toolkit.runtime import ops
 
@@ -85,10 +85,7 @@ def test_the_build_lock_of_a_killed_build_is_free_again(tmp_path, monkeypatch):
 
 
 def _wrapper():
-    spec = importlib.util.spec_from_file_location("pch_cxx", ROOT / "scripts" / "pch_cxx.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("pch_cxx")
 
 
 def test_compiler_wrapper_passes_other_commands_through():

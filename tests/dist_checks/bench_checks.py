@@ -4,27 +4,16 @@ loop calling ``build_model`` with its old signature)."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def script(name: str):
-    """``scripts/<name>.py`` as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"mdtk_script_{name}",
-                                                  ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from dist_checks import load_script
 
 
 def bench_train_compare(assets: dict[str, str], root: str) -> dict:
     """bench_train's ``compare`` (bare megatron-core loop, then the trainer) and ``summarize``,
     the GPU part's code minus the device: dp over the pool's ranks, fp32, a few steps."""
     start = time.perf_counter()
-    bt = script("bench_train")
+    bt = load_script("bench_train")
     opts = {"rounds": 1, "train": dict(layout={"tp": 1}, steps=bt.WARMUP + 2, seq=32, micro=2,
                                        global_batch=4, precision="fp32")}
     res = bt.compare({**assets, "root": root}, opts)
