@@ -18,7 +18,11 @@ and Adam states in the checkpoint). Each round, alternating:
   loop spent inside ``save`` and ``poll`` (``SaveTiming.blocked_s``); also the step time while the
   writer thread runs vs without. It saves the state the synchronous save just saved, so the
   two manifests (every file's size and xxh3-128) must be equal (``async_files_identical_to_sync``;
-  on a GPU this checks the host copies of CUDA tensors too).
+  on a GPU this checks the host copies of CUDA tensors too). A last round saves both ways with
+  no step while the asynchronous save writes (``..._without_steps``): a difference only with
+  steps means a snapshot the steps still reach. Each differing file is explained
+  (``explain_difference``: the zip entries that differ, the first differing pickle opcode, the
+  state-dict paths whose values differ).
 
 DeepSpeed's files are also fsynced and hashed after its save, timed apart
 (``deepspeed_fsync_hash_s``): mdtk's synchronous save does both (durable, checksummed), DeepSpeed's
@@ -106,6 +110,81 @@ def _durable(folder: Path) -> float:
     return time.perf_counter() - start
 
 
+def _walk(a, b, path: str, out: list[str]) -> None:
+    """The paths where two loaded state dicts differ (tensors: dtype, shape, values)."""
+    import torch
+
+    if len(out) >= 20:
+        return
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+            out.append(f"{path}: {a.dtype} {tuple(a.shape)} {a.device} vs "
+                       f"{b.dtype} {tuple(b.shape)} {b.device}")
+        elif not torch.equal(a, b):
+            bad = (a != b).sum().item()
+            diff = (a.float() - b.float()).abs().max().item()
+            out.append(f"{path}: {bad} of {a.numel()} values differ (max abs {diff:.3g})")
+    elif isinstance(a, dict) and isinstance(b, dict):
+        if list(a) != list(b):
+            out.append(f"{path}: keys {sorted(map(str, a.keys() ^ b.keys()))[:8]} or order")
+        for k in (k for k in a if k in b):
+            _walk(a[k], b[k], f"{path}.{k}", out)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _walk(x, y, f"{path}[{i}]", out)
+    elif type(a) is not type(b) or a != b:
+        out.append(f"{path}: {str(a)[:80]!r} vs {str(b)[:80]!r}")
+
+
+def _pickle_diff(a: bytes, b: bytes) -> str:
+    """The first pickle opcode where two ``data.pkl`` differ, with the ones before it."""
+    import pickletools
+
+    ops_a, ops_b = (list(pickletools.genops(x)) for x in (a, b))
+    for i, (x, y) in enumerate(zip(ops_a, ops_b, strict=False)):
+        if (x[0].name, x[1]) != (y[0].name, y[1]):
+            before = [f"{o[0].name} {o[1]!r}"[:60] for o in ops_a[max(0, i - 6):i]]
+            return (f"op {i} of {len(ops_a)}/{len(ops_b)}: {x[0].name} {x[1]!r} vs "
+                    f"{y[0].name} {y[1]!r}; before: {before}")
+    return f"same ops up to {min(len(ops_a), len(ops_b))} (lengths {len(ops_a)}/{len(ops_b)})"
+
+
+def explain_difference(a: Path, b: Path) -> dict:
+    """Why two ``torch.save`` files differ: the zip entries whose bytes differ (a pickle's
+    first differing opcode; a storage's count and span of differing bytes), and the paths of
+    the loaded state dicts whose values differ (read with mdtk's safe loader)."""
+    import zipfile
+
+    import numpy as np
+
+    from toolkit.checkpoint.torchfree.safe_load import load_torch
+
+    out: dict = {"entries": {}}
+    with zipfile.ZipFile(a) as za, zipfile.ZipFile(b) as zb:
+        names_a = [n.split("/", 1)[1] for n in za.namelist()]
+        names_b = [n.split("/", 1)[1] for n in zb.namelist()]
+        if names_a != names_b:
+            out["entry_names"] = [sorted(set(names_a) - set(names_b))[:8],
+                                  sorted(set(names_b) - set(names_a))[:8]]
+        for full_a, full_b in zip(za.namelist(), zb.namelist(), strict=False):
+            x, y = za.read(full_a), zb.read(full_b)
+            if x == y:
+                continue
+            name = full_a.split("/", 1)[1]
+            if name.endswith(".pkl"):
+                out["entries"][name] = _pickle_diff(x, y)
+            elif len(x) != len(y):
+                out["entries"][name] = f"{len(x)} vs {len(y)} bytes"
+            else:
+                d = np.flatnonzero(np.frombuffer(x, np.uint8) != np.frombuffer(y, np.uint8))
+                out["entries"][name] = (f"{d.size} of {len(x)} bytes differ, offsets "
+                                        f"{d[0]}..{d[-1]}")
+    paths: list[str] = []
+    _walk(load_torch(a, mmap=False), load_torch(b, mmap=False), "", paths)
+    out["values"] = paths
+    return out
+
+
 def _differing(sync_manifest: str, async_manifest: str) -> list[str]:
     """The files whose size or xxh3-128 differ between the two saves (or exist in one only):
     named, so that a mismatch seen on a rare GPU run says where to look."""
@@ -125,8 +204,26 @@ def _sync_saves(engine, sync, work: Path, r: int) -> dict:
     start = time.perf_counter()
     out["manifest"] = (sync.save(engine, _state(r + 1)) / "manifest.json").read_text()
     out["sync_s"] = time.perf_counter() - start
+    return out  # work/sync stays until the asynchronous save of this state is compared
+
+
+def _compare(work: Path, sync_manifest: str, step: int) -> tuple[list[str], dict]:
+    """The files of the asynchronous save of ``step`` that differ from the synchronous save's,
+    and why (``explain_difference`` of each); both saves are removed afterwards."""
+    folder = f"step_{step:07d}"
+    async_manifest = (work / "async" / folder / "manifest.json").read_text()
+    differing = _differing(sync_manifest, async_manifest)
+    why = {}
+    for name in differing:
+        a, b = work / "sync" / folder / name, work / "async" / folder / name
+        if a.is_file() and b.is_file() and name.endswith(".pt"):
+            try:
+                why[name] = explain_difference(a, b)
+            except Exception as e:  # noqa: BLE001 - the diagnosis must not lose the figures
+                why[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     shutil.rmtree(work / "sync")
-    return out
+    shutil.rmtree(work / "async")
+    return differing, why
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
@@ -144,6 +241,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         "deepspeed_s", "deepspeed_fsync_hash_s", "sync_s", "async_stall_s", "async_total_s",
         "step_idle_s", "step_writing_s")}
     differing: list[list[str]] = []  # per round: files whose bytes differ
+    explained: dict[str, dict] = {}  # a differing file -> why (explain_difference)
     for r in range(args.rounds + 1):
         # round 0 warms up the asynchronous path only (its first stall is ~10x the later ones:
         # first copies into the pinned staging buffers); DeepSpeed's and mdtk's synchronous
@@ -164,9 +262,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
                   f"{timing.total_s:.2f} s during {len(writing)} steps", flush=True)
             shutil.rmtree(work / "async")
             continue
-        differing.append(_differing(saved["manifest"], (work / "async" / f"step_{r + 1:07d}"
-                                                   / "manifest.json").read_text()))
-        shutil.rmtree(work / "async")
+        files, why = _compare(work, saved["manifest"], r + 1)
+        differing.append(files)
+        explained.update(why)
         print(f"round {r}: deepspeed {saved['deepspeed_s']:.2f} s (+ fsync and hash of its "
               f"files {saved['deepspeed_fsync_hash_s']:.2f} s), mdtk sync {saved['sync_s']:.2f} "
               f"s, async stall {timing.blocked_s:.3f} s (written in {timing.total_s:.2f} s "
@@ -178,6 +276,13 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
                            ("async_total_s", timing.total_s), ("step_idle_s", idle[-1]),
                            ("step_writing_s", during)):
             runs[key].append(value)
+    # the same comparison with no step running while the asynchronous save writes: tells a
+    # snapshot that later steps still reach from a difference in how the files are written
+    quiet_state = _state(args.rounds + 2)
+    quiet_manifest = (sync.save(engine, quiet_state) / "manifest.json").read_text()
+    later.save(engine, quiet_state)
+    later.finish()
+    quiet, quiet_why = _compare(work, quiet_manifest, quiet_state.step)
     stats = {k: _spread(v) for k, v in runs.items()}
     med = {k: v["median"] for k, v in stats.items()}
     return {"params": params, "layers": args.layers, "precision": args.precision,
@@ -185,6 +290,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             "rounds": args.rounds,
             "async_files_identical_to_sync": not any(differing),
             "async_files_differing": sorted({f for d in differing for f in d}),
+            "async_files_differing_why": explained,
+            "async_files_identical_to_sync_without_steps": not quiet,
+            "async_files_differing_without_steps": {f: quiet_why.get(f) for f in quiet},
             "stats": stats, "stall_over_sync": med["async_stall_s"] / med["sync_s"],
             "stall_over_sync_per_round": [a / s for a, s in zip(runs["async_stall_s"],
                                                                  runs["sync_s"], strict=True)],
@@ -232,7 +340,11 @@ def main() -> int:
           f"deepspeed save_checkpoint: {out['sync_over_deepspeed']:.2f} (made durable and hashed: "
           f"{out['sync_over_deepspeed_made_durable']:.2f}); steps while writing: "
           f"{out['step_slowdown_while_writing']:.2f}x; async files identical to sync: "
-          f"{out['async_files_identical_to_sync']}")
+          f"{out['async_files_identical_to_sync']} (with no step during the write: "
+          f"{out['async_files_identical_to_sync_without_steps']})")
+    for name, why in {**out["async_files_differing_why"],
+                      **out["async_files_differing_without_steps"]}.items():
+        print(f"  {name} differs: {json.dumps(why)[:2000]}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

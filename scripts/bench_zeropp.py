@@ -7,7 +7,9 @@ element), measured in the same process; rounds alternate between the three. Each
 the way DeepSpeed 0.19 runs it: qwZ through ``CUDAQuantizer`` (fp16 cast, int8 symmetric, one
 scale per <= 8000 elements, dequantized to fp16 and cast back), qgZ through the quantizer op's
 ``swizzle_quant`` + ``quantized_reduction`` + ``dequantize`` (int4, one scale per row), the
-sequence of DeepSpeed's ``all_to_all_quant_reduce`` on one node. The bytes each kernel is
+sequence of DeepSpeed's ``all_to_all_quant_reduce`` on one node, with fp16 input (what mdtk
+configures: ``communication_data_type: fp16``) and with bf16 input (DeepSpeed's default for a bf16
+run, which its kernel reads as fp16: the error shows it). The bytes each kernel is
 modelled to move come from the planner's ``kernel_bytes``; each error is checked against what a
 symmetric round trip of that width gives on Gaussian data (``ERROR_BOUND``). Where DeepSpeed has no
 quantizer op (CPU) the JSON says why (``toolkit.runtime.ops.quantizer_missing``) and nothing is
@@ -54,15 +56,20 @@ def _kernels(x):
         q, scale = qwz.quantize(x)
         return qwz.dequantize(q, scale, dtype=torch.bfloat16).view_as(x)
 
-    def int4_roundtrip():  # qgZ on one node, DeepSpeed's own sequence with all-to-alls of one
-        # (all_to_all_quant_reduce): quantize swizzled, reduce what arrived, dequantize
-        q, scale = op.swizzle_quant(x, rows, 4, op.Symmetric, 1, 1, 1)
-        q, scale = op.quantized_reduction(q, scale, rows, rows, 4, op.Symmetric, 1)
-        out = op.dequantize(q, scale, scale.numel(), 4, op.Symmetric)
-        return out.view(-1)[:x.numel()].view_as(x).to(torch.bfloat16)
+    def int4_roundtrip(grads):  # qgZ on one node, DeepSpeed's own sequence with all-to-alls of
+        # one (all_to_all_quant_reduce): quantize swizzled, reduce what arrived, dequantize
+        def run():
+            q, scale = op.swizzle_quant(grads, rows, 4, op.Symmetric, 1, 1, 1)
+            q, scale = op.quantized_reduction(q, scale, rows, rows, 4, op.Symmetric, 1)
+            out = op.dequantize(q, scale, scale.numel(), 4, op.Symmetric)
+            return out.view(-1)[:x.numel()].view_as(x).to(torch.bfloat16)
+        return run
 
+    # qgZ gets the gradients in the communication dtype: the training dtype (bf16) unless
+    # communication_data_type says fp16, which mdtk requires (its kernel reads fp16 only)
     return {"copy": (copy, 4.0), "qwZ int8": (int8_roundtrip, _modelled("qwz")),
-            "qgZ int4": (int4_roundtrip, _modelled("qgz"))}
+            "qgZ int4": (int4_roundtrip(x.half()), _modelled("qgz")),
+            "qgZ int4, bf16 input": (int4_roundtrip(x), _modelled("qgz"))}
 
 
 def _modelled(kind: str) -> float:
@@ -78,7 +85,7 @@ def _modelled(kind: str) -> float:
 #: Expected relative error of a symmetric round trip on Gaussian data, one scale per row of
 #: 8192: step = max / (2^(b-1) - 1) with max ~ 3.9 sigma, error ~ step / sqrt(12): int8 0.009,
 #: int4 0.16. A figure far above that is a broken round trip, not a property of the kernel.
-ERROR_BOUND = {"copy": 0.0, "qwZ int8": 0.02, "qgZ int4": 0.25}
+ERROR_BOUND = {"copy": 0.0, "qwZ int8": 0.02, "qgZ int4": 0.25, "qgZ int4, bf16 input": 0.25}
 
 
 def run(rows: int, cols: int, rounds: int) -> dict:

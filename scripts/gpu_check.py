@@ -459,13 +459,20 @@ def _fmt_part(name: str, rec: dict) -> list[str]:
     if name == "checkpoint":
         med = {k: v["median"] for k, v in fig["stats"].items()}
         differ = fig.get("async_files_differing")
-        return [f"- **checkpoint** ({fig['layers']} layer(s), {fig['checkpoint_bytes'] / 1e9:.2f}"
+        lines = [f"- **checkpoint** ({fig['layers']} layer(s), {fig['checkpoint_bytes'] / 1e9:.2f}"
                 f" GB, {fig['rounds']} round(s), median s): DeepSpeed save {med['deepspeed_s']:.2f}"
                 f" (+ fsync and hash {med['deepspeed_fsync_hash_s']:.2f}), mdtk sync "
                 f"{med['sync_s']:.2f}, async stall {med['async_stall_s']:.3f} (x"
                 f"{fig['stall_over_sync']:.3f} of sync; written in {med['async_total_s']:.2f}); "
                 f"async files identical to sync: {fig['async_files_identical_to_sync']}"
-                + (f" (differing: {', '.join(differ)})" if differ else "")]
+                + (f" (differing: {', '.join(differ)})" if differ else "")
+                + (f"; with no step during the write: "
+                   f"{fig['async_files_identical_to_sync_without_steps']}"
+                   if "async_files_identical_to_sync_without_steps" in fig else "")]
+        why = {**fig.get("async_files_differing_why", {}),
+               **{f"{k} (no steps)": v for k, v in
+                  (fig.get("async_files_differing_without_steps") or {}).items() if v}}
+        return lines + [f"  - why `{f}`: {json.dumps(v)[:600]}" for f, v in why.items()]
     return [f"- **{name}**: " + "; ".join(f"{k} {v}" for k, v in _flat(fig))[:900]]
 
 

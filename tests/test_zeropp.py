@@ -178,6 +178,8 @@ def test_generated_zeropp_configs_pass_deepspeeds_parser():
         parsed = DeepSpeedZeroConfig(**zero)
         assert parsed.zero_hpz_partition_size == 8
         assert parsed.zero_quantized_gradients == zero.get("zero_quantized_gradients", False)
+        if zero.get("zero_quantized_gradients"):  # the only dtype DeepSpeed's qgZ kernel reads
+            assert cfg["communication_data_type"] == "fp16", cfg
 
 
 def test_forced_zeropp_requests_and_the_pipeline_reason():
@@ -224,15 +226,22 @@ LINT_CASES = [  # (zero block, layout, world, errors' words, warnings' words)
     ({"stage": 3, "mics_shard_size": 8, "zero_hpz_partition_size": 8}, ParallelLayout(), 64,
      ["MiCS and hpZ do not combine"], []),
     ({"stage": 3, "zero_quantized_gradients": True}, ParallelLayout(), 8, [],
-     ["on one node does nothing", "This op had not been implemented on CPU backend"]),
+     ["on one node does nothing", "This op had not been implemented on CPU backend"],
+     {"communication_data_type": "fp16"}),
+    # DeepSpeed's qgZ kernel reads its input as fp16 (the H200 measured noise for bf16)
+    ({"stage": 3, "zero_quantized_gradients": True}, ParallelLayout(), 64,
+     ["with bf16 gradient communication", '"communication_data_type": "fp16"'], [],
+     {"bf16": {"enabled": True}}),
+    ({"stage": 3, "zero_quantized_gradients": True}, ParallelLayout(), 64,
+     ["with fp32 gradient communication"], []),
 ]
 
 
 @pytest.mark.parametrize("case", LINT_CASES, ids=lambda c: json.dumps(c[0])[:60])
 def test_lint_knows_zeropp_and_mics(case):
-    zero, layout, world, errors, warnings = case
-    report = lint({**BASE, "zero_optimization": zero}, world_size=world, layout=layout,
-                  gpus_per_node=8)
+    zero, layout, world, errors, warnings, *extra = case
+    report = lint({**BASE, "zero_optimization": zero, **(extra[0] if extra else {})},
+                  world_size=world, layout=layout, gpus_per_node=8)
     for words, found in ((errors, report.errors), (warnings, report.warnings)):
         for w in words:
             assert any(w in x for x in found), (w, found)

@@ -225,7 +225,7 @@ def _validate_zeropp(req: Request, layout: ParallelLayout) -> None:
     block = {"stage": 3, zeropp.HPZ: hpz, "zero_quantized_weights": qwz,
              "zero_quantized_gradients": qgz}
     errors, _ = zeropp.findings(block, layout, req.cluster.world_size,
-                                req.cluster.gpus_per_node)
+                                req.cluster.gpus_per_node, comm_dtype="fp16")  # see build
     if errors:
         raise ConfigError(" ".join(errors))
 
@@ -312,6 +312,10 @@ def build_config(req: Request, chosen: Option, layout: ParallelLayout,
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000,
                        "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1}
     cfg["zero_optimization"] = _zero_block(req, zero, est, notes)
+    if cfg["zero_optimization"].get("zero_quantized_gradients"):
+        cfg["communication_data_type"] = "fp16"
+        notes.append('qgZ: "communication_data_type": "fp16" (DeepSpeed\'s int4 gradient '
+                     "kernel reads its input as fp16; bf16 or fp32 gradients would be noise).")
     if NVME in (zero.offload_optimizer, zero.offload_param):
         cfg["aio"] = dict(AIO_BLOCK)
     # "auto" only where both the HF Trainer and accelerate fill it (lint.HF_ONLY_AUTO_KEYS)

@@ -130,7 +130,8 @@ def lint(cfg: dict[str, Any], *, world_size: int | None = None,
     zero = cfg.get("zero_optimization") or {}
     if isinstance(zero, dict):
         _check_zero(cfg, zero, layout, report)
-        errors, warnings = zeropp.findings(zero, layout, world_size, gpus_per_node)
+        errors, warnings = zeropp.findings(zero, layout, world_size, gpus_per_node,
+                                           zeropp.communication_dtype(cfg))
         report.errors += errors
         report.warnings += warnings
         if run_deepspeed and zeropp.quantized_of(zero) and zero.get("stage") == 3:

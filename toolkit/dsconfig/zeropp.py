@@ -13,6 +13,12 @@ Facts from DeepSpeed 0.19.8's code, checked on real engines (tests/test_zeropp.p
   not implemented.
 - MiCS (``mics_shard_size``, ``mics_hierarchical_params_gather``) was removed: ``DeepSpeedConfig``
   raises for those keys.
+- qgZ's first kernel (``swizzle_quant`` in ``csrc/quantization/pt_binding.cpp``) casts its input's
+  pointer to ``__half*`` whatever the tensor's dtype, and ZeRO-3 hands it the gradients in the
+  communication dtype (the training dtype unless ``communication_data_type`` says otherwise):
+  bf16 or fp32 gradients are read as fp16 bit patterns (scripts/bench_zeropp.py on an H200:
+  relative error 1.06 for bf16 input, i.e. noise). Only fp16 communication gives a real int4
+  reduction.
 """
 
 from __future__ import annotations
@@ -44,10 +50,26 @@ def quantized_of(zero: dict[str, Any]) -> list[str]:
     return [k for k in QUANTIZED if zero.get(k) is True]
 
 
+def communication_dtype(cfg: dict[str, Any]) -> str:
+    """The dtype DeepSpeed reduces gradients in: ``communication_data_type``, else the training
+    dtype (``engine.communication_data_type``)."""
+    named = cfg.get("communication_data_type")
+    if isinstance(named, str):
+        return {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16",
+                "bfloat16": "bf16"}.get(named.lower(), "fp32")
+    for key in ("fp16", "bf16"):
+        block = cfg.get(key)
+        if isinstance(block, dict) and block.get("enabled") is True:
+            return key
+    return "fp32"
+
+
 def findings(zero: dict[str, Any], layout: ParallelLayout, world_size: int | None = None,
-             gpus_per_node: int | None = None) -> tuple[list[str], list[str]]:
+             gpus_per_node: int | None = None, comm_dtype: str | None = None
+             ) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a ``zero_optimization`` block's ZeRO++ and MiCS keys. The world
-    size and the GPUs per node are checked against when known."""
+    size, the GPUs per node and the gradients' communication dtype (``communication_dtype``)
+    are checked against when known."""
     errors: list[str] = []
     warnings: list[str] = []
     stage = zero.get("stage", 0)
@@ -67,6 +89,13 @@ def findings(zero: dict[str, Any], layout: ParallelLayout, world_size: int | Non
             errors.append(f"zero_optimization.zero_quantized_gradients with {where}: "
                           + MIXED_GROUPS.format(what="qgZ's all-to-all groups", layout=where,
                                                 measured=""))
+    if "zero_quantized_gradients" in quantized and comm_dtype not in (None, "fp16"):
+        errors.append(
+            f"zero_optimization.zero_quantized_gradients with {comm_dtype} gradient "
+            "communication: DeepSpeed 0.19's qgZ kernel reads the gradients as fp16 whatever "
+            f"their dtype, so {comm_dtype} gradients are reduced as noise (measured: relative "
+            'error 1.06 with bf16 input). Set "communication_data_type": "fp16" (gradients are '
+            "cast to fp16 for the reduction and back) or turn qgZ off.")
     if hpz > 1:
         _hpz_size(hpz, layout, world_size, gpus_per_node, errors, warnings)
     if "zero_quantized_gradients" in quantized and world_size and gpus_per_node and \
