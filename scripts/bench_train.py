@@ -59,28 +59,30 @@ def make_assets(root: Path, model: dict, *, weights: bool) -> dict[str, str]:
 
 
 def train_config(assets: dict[str, str], out: Path, *, layout: dict, steps: int, seq: int,
-                 micro: int, global_batch: int, precision: str):
+                 micro: int, global_batch: int, precision: str, zero: int = 1,
+                 log_interval: int = 1, kernels: str = "auto"):
     from toolkit.train.config import config_from_dict
 
     model = ({"path": assets["model"], "tokenizer": assets["tokenizer"]} if "model" in assets
              else {"config": assets["config"], "tokenizer": assets["tokenizer"]})
     return config_from_dict({
         "output_dir": str(out), "model": model, "parallel": layout,
-        "deepspeed": {"zero_stage": 1, "offload": "none"},
+        "deepspeed": {"zero_stage": zero, "offload": "none"},
         "data": {"mode": "pretrain", "sources": [PRETRAIN], "validation_split": 0.0,
                  "cache_dir": assets["cache"]},
         "optim": {"lr": 1e-4, "decay": "constant", "clip_grad": 1.0},
         "train": {"steps": steps, "micro_batch": micro, "global_batch": global_batch,
-                  "seq_len": seq, "precision": precision},
+                  "seq_len": seq, "precision": precision, "fused_kernels": kernels},
         "checkpoint": {"interval": 0, "resume": "none"},
-        "logging": {"interval": 1},
+        "logging": {"interval": log_interval},
     })
 
 
 # -- the two loops (run on every rank) -------------------------------------------------------------
 
 def trainer_steps(cfg) -> tuple[list[float], list[dict]]:
-    """Seconds between consecutive metrics lines (rank 0; [] elsewhere) and the metrics rows."""
+    """Seconds per step between consecutive metrics lines (rank 0; [] elsewhere; a line every
+    ``logging.interval`` steps) and the metrics rows."""
     from toolkit.train import trainer
 
     stamps: list[float] = []
@@ -100,7 +102,8 @@ def trainer_steps(cfg) -> tuple[list[float], list[dict]]:
     metrics = Path(str(cfg.output_dir)) / "metrics.jsonl"
     if stamps:
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)], rows
+    every = cfg.logging.interval
+    return [(b - a) / every for a, b in zip(stamps, stamps[1:], strict=False)], rows
 
 
 def bare_steps(cfg) -> list[float]:
@@ -143,6 +146,9 @@ def bare_steps(cfg) -> list[float]:
         def forward_step(data_iterator, model):
             tokens, labels = next(data_iterator)
             pos = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
+            if getattr(model, "linear_ce_vocab", None):  # the run's fused linear loss: a sum
+                out = model(tokens, pos, None, labels=labels, loss_mask=torch.ones_like(labels))
+                return out, lambda total: (total.float() / labels.numel(), {})
             out = model(tokens, pos, None, labels=labels)
             return out, lambda per_token: (per_token.float().mean(), {})
 
@@ -201,7 +207,8 @@ def compare(assets: dict[str, str], opts: dict) -> dict:
         cfg = train_config(assets, Path(assets["root"]) / f"run{r}", **opts["train"])
         bare += bare_steps(cfg)[WARMUP:]
         steps, rows = trainer_steps(cfg)
-        trained += steps[WARMUP - 1:]  # intervals start after the first step
+        every = cfg.logging.interval  # intervals start after the first line: skip the warm-up
+        trained += steps[max(-(-(WARMUP - every) // every), 0):]
     return {"rank": dist.get_rank(), "bare": bare, "trainer": trained, "rows": rows}
 
 
@@ -227,7 +234,7 @@ def summarize(res: dict) -> dict:
     b, t = statistics.median(res["bare"]), statistics.median(res["trainer"])
     out = {"bare_s": b, "trainer_s": t, "overhead_pct": 100.0 * (t - b) / b,
            "samples": (len(res["bare"]), len(res["trainer"]))}
-    rows = res["rows"][WARMUP:]
+    rows = [r for r in res["rows"] if r["step"] > WARMUP]
     if rows:  # step_time_s: train_step alone (schedule + DeepSpeed), without the loop around it
         out["train_step_s"] = statistics.median(r["step_time_s"] for r in rows)
         out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rows)
@@ -248,7 +255,9 @@ def on_cpu_ranks(fn, args, *, prefix: str) -> list:
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         assets = make_assets(Path(tmp), CPU_MODEL, weights=True)
         opts = {"rounds": args.rounds, "train": dict(layout=layout, steps=args.steps, seq=128,
-                                                     micro=4, global_batch=8, precision="fp32")}
+                                                     micro=4, global_batch=8, precision="fp32",
+                                                     zero=args.zero,
+                                                     log_interval=args.log_interval)}
         with RankPool(2) as pool:
             if getattr(args, "profile", False):
                 print(pool.run(profile_trainer, assets, opts, timeout=3600)[0])
@@ -283,13 +292,16 @@ def gpu_part(args) -> dict | str:
         opts = {"rounds": 1, "train": dict(layout={"tp": 1}, steps=args.gpu_steps,
                                            seq=args.gpu_seq, micro=args.gpu_micro,
                                            global_batch=args.gpu_micro * args.gpu_accum,
-                                           precision="bf16")}
+                                           precision="bf16", zero=args.zero,
+                                           log_interval=args.gpu_log_interval,
+                                           kernels=args.gpu_kernels)}
         if args.profile:
             print(profile_trainer(assets, opts))
         torch.cuda.reset_peak_memory_stats()
         out = summarize(compare(assets, opts))
         out.update(device=torch.cuda.get_device_name(), model=GPU_MODEL, seq=args.gpu_seq,
-                   micro_batch=args.gpu_micro, accumulation=args.gpu_accum,
+                   micro_batch=args.gpu_micro, accumulation=args.gpu_accum, zero=args.zero,
+                   kernels=args.gpu_kernels, log_interval=args.gpu_log_interval,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30)
         return out
 
@@ -305,6 +317,15 @@ def main() -> int:
     p.add_argument("--gpu-accum", type=int, default=1,
                    help="micro-batches per step (gradient accumulation); the optimizer's fixed "
                         "cost per step is shared by this many micro-batches")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=1,
+                   help="the trainer's ZeRO stage (the bare loop is plain data parallelism, "
+                        "ZeRO-0's semantics: 0 compares like with like)")
+    p.add_argument("--log-interval", type=int, default=1,
+                   help="the trainer's logging.interval (CPU part): its step values are read "
+                        "every this many steps")
+    p.add_argument("--gpu-log-interval", type=int, default=4, help="logging.interval (GPU)")
+    p.add_argument("--gpu-kernels", default="auto",
+                   help="the trainer's train.fused_kernels on the GPU (auto, off, or a list)")
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of a trainer run first (rank 0)")
@@ -317,8 +338,9 @@ def main() -> int:
         print(f"CPU, 2 gloo ranks, {args.layout}, Llama h={CPU_MODEL['hidden_size']} "
               f"L={CPU_MODEL['num_hidden_layers']} seq 128, global batch 8, fp32: "
               f"bare megatron-core {cpu['bare_s'] * 1e3:.1f} ms/step, trainer "
-              f"{cpu['trainer_s'] * 1e3:.1f} ms/step (of which train_step "
-              f"{cpu['train_step_s'] * 1e3:.1f} ms), overhead {cpu['overhead_pct']:+.1f}% "
+              f"{cpu['trainer_s'] * 1e3:.1f} ms/step (metrics step_time_s "
+              f"{cpu['train_step_s'] * 1e3:.1f} ms), ZeRO-{args.zero}, logging interval "
+              f"{args.log_interval}: overhead {cpu['overhead_pct']:+.1f}% "
               f"(goal <= 5%; medians of {cpu['samples'][0]} / {cpu['samples'][1]} steps)")
     gpu = figures["gpu"] = gpu_part(args)
     if args.json:

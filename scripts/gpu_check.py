@@ -3,7 +3,7 @@
 GPU time comes rarely, in windows of about 15 minutes with the machine's start included, so one
 command runs everything and writes one JSON and one Markdown summary to OUT:
 
-    python scripts/gpu_check.py OUT [--budget 460] [--only a,b] [--wheels DIR]
+    python scripts/gpu_check.py OUT [--budget 475] [--only a,b] [--tests F,F] [--wheels DIR]
     python scripts/gpu_check.py OUT --dry-run          # on CPU: the plan, every command checked
     python scripts/gpu_check.py --prepare-wheels DIR   # here: wheels the GPU image lacks (lock)
     python scripts/gpu_check.py --record OUT/gpu_check.json   # here: docs/benchmarks.md's GPU part
@@ -46,10 +46,14 @@ MAX_WALL_S = 480  # the issue's bound: the whole check in under 8 minutes
 #: than the lock: carried as wheels, installed with --no-deps into a folder put first on the path.
 CARRY = ("megatron-core", "deepspeed", "transformers", "datasets", "dill", "multiprocess",
          "hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-         "typing-extensions", "typer", "annotated-doc", "shellingham", "peft", "trl")
+         "typing-extensions", "typer", "annotated-doc", "shellingham", "peft", "trl",
+         "liger-kernel")
 VERSIONS = ("torch", "megatron-core", "deepspeed", "transformers", "transformer-engine",
-            "flash-attn", "peft", "trl", "accelerate", "safetensors", "numpy")
-TRAIN = dict(seq=4096, micro=2, accum=4, steps=8)  # Llama-3.2-1B shape, bf16, one GPU
+            "flash-attn", "peft", "trl", "accelerate", "safetensors", "numpy", "liger-kernel",
+            "triton")
+#: Llama-3.2-1B shape, bf16, one GPU; metrics read every 4 steps (logging.interval), so 12 steps
+#: give two timed intervals after the first (warm-up)
+TRAIN = dict(seq=4096, micro=2, accum=4, steps=12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Part:
     argv: Callable[[Path], list[str]]  # result path -> command
     help_argv: list[str] | None = None  # the dry run's check that the command parses
     read: Callable[[Path], dict] = lambda p: json.loads(p.read_text())
+    default: bool = True  # in a run without --only (the default parts fit one window)
 
 
 def _py(*args: str) -> list[str]:
@@ -90,30 +95,44 @@ def _pytest_read(path: Path) -> dict:
 
 
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_cp.py", "tests/test_gpu_zeropp.py",
-             "tests/test_gpu_packing.py"]  # packing: ~15 s (bench_packing.py, 64 examples)
+             "tests/test_gpu_packing.py",  # packing: ~15 s (bench_packing.py, 64 examples)
+             "tests/test_gpu_kernels.py", "tests/test_gpu_checkpoint.py"]  # --tests: a subset
+
+
+def _train(*extra: str) -> Callable[[Path], list[str]]:
+    """bench_train.py's GPU part at TRAIN's shape, with ``extra`` options."""
+    return lambda j: _py("scripts/bench_train.py", "--skip-cpu", "--gpu-seq", str(TRAIN["seq"]),
+                         "--gpu-micro", str(TRAIN["micro"]), "--gpu-accum", str(TRAIN["accum"]),
+                         "--gpu-steps", str(TRAIN["steps"]), *extra, "--json", str(j))
+
+
 PARTS: list[Part] = [
     Part("versions", "nvidia-smi, torch/CUDA, megatron-core, DeepSpeed, TE, flash-attn", 10,
          lambda j: _py(__file__, "--versions", str(j)), _py(__file__, "--help")),
-    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 140,  # 96 s + the quantizer build
+    Part("gpu_tests", "the tests marked gpu (pytest -m gpu)", 190,  # H200: 146 s + new files
          lambda j: _py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                        f"--junitxml={j}", *GPU_TESTS),
          _py("-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p", "no:cacheprovider",
              *GPU_TESTS),
          _pytest_read),
     Part("train_mfu", "mdtk train vs a bare megatron-core loop, Llama-3.2-1B shape, bf16, "
-         f"seq {TRAIN['seq']}, micro {TRAIN['micro']} x {TRAIN['accum']}", 75,  # 70 s on an H100
-         lambda j: _py("scripts/bench_train.py", "--skip-cpu", "--gpu-seq", str(TRAIN["seq"]),
-                       "--gpu-micro", str(TRAIN["micro"]), "--gpu-accum", str(TRAIN["accum"]),
-                       "--gpu-steps", str(TRAIN["steps"]), "--json", str(j)),
-         _py("scripts/bench_train.py", "--help")),
+         f"seq {TRAIN['seq']}, micro {TRAIN['micro']} x {TRAIN['accum']}, ZeRO-1, fused "
+         "kernels auto, fused AdamW, metrics every 4 steps", 60,  # 43 s of 8 steps on an H200
+         _train(), _py("scripts/bench_train.py", "--help")),
+    Part("train_mfu_unfused", "train_mfu without the fused kernels (train.fused_kernels=off)",
+         55, _train("--gpu-kernels", "off"), _py("scripts/bench_train.py", "--help")),
+    Part("kernels", "the fused kernels vs the ops they replace, fwd+bwd at the 1B micro-batch: "
+         "SwiGLU, the loss (logits materialised or not), RMSNorm", 30,
+         lambda j: _py("scripts/bench_kernels.py", "--json", str(j)),
+         _py("scripts/bench_kernels.py", "--help")),
     Part("lora", "LoRA r=16 vs full fine-tuning through mdtk train: step time and memory, "
          "a 0.5B Llama (Llama-3.2-1B widths, 8 layers), bf16, seq 2048", 45,
          lambda j: _py("scripts/bench_lora.py", "--skip-cpu", "--json", str(j)),
-         _py("scripts/bench_lora.py", "--help")),
+         _py("scripts/bench_lora.py", "--help"), default=False),
     Part("attention", "CP attention (cp=1) vs megatron-core local vs SDPA, 8k and 32k, fwd+bwd",
          30,  # 25 s on an H100
          lambda j: _py("scripts/bench_attention.py", "--seqs", "8192,32768", "--json", str(j)),
-         _py("scripts/bench_attention.py", "--help")),
+         _py("scripts/bench_attention.py", "--help"), default=False),
     Part("zeropp", "ZeRO++ quantizer kernels (qwZ int8, qgZ int4) vs a copy, 8192 x 8192 bf16: "
          "time, error; the op built by gpu_tests (else its JIT build)", 25,
          lambda j: _py("scripts/bench_zeropp.py", "--json", str(j)),
@@ -128,13 +147,16 @@ PARTS: list[Part] = [
     Part("indexed_data", "mdtk train on a 0.25/0.75 blend of two Megatron indexed prefixes "
          "(mdtk data preprocess), tiny Llama, bf16, 30 steps", 30,
          lambda j: _py("scripts/bench_data.py", "--gpu-train", str(j)),
-         _py("scripts/bench_data.py", "--help")),
+         _py("scripts/bench_data.py", "--help"), default=False),
     Part("dpo", "DPO step time and peak memory (reference model / precomputed) vs SFT on the "
          "same tokens, and the memory model's figures, 150M Llama, bf16, 8 steps", 50,
          # one round of the 3 runs (~15 s each; the H100 run's first, SFT, ended at ~30 s)
          lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--rounds", "1", "--json",
                        str(j)),
          _py("scripts/bench_dpo.py", "--help")),
+    Part("train_mfu_zero0", "train_mfu at ZeRO-0 (DeepSpeed's bf16 optimizer, no partitions: "
+         "what ZeRO-1 is at dp=1 without its flat-partition machinery)", 55,
+         _train("--zero", "0"), _py("scripts/bench_train.py", "--help"), default=False),
 ]
 
 
@@ -404,11 +426,12 @@ def _fmt_part(name: str, rec: dict) -> list[str]:
         lines += [f"  - `{t}`: {v['outcome'].splitlines()[0]} ({v['s']:.0f} s)"
                   for t, v in fig["cases"].items()]
         return lines
-    if name == "train_mfu":
+    if name.startswith("train_mfu"):
         g = fig["gpu"]
         mfu = f"{100 * g['mfu']:.1f}%" if g.get("mfu") is not None else "n/a"
-        return [f"- **train_mfu** (seq {g['seq']}, micro {g['micro_batch']} x "
-                f"{g['accumulation']}): trainer {g['tokens_per_s']:,.0f} tokens/s, MFU {mfu}; "
+        return [f"- **{name}** (seq {g['seq']}, micro {g['micro_batch']} x "
+                f"{g['accumulation']}, ZeRO-{g.get('zero', 1)}, kernels {g.get('kernels', '-')}"
+                f"): trainer {g['tokens_per_s']:,.0f} tokens/s, MFU {mfu}; "
                 f"bare megatron-core {1e3 * g['bare_s']:.1f} ms/step, trainer "
                 f"{1e3 * g['trainer_s']:.1f} ms/step: overhead {g['overhead_pct']:+.1f}% "
                 f"(trainer/bare {g['trainer_s'] / g['bare_s']:.3f}); peak "
@@ -422,6 +445,16 @@ def _fmt_part(name: str, rec: dict) -> list[str]:
                      + f"{r['peak_gib'].get(k, 0):.1f} GiB)" for k, v in r["ms"].items()]
             cells += [f"{k} OOM" for k in r["oom"]]
             lines.append(f"  - {r['seq']} tokens: " + "; ".join(cells))
+        return lines
+    if name == "kernels" and fig.get("ops"):
+        lines = [f"- **kernels** ({fig['device']}, bf16, fwd+bwd, median ms; x the local "
+                 "spec's; peak GiB; max error vs fp32, relative):"]
+        for op, variants in fig["ops"].items():
+            cells = [f"{k} " + (v["error"] if "error" in v else
+                                f"{v['ms']:.2f} ms (x{v['over_local']:.2f}, {v['peak_gib']:.2f} "
+                                f"GiB, err {v['max_rel_error']:.1e})")
+                     for k, v in variants.items()]
+            lines.append(f"  - {op}: " + "; ".join(cells))
         return lines
     if name == "planner":
         return [f"- **planner**: predicted {fig['predicted_s'] * 1e3:.1f} ms/step vs measured "
@@ -558,12 +591,15 @@ def dry_run(out: Path, parts: list[Part], budget: float) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", type=Path, help="folder for gpu_check.json / .md")
-    ap.add_argument("--budget", type=float, default=460.0,
+    ap.add_argument("--budget", type=float, default=475.0,
                     help=f"seconds for the whole check (at most {MAX_WALL_S})")
-    ap.add_argument("--only", help="comma-separated parts to run (default: all)")
+    ap.add_argument("--only", help="comma-separated parts to run (default: the default parts, "
+                    "which fit one window; the others measure what rarely changes)")
     ap.add_argument("--dry-run", action="store_true",
                     help="plan and check every command without running it (CPU)")
     ap.add_argument("--wheels", type=Path, help="install these wheels first (no index needed)")
+    ap.add_argument("--tests", help="comma-separated test files for gpu_tests (default: "
+                    f"{','.join(GPU_TESTS)})")
     ap.add_argument("--prepare-wheels", type=Path, metavar="DIR",
                     help="download the wheels the GPU image lacks into DIR and stop")
     ap.add_argument("--record", type=Path, metavar="JSON",
@@ -582,11 +618,13 @@ def main() -> int:
         return 0
     if args.out is None or args.budget > MAX_WALL_S:
         ap.error(f"OUT is required and --budget at most {MAX_WALL_S}")
-    names = args.only.split(",") if args.only else [p.name for p in PARTS]
+    names = args.only.split(",") if args.only else [p.name for p in PARTS if p.default]
     unknown = set(names) - {p.name for p in PARTS}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}; known: {[p.name for p in PARTS]}")
     parts = [p for p in PARTS if p.name in names]
+    if args.tests:
+        GPU_TESTS[:] = args.tests.split(",")
     if args.dry_run:
         return dry_run(args.out, parts, args.budget)
     report = run_all(args.out, parts, args.budget, args.wheels)

@@ -6,7 +6,8 @@ targets do with it.
     python scripts/lockfile.py check LOCK             # installed versions == the lock's
     python scripts/lockfile.py report LOCK JUNIT      # make test-latest: versions, failures
 
-``lock`` runs ``uv pip compile`` on pyproject.toml's dependencies and its ``test`` extra (plus
+``lock`` runs ``uv pip compile`` on pyproject.toml's dependencies and its ``test`` and ``gpu``
+extras (``gpu`` is locked but installed only on CUDA machines, by hand or the GPU check) (plus
 uv itself, the installer), universal (markers where Python 3.10, 3.11 or 3.12 need different
 versions), keeping the lock's versions where the ranges still allow them unless ``--upgrade``;
 then it prints what changed. ``constraints`` copies the lock, except where the venv already
@@ -71,8 +72,9 @@ def lock(path: Path, uv: str, pin: list[str], upgrade: bool) -> int:
     (inputs / "pins.txt").write_text("".join(f"{p}\n" for p in pin))
     (inputs / "tools.in").write_text("".join(f"{t}\n" for t in TOOLS))
     args = ["uv", "pip", "compile", "pyproject.toml", f"{inputs}/tools.in", "--extra", "test",
-            "--universal", "--python-version", "3.10", "-c", f"{inputs}/pins.txt", "--no-header",
-            "-q", "-o", str(path)]  # uv keeps the versions its output file already has
+            "--extra", "gpu", "--universal", "--python-version", "3.10", "-c",
+            f"{inputs}/pins.txt", "--no-header", "-q", "-o", str(path)]  # uv keeps the lock's
+    # versions (the ones its output file already has)
     done = subprocess.run([uv, *args[1:], *(["--upgrade"] if upgrade else [])])
     if done.returncode:
         return done.returncode

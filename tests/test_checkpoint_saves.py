@@ -171,6 +171,36 @@ def test_snapshot_is_byte_identical_and_detached(tmp_path):
     assert torch.equal(again["flat"], flat)
 
 
+def test_copies_of_gpu_storages_are_tagged_as_torch_tags_gpu_storages(tmp_path):
+    """A host copy of a CUDA storage is recorded with its source's location, and the way torch
+    records it: a new location string per storage record, so that every view of a storage
+    (ZeRO's flat buffer) pickles as it does from the GPU. A single string reused for every
+    view was memoised by pickle (BINGET) and the model states differed from a synchronous
+    save's on the H200 (2026-11-28); CPU storages ("cpu", one constant) never showed it."""
+    import io
+    import pickletools
+    import zipfile
+
+    from toolkit.train import snapshot as snap
+
+    flat = torch.arange(8, dtype=torch.float32)
+    state = {"a": flat[:4], "b": flat[4:], "c": torch.ones(2)}
+    snap._register_tagger()
+    snap._ORIGIN[flat.data_ptr()] = torch.device("cuda", 0)  # as snapshot() registers a copy
+    try:
+        tags = [torch.serialization.location_tag(flat.untyped_storage()) for _ in range(2)]
+        buf = io.BytesIO()
+        torch.save(state, buf)
+    finally:
+        snap._ORIGIN.pop(flat.data_ptr())
+    assert tags == ["cuda:0", "cuda:0"] and tags[0] is not tags[1]  # torch's _backend_tag
+    assert torch.serialization.location_tag(flat.untyped_storage()) == "cpu"  # untagged again
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    strings = [arg for op, arg, _ in pickletools.genops(pkl) if op.name == "BINUNICODE"]
+    assert strings.count("cuda:0") == 2 and strings.count("cpu") == 1  # one per view of flat
+
+
 # -- distributed: engine saves, a full disk, the trainer ---------------------------------------
 @contextlib.contextmanager
 def _small_tmpfs(path: Path):

@@ -20,16 +20,25 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_dry_run_plans_every_part_within_eight_minutes(tmp_path):
+def test_dry_run_plans_the_default_parts_within_eight_minutes(tmp_path):
     proc = _run(str(tmp_path), "--dry-run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     plan = json.loads((tmp_path / "gpu_check_plan.json").read_text())
-    assert [p["part"] for p in plan["parts"]] == [p.name for p in gpu_check.PARTS]
+    default = [p.name for p in gpu_check.PARTS if p.default]
+    assert [p["part"] for p in plan["parts"]] == default
+    assert {"gpu_tests", "train_mfu", "train_mfu_unfused", "kernels", "checkpoint",
+            "dpo"} <= set(default)  # issue 41's GPU claims are in every default run
     assert all(p["checked"] for p in plan["parts"]), plan
     assert all(p["est_s"] > 0 and p["command"] for p in plan["parts"])
     assert plan["total_est_s"] <= plan["budget_s"] <= gpu_check.MAX_WALL_S == 480
-    for part in gpu_check.PARTS:  # the printed plan names each part with its estimate
-        assert part.name in proc.stdout
+    for part in default:  # the printed plan names each part with its estimate
+        assert part in proc.stdout
+    # every part's command parses, the optional ones (--only) too
+    every = ",".join(p.name for p in gpu_check.PARTS)
+    proc = _run(str(tmp_path / "all"), "--dry-run", "--only", every, "--budget", "480")
+    plan = json.loads((tmp_path / "all" / "gpu_check_plan.json").read_text())
+    assert [p["part"] for p in plan["parts"]] == every.split(",")
+    assert all(p["checked"] for p in plan["parts"]), plan
 
 
 def test_runner_records_parts_and_skips_what_does_not_fit(tmp_path):

@@ -139,6 +139,12 @@ def test_optimizer_defaults_torch_adam_unless_offloading():
     bad = {**offload, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
     with pytest.raises(te.EngineError, match="CPU Adam"):
         te.with_optimizer_defaults(bad)
+    # on CUDA torch's fused AdamW (one kernel), unless the config chose foreach or offloads
+    assert te.with_optimizer_defaults(base, cuda=True)["optimizer"]["params"] == {
+        "lr": 1e-3, "torch_adam": True, "fused": True}
+    chosen = {**base, "optimizer": {"type": "AdamW", "params": {"foreach": True}}}
+    assert "fused" not in te.with_optimizer_defaults(chosen, cuda=True)["optimizer"]["params"]
+    assert "fused" not in te.with_optimizer_defaults(offload, cuda=True)["optimizer"]["params"]
 
 
 @pytest.mark.parametrize("config, kw, match", [

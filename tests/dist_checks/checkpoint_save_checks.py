@@ -29,29 +29,37 @@ def all_checks(workdir: str, small: str, fsize_limit: int | None,
 
 
 # -- a real ZeRO-2 engine through the saver ------------------------------------------------------
-def zero2_engine(seed: int, width: int = 32):
-    """A real DeepSpeed ZeRO-2 engine (2 ranks, micro-batch 2) of a small MLP."""
+def zero2_engine(seed: int, width: int = 32, stage: int = 2, bf16: bool = False):
+    """A real DeepSpeed ZeRO engine (every rank, micro-batch 2; ZeRO-2 unless ``stage``, fp32
+    unless ``bf16``) of a small MLP, on the accelerator's device."""
     import deepspeed
+    import torch.distributed as dist
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.Tanh(),
                                 torch.nn.Linear(2 * width, 1))
-    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+    config = {"train_batch_size": 2 * dist.get_world_size(), "train_micro_batch_size_per_gpu": 2,
               "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}
+              "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+              "bf16": {"enabled": bf16}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
     return engine
 
 
 def train_step(engine, k: int, rank: int, width: int = 32) -> float:
-    """Step ``k`` of ``zero2_engine``: batch ``k`` (rank's half) plus RNG-drawn noise."""
+    """Step ``k`` of ``zero2_engine``: batch ``k`` (the rank's rows) plus RNG-drawn noise."""
+    import torch.distributed as dist
+
+    rows = 2 * dist.get_world_size()
     g = torch.Generator().manual_seed(100 + k)
-    x, y = torch.randn(4, width, generator=g), torch.randn(4, 1, generator=g)
+    x, y = torch.randn(rows, width, generator=g), torch.randn(rows, 1, generator=g)
     sl = slice(2 * rank, 2 * rank + 2)
     noise = torch.randn(2, 1) * 1e-3  # consumes the global torch RNG, like dropout would
-    loss = ((engine(x[sl]) + noise - y[sl]) ** 2).mean()
+    dtype = next(engine.module.parameters()).dtype
+    x, y, noise = (t.to(engine.device, dtype) for t in (x[sl], y[sl], noise))
+    loss = ((engine(x) + noise - y) ** 2).float().mean()
     engine.backward(loss)
     engine.step()
     return loss.item()
@@ -60,12 +68,15 @@ def train_step(engine, k: int, rank: int, width: int = 32) -> float:
 def _state(step: int):
     import dataclasses
 
+    import torch.distributed as dist
+
     from toolkit.parallel import ParallelLayout
     from toolkit.train.checkpointing import TrainingState
 
-    layout = ParallelLayout().resolve(2)
-    return TrainingState(step=step, consumed_samples=4 * step, world_size=2, dp_size=2,
-                         global_batch=4, micro_batch=2, seed=1,
+    world = dist.get_world_size() if dist.is_initialized() else 2
+    layout = ParallelLayout().resolve(world)
+    return TrainingState(step=step, consumed_samples=2 * world * step, world_size=world,
+                         dp_size=world, global_batch=2 * world, micro_batch=2, seed=1,
                          layout=dataclasses.asdict(layout), config={})
 
 
@@ -82,10 +93,12 @@ def _gated(saver) -> threading.Event:
     return gate
 
 
-def async_matches_sync(root: str) -> dict[str, Any]:
+def async_matches_sync(root: str, width: int = 32, stage: int = 2,
+                       bf16: bool = False) -> dict[str, Any]:
     """Step 3 saved synchronously and asynchronously (its files written only after 3 more
     steps changed the live state): the same bytes; a resume from the asynchronous one continues
-    like the run that never stopped; the staging pool against the memory model."""
+    like the run that never stopped; the staging pool against the memory model. Files that
+    differ are explained (``scripts/bench_checkpoint.explain_difference``)."""
     import torch.distributed as dist
 
     from toolkit import runtime
@@ -94,17 +107,17 @@ def async_matches_sync(root: str) -> dict[str, Any]:
 
     runtime.prepare_deepspeed()
     rank = dist.get_rank()
-    engine = zero2_engine(seed=0)
+    engine = zero2_engine(seed=0, width=width, stage=stage, bf16=bf16)
     sync = Saver(CheckpointManager(Path(root) / "sync"))
     later = Saver(CheckpointManager(Path(root) / "async"), asynchronous=True)
     later.prepare(engine)
     for k in range(3):
-        train_step(engine, k, rank)
+        train_step(engine, k, rank, width)
     sync_path = sync.save(engine, _state(3))
     gate = _gated(later)
     returned = later.save(engine, _state(3))  # None: in flight
     during = sorted(p.name for p in (Path(root) / "async").iterdir())
-    uninterrupted = [train_step(engine, k, rank) for k in (3, 4, 5)]
+    uninterrupted = [train_step(engine, k, rank, width) for k in (3, 4, 5)]
     pending_polls = [later.poll() for _ in range(2)]  # the writer is held: not published
     gate.set()
     async_path = later.finish()
@@ -112,16 +125,24 @@ def async_matches_sync(root: str) -> dict[str, Any]:
     params = sum(p.numel() for p in engine.module.parameters())
     engine.destroy()
 
-    resumed_engine = zero2_engine(seed=5)
+    resumed_engine = zero2_engine(seed=5, width=width, stage=stage, bf16=bf16)
     loaded, _ = resumed_engine.load_checkpoint(str(async_path), tag="engine")
     from toolkit.train.checkpointing import load_rng
 
     load_rng(async_path, rank)
-    resumed = [train_step(resumed_engine, k, rank) for k in (3, 4, 5)]
+    resumed = [train_step(resumed_engine, k, rank, width) for k in (3, 4, 5)]
     resumed_engine.destroy()
     dist.barrier()
+    files = {"sync": _files(sync_path), "async": _files(async_path)}
+    why = {}
+    for name in sorted(n for n in files["sync"] if files["async"].get(n) != files["sync"][n]):
+        if name.endswith(".pt") and name in files["async"]:
+            from dist_checks import load_script
+
+            explain = load_script("bench_checkpoint").explain_difference
+            why[name] = explain(sync_path / name, async_path / name)
     return {"returned": returned, "during": during, "pending_polls": pending_polls,
-            "sync": _files(sync_path), "async": _files(async_path), "loaded": loaded is not None,
+            **files, "why": why, "loaded": loaded is not None,
             "uninterrupted": uninterrupted, "resumed": resumed, "staging_bytes": staging,
             "params": params,
             "timings": [t.__dict__ for t in later.timings]}

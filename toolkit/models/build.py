@@ -28,6 +28,7 @@ from toolkit import runtime
 from toolkit.models import gemma
 from toolkit.models.attention import core_attention
 from toolkit.models.gpt import GPTModel
+from toolkit.models.kernels import Kernels
 from toolkit.models.norm import TorchNorm
 
 # Fused kernels that need CUDA (or apex / Transformer Engine). Off by default everywhere: mdtk
@@ -42,8 +43,9 @@ _UNFUSED = dict(
 )
 
 
-def transformer_config(**kwargs: Any) -> TransformerConfig:
-    """A TransformerConfig with fusions off and CPU initialisation (full weight, then split).
+def transformer_config(kernels: Kernels | None = None, **kwargs: Any) -> TransformerConfig:
+    """A TransformerConfig with fusions off (but the ``kernels`` chosen for the run, where they
+    apply: ``toolkit.models.kernels``) and CPU initialisation (full weight, then split).
 
     CPU initialisation makes the weights of a tp=N model equal to the tp=1 model built with the
     same seed. Batched pipeline p2p is turned off on gloo: gloo matches messages between two
@@ -52,6 +54,8 @@ def transformer_config(**kwargs: Any) -> TransformerConfig:
     """
     values = {**_UNFUSED, "use_cpu_initialization": True,
               "batch_p2p_comm": runtime.backend() == "nccl", **kwargs}
+    if kernels is not None:
+        values.update(kernels.config_flags(values))
     if values.get("multi_latent_attention"):  # MLA's sizes and RoPE live in the subclass
         return MLATransformerConfig(**values)
     return TransformerConfig(**values)

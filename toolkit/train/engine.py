@@ -41,7 +41,6 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,24 +62,12 @@ from toolkit.train.loss import (
     LossFn,
     StepCounts,
     count_step,
+    local_shares,
     loss_names,
     reduce_shares,
     token_mean,
 )
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step produced, identical on every rank."""
-
-    loss: float  # the global batch's loss (``toolkit.train.loss``: token-weighted by default)
-    grad_norm: float | None  # global norm DeepSpeed computed before clipping (None: not known)
-    lr: float  # learning rate the update used
-    skipped: bool  # True when DeepSpeed skipped the update (fp16 overflow)
-    num_microbatches: int
-    loss_tokens: float = 0.0  # loss tokens in the global batch
-    metrics: dict[str, float] = field(default_factory=dict)  # the loss_fn's metric_names
-
+from toolkit.train.step_values import PendingStep, StepResult, resolve_steps
 
 # -- engine ------------------------------------------------------------------------------------
 
@@ -120,7 +107,7 @@ def build_engine(
             "precision (params_dtype and pipeline_dtype too)."
         )
     runtime.prepare_deepspeed()
-    config = with_optimizer_defaults(ds_config)
+    config = with_optimizer_defaults(ds_config, cuda=runtime.use_cuda())
     module = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     mark_tensor_parallel_params(chunks)
     _mark_pipeline_replicas(chunks)
@@ -283,11 +270,13 @@ def _forward_step_func(loss_fn: LossFn, counts: StepCounts):
         if batch.get("position_ids") is None:
             batch["position_ids"] = torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1)
         segments = segments_of(batch["position_ids"])  # on the CPU, before the CP cut
+        summed = _sums_tokens(model, loss_fn, batch)
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         batch = context_parallel_share(batch)  # positions are cut before RoPE sees them
         output = model(batch["tokens"] if model.pre_process else None, batch["position_ids"],
                        None, labels=batch["labels"] if model.post_process else None,
-                       packed_seq_params=localise(segments, batch["position_ids"]))
+                       packed_seq_params=localise(segments, batch["position_ids"]),
+                       **({"loss_mask": batch["loss_mask"]} if summed else {}))
 
         def loss_func(per_token: torch.Tensor):
             out = loss_fn(per_token, batch, counts)
@@ -301,7 +290,27 @@ def _forward_step_func(loss_fn: LossFn, counts: StepCounts):
     return forward_step
 
 
-def train_step(
+def _sums_tokens(model: torch.nn.Module, loss_fn: LossFn, batch: Batch) -> bool:
+    """Whether the model sums the kept tokens' losses itself (a fused linear cross-entropy,
+    ``toolkit.models.kernels``) for this micro-batch; then ``batch`` gets a 0/1 ``loss_mask``
+    (all ones when it had none). A weighted mask keeps the per-token path."""
+    if not (getattr(model, "post_process", False) and getattr(model, "linear_ce_vocab", None)
+            and getattr(loss_fn, "accepts_token_sum", False)):
+        return False
+    mask = batch.get("loss_mask")
+    if mask is None:
+        batch["loss_mask"] = torch.ones_like(batch["labels"], dtype=torch.float32)
+        return True
+    return bool(((mask == 0) | (mask == 1)).all())
+
+
+def train_step(engine, chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch],
+               **kwargs: Any) -> StepResult:
+    """:func:`run_step` with its values read at once (one step, resolved)."""
+    return resolve_steps([run_step(engine, chunks, data_iterator, **kwargs)])[0]
+
+
+def run_step(
     engine,
     chunks: Sequence[torch.nn.Module],
     data_iterator: Iterator[Batch],
@@ -312,8 +321,9 @@ def train_step(
     loss_fn: LossFn = token_mean,
     lr: float | None = None,
     rows_per_sample: int = 1,
-) -> StepResult:
-    """Forward/backward over ``num_microbatches`` micro-batches, one reduction, one update.
+) -> PendingStep:
+    """Forward/backward over ``num_microbatches`` micro-batches, one reduction, one update;
+    its values stay on the device until ``step_values.resolve_steps`` (no blocking read).
 
     ``data_iterator`` yields this rank's micro-batches as dicts of CPU tensors: ``tokens`` and
     ``labels`` ([micro_batch, seq_len] int64), optional ``loss_mask`` and ``position_ids``
@@ -342,7 +352,8 @@ def train_step(
 
     if stage == 0:
         results = run_schedule()
-        engine.allreduce_gradients()
+        if engine.dp_world_size > 1 or engine.has_moe_layers:  # alone, nothing to reduce (and
+            engine.allreduce_gradients()  # DeepSpeed would still flatten and copy every grad)
     else:
         with engine.coalesce_grad_reduction():
             results = run_schedule()
@@ -350,12 +361,11 @@ def train_step(
     grad_norm = _zero0_grad_norm(engine) if stage == 0 else None
     engine.step()
     if grad_norm is None:
-        norm = engine.get_global_grad_norm()
-        grad_norm = None if norm is None else float(norm)
-    metrics = _step_metrics(results, num_microbatches, loss_fn)
-    return StepResult(loss=metrics.pop("loss"), grad_norm=grad_norm, lr=used_lr,
-                      skipped=not engine.was_step_applied(), num_microbatches=num_microbatches,
-                      loss_tokens=counts.loss_tokens, metrics=metrics)
+        grad_norm = engine.get_global_grad_norm()
+    names = loss_names(loss_fn)
+    return PendingStep(shares=local_shares(results, num_microbatches, names), names=names,
+                       grad_norm=grad_norm, lr=used_lr, skipped=not engine.was_step_applied(),
+                       num_microbatches=num_microbatches, loss_tokens=counts.loss_tokens)
 
 
 def evaluate(chunks: Sequence[torch.nn.Module], data_iterator: Iterator[Batch], *,
@@ -451,8 +461,9 @@ def _check_step_args(engine, chunks, num_microbatches: int, micro_batch: int,
         raise EngineError(f"seq_len={seq_len} and micro_batch={micro_batch} must be positive.")
 
 
-def _zero0_grad_norm(engine) -> float:
-    """The norm ZeRO-0 clips with (it does not record it): reduced grads, each weight once."""
+def _zero0_grad_norm(engine) -> torch.Tensor:
+    """The norm ZeRO-0 clips with (it does not record it): reduced grads, each weight once
+    (on the device: read with the step's other values)."""
     tp_rank = ps.get_tensor_model_parallel_rank()
     total = torch.zeros(1, dtype=torch.float64, device=runtime.device())
     for p in engine.module.parameters():
@@ -461,7 +472,7 @@ def _zero0_grad_norm(engine) -> float:
         if tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
             total += p.grad.detach().double().norm() ** 2
     dist.all_reduce(total, group=ps.get_model_parallel_group())
-    return total.sqrt().item()
+    return total.sqrt()
 
 
 def _step_metrics(results: list[dict[str, torch.Tensor]], num_microbatches: int,

@@ -95,11 +95,18 @@ def count_step(batches: Sequence[Batch], *, tokens: float | None = None,
 
 
 def token_mean(per_token: torch.Tensor, batch: Batch, counts: StepCounts) -> torch.Tensor:
-    """This micro-batch's (this CP rank's part of it) share of the token-weighted mean loss."""
+    """This micro-batch's (this CP rank's part of it) share of the token-weighted mean loss.
+    A 0-d ``per_token`` is the sum the model took itself over the tokens the mask keeps (the
+    fused linear cross-entropy: ``accepts_token_sum``)."""
+    if per_token.dim() == 0:
+        return per_token.float() / max(counts.loss_tokens, 1.0)
     per_token = per_token.float()
     mask = batch.get("loss_mask")
     kept = per_token if mask is None else per_token * mask.to(per_token.dtype)
     return kept.sum() / max(counts.loss_tokens, 1.0)
+
+
+token_mean.accepts_token_sum = True  # type: ignore[attr-defined]
 
 
 def sample_mean(per_sample: torch.Tensor, counts: StepCounts,
@@ -109,20 +116,34 @@ def sample_mean(per_sample: torch.Tensor, counts: StepCounts,
     return per_sample.float().sum() / float(samples or counts.samples)
 
 
-def reduce_shares(results: Sequence[dict[str, torch.Tensor]], num_microbatches: int,
-                  names: Sequence[str] = ("loss",)) -> dict[str, float]:
-    """The step's values on every rank: each named share of the last stage's micro-batch
-    results summed over micro-batches and over data-parallel x context-parallel ranks, then
-    sent along the pipeline. One all-reduce for all of them."""
-    device = runtime.device()
-    total = torch.zeros(len(names), dtype=torch.float64, device=device)
+def local_shares(results: Sequence[dict[str, torch.Tensor]], num_microbatches: int,
+                 names: Sequence[str] = ("loss",)) -> torch.Tensor:
+    """This rank's part of the step's values, no collective: each named share of the last
+    stage's micro-batch results summed over its micro-batches (zeros on other stages), float64
+    on the device. ``reduce_values`` turns any number of these into the step values."""
+    total = torch.zeros(len(names), dtype=torch.float64, device=runtime.device())
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         if len(results) != num_microbatches:
             raise RuntimeError(f"schedule returned {len(results)} losses for "
                                f"{num_microbatches} micro-batches")
         for i, name in enumerate(names):
-            total[i] += sum(r[name].double().to(device) for r in results)
-        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+            total[i] += sum(r[name].double().to(total.device) for r in results)
+    return total
+
+
+def reduce_values(local: torch.Tensor) -> list[float]:
+    """``local_shares`` (one row, or stacked rows of several steps) summed over data-parallel x
+    context-parallel ranks and sent along the pipeline: the values on every rank, flattened.
+    One all-reduce per group and one copy to the host, however many steps."""
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=True))
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    return dict(zip(names, total.tolist(), strict=True))
+        dist.all_reduce(local, group=ps.get_pipeline_model_parallel_group())
+    return local.reshape(-1).tolist()
+
+
+def reduce_shares(results: Sequence[dict[str, torch.Tensor]], num_microbatches: int,
+                  names: Sequence[str] = ("loss",)) -> dict[str, float]:
+    """The step's values on every rank (``local_shares`` then ``reduce_values``)."""
+    values = reduce_values(local_shares(results, num_microbatches, names))
+    return dict(zip(names, values, strict=True))

@@ -13,6 +13,7 @@ import torch
 from toolkit import parallel
 from toolkit.errors import ConfigError
 from toolkit.memory.model import ModelShape, model_shape_from_hf
+from toolkit.models.kernels import Kernels
 from toolkit.train.config import TrainConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -58,14 +59,30 @@ def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout, model: RunMod
     from toolkit.train.init import initialize
 
     dtype = DTYPES[cfg.train.precision]
-    overrides = dict(RECOMPUTE[cfg.train.recompute])
+    kernels = run_kernels(cfg, layout)[0]
+    overrides = dict(RECOMPUTE[cfg.train.recompute], kernels=kernels)
     if cfg.model.path:
-        return live.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
-    adapter = adapter_for(_hf_config(model), dtype=dtype)
-    adapter.validate(layout)
-    chunks = live.build_model(adapter, layout, **overrides)
-    initialize(chunks, adapter, cfg.train.seed)  # the same weights at every layout
+        chunks, adapter = live.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
+    else:
+        adapter = adapter_for(_hf_config(model), dtype=dtype)
+        adapter.validate(layout)
+        chunks = live.build_model(adapter, layout, **overrides)
+        initialize(chunks, adapter, cfg.train.seed)  # the same weights at every layout
+    if kernels.linear_cross_entropy:
+        for chunk in chunks:
+            chunk.linear_ce_vocab = adapter.dims.vocab
     return chunks, adapter
+
+
+def run_kernels(cfg: TrainConfig, layout: parallel.ParallelLayout) -> tuple[Kernels, str]:
+    """The fused kernels of the run's model (``train.fused_kernels``) and the line saying
+    which; the token-mean objectives (pretraining, SFT) can take the fused linear loss."""
+    from toolkit import runtime
+    from toolkit.models.kernels import select
+
+    return select(cfg.train.fused_kernels, cuda=runtime.use_cuda(), tp=layout.tp,
+                  token_mean=cfg.data.mode in ("pretrain", "sft"),
+                  bf16=cfg.train.precision == "bf16")
 
 
 def check_packing(cfg: TrainConfig, layout: parallel.ParallelLayout, model: RunModel) -> str:

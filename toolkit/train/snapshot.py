@@ -30,13 +30,28 @@ from typing import Any
 
 import torch
 
-_ORIGIN: dict[int, str] = {}  # data_ptr of a host copy -> the location of its source storage
+_ORIGIN: dict[int, torch.device] = {}  # data_ptr of a host copy -> its source's device
 _TAGGER_LOCK = threading.Lock()
 _TAGGER_ON = False
 
 
+class _At:
+    """What torch's taggers read of a storage: its device."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+
 def _origin_tag(storage: Any) -> str | None:
-    return _ORIGIN.get(storage.data_ptr()) if _ORIGIN else None
+    """The location torch would record for the copy's source, built anew by torch's own tagger
+    at each call as for the source: pickle memoises strings by identity, so one string object
+    reused for every view of a storage changed the file's bytes (H200, 2026-11-28)."""
+    if isinstance(storage, _At) or not _ORIGIN:
+        return None
+    device = _ORIGIN.get(storage.data_ptr())
+    return None if device is None else torch.serialization.location_tag(_At(device))
 
 
 def _no_restore(storage: Any, location: str) -> None:
@@ -133,7 +148,7 @@ def snapshot(state: Any, pool: StagingPool) -> Any:
         buf.copy_(src, non_blocking=on_gpu)
         if src.device.type != "cpu":
             _register_tagger()
-            _ORIGIN[buf.data_ptr()] = torch.serialization.location_tag(src)
+            _ORIGIN[buf.data_ptr()] = src.device
         copies[key] = buf
         cuda = cuda or on_gpu
     if cuda:

@@ -53,20 +53,19 @@ from toolkit.train.engine import (
     EngineError,
     build_engine,
     mask_vocab_padding,
-    train_step,
+    run_step,
 )
 from toolkit.train.metrics import (
     MetricsWriter,
-    StepMetrics,
     device_name,
-    gather_memory,
     model_flops_per_token,
     peak_tflops,
-    throughput,
 )
-from toolkit.train.model import RunModel, build_model, check_packing
+from toolkit.train.model import RunModel, build_model, check_packing, run_kernels
 from toolkit.train.objective import Objective
 from toolkit.train.schedule import LRSchedule
+from toolkit.train.step_log import Progress, StepLog
+from toolkit.train.step_values import StepResult
 from toolkit.train.validation import validation_metrics
 from toolkit.train.zero3_release import destroy_engine
 
@@ -196,6 +195,8 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     total = cfg.train.steps or cfgmod.total_steps(cfg, len(data.train), run_plan.global_batch)
     data.train.reserve(total * run_plan.global_batch)
     _log(f"data ready in {time.perf_counter() - t0:.2f} s")
+    if runtime.use_cuda():
+        _log(run_kernels(cfg, layout)[1])
     with runtime.failing_together():  # sized from this node's memory; written on rank 0
         ds_config, notes = deepspeed_config(cfg, run_plan, model, total)
         if dist.get_rank() == 0:
@@ -246,7 +247,7 @@ def _train(state: RunState, engine) -> TrainResult:
     if data.validation is not None and cfg.train.eval_interval and start == 0:
         _validate(state, result, 0)
         _log(f"validation loss before training: {result.val_losses[0]:.4f}")
-    progress = _progress(total, start) if rank == 0 else None
+    progress = Progress(total, start) if rank == 0 else None
     from toolkit.train import faults  # imported here: the import block is shared with reshard
     from toolkit.train.saver import Saver
 
@@ -282,59 +283,72 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
     from toolkit.train import faults
 
     cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
-    world, total = dist.get_world_size(), state.total_steps
+    total, objective = state.total_steps, state.objective
     schedule = LRSchedule.from_config(cfg.optim, total)
-    flops_per_token = model_flops_per_token(state.model.shape, cfg.train.seq_len)
-    peak = peak_tflops(device_name(), cfg.logging.peak_tflops)
-    tokens_per_step = run_plan.global_batch * cfg.train.seq_len * state.objective.rows_per_sample
-    objective = state.objective
     if start < total and stop.requested():  # asked before this run trained anything
         raise faults.TrainingStopped(start, None, stop.reason or "")
     saved = start
     fed = SourceTokens.of(data.train, cfg.train.seq_len, run_plan.global_batch, start)
+    log = _step_log(state, result, writer, progress, fed)
     for step in range(start, total):
         faults.test_hook("step", step, stop)
-        t0 = time.perf_counter()
         batches = objective.batches("train", data.train, sampler.micro_batches(step))
-        res = train_step(engine, state.chunks, batches, num_microbatches=run_plan.grad_accum,
-                         micro_batch=run_plan.micro_batch, seq_len=cfg.train.seq_len,
-                         lr=schedule(step), loss_fn=objective.loss_fn,
-                         rows_per_sample=objective.rows_per_sample)
-        seconds = time.perf_counter() - t0
-        result.losses.append(res.loss)
-        result.metrics.append(res.metrics)
+        pending = run_step(engine, state.chunks, batches, num_microbatches=run_plan.grad_accum,
+                           micro_batch=run_plan.micro_batch, seq_len=cfg.train.seq_len,
+                           lr=schedule(step), loss_fn=objective.loss_fn,
+                           rows_per_sample=objective.rows_per_sample)
         done = step + 1
         if fed is not None:
             fed.add(step)
         val = None
         if data.validation is not None and cfg.train.eval_interval and (
                 done % cfg.train.eval_interval == 0 or done == total):
-            val = _validate(state, result, done)
-        if done % cfg.logging.interval == 0 or done == total or val is not None:
-            tp = throughput(tokens_per_step, seconds, flops_per_token, world, peak)
-            mem = gather_memory()
-            if writer is not None:
-                writer.log(StepMetrics(
-                    step=done, loss=res.loss, lr=res.lr, grad_norm=res.grad_norm,
-                    tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
-                    mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds,
-                    consumed_samples=sampler.consumed_samples(done), val_loss=val,
-                    tokens_by_source=fed.totals() if fed is not None else None,
-                    extra={**res.metrics, **{f"val_{k}": v for k, v in
-                                             result.val_metrics.get(done, {}).items()}}))
-        if progress is not None:
-            progress.update(done, res.loss, val)
-        if cfg.checkpoint.interval and (done % cfg.checkpoint.interval == 0 or done == total):
-            _checkpoint(state, engine, saver, done)
+            with log.paused():
+                val = _validate(state, result, done)
+        save = bool(cfg.checkpoint.interval) and (
+            done % cfg.checkpoint.interval == 0 or done == total)
+        line = done % cfg.logging.interval == 0 or done == total or val is not None
+        log.add(pending, done, due=save)  # a checkpoint never holds a non-finite step
+        if line:
+            log.line(done, val, sampler.consumed_samples(done))
+        if save:
+            with log.paused():
+                _checkpoint(state, engine, saver, done)
             saved = done
         else:
             saver.poll()
         heartbeat.beat(done)
         if done < total and stop.requested():
+            log.read()
             path = _checkpoint(state, engine, saver, done) if saved != done else None
             path = saver.finish() or path
             raise faults.TrainingStopped(done, path and str(path), stop.reason or "")
+    log.read()
     saver.finish()
+
+
+def _step_log(state: RunState, result: TrainResult, writer: MetricsWriter | None, progress,
+              fed: SourceTokens | None) -> StepLog:
+    """The loop's bookkeeping: every step's values into ``result``, metrics lines to
+    ``writer`` (with the tokens fed per source and the validation metrics of the step)."""
+    cfg = state.cfg
+
+    def record(res: StepResult) -> None:
+        result.losses.append(res.loss)
+        result.metrics.append(res.metrics)
+
+    def extra(done: int, res: StepResult) -> dict[str, Any]:
+        val = {f"val_{k}": v for k, v in result.val_metrics.get(done, {}).items()}
+        return {"tokens_by_source": fed.totals() if fed is not None else None,
+                "extra": {**res.metrics, **val}}
+
+    return StepLog(
+        interval=cfg.logging.interval,
+        tokens_per_step=(state.plan.global_batch * cfg.train.seq_len
+                         * state.objective.rows_per_sample),
+        flops_per_token=model_flops_per_token(state.model.shape, cfg.train.seq_len),
+        world=dist.get_world_size(), peak=peak_tflops(device_name(), cfg.logging.peak_tflops),
+        writer=writer, progress=progress, record=record, extra=extra)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -473,23 +487,3 @@ def _export(state: RunState, engine, result: TrainResult) -> None:
 def _describe(layout: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in layout.items()
                     if k in ("dp", "tp", "pp", "vpp", "ep") and v not in (None, 1)) or "1 rank"
-
-
-class _progress:
-    """A rich progress bar with the latest loss (rank 0 only)."""
-
-    def __init__(self, total: int, start: int):
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/"
-                            "{task.total}"), TextColumn("{task.fields[info]}"),
-                            TimeRemainingColumn(), transient=False)
-        self.task = self.bar.add_task("train", total=total, completed=start, info="")
-        self.bar.start()
-
-    def update(self, done: int, loss: float, val: float | None) -> None:
-        info = f"loss {loss:.4f}" + (f" val {val:.4f}" if val is not None else "")
-        self.bar.update(self.task, completed=done, info=info)
-
-    def close(self) -> None:
-        self.bar.stop()

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UserError
+from toolkit.models import kernels
 from toolkit.parallel.layout import LayoutError
 from toolkit.train.config.schema import DpoSection, TrainConfig
 from toolkit.train.dpo import spec as dpo_spec
@@ -122,6 +123,7 @@ def check_train(cfg: TrainConfig) -> None:
     if t.global_batch is not None and t.global_batch % t.micro_batch:
         raise ConfigError(f"train.global_batch={t.global_batch} is not a multiple of "
                           f"train.micro_batch={t.micro_batch}.")
+    kernels.parse(t.fused_kernels)
 
 
 def check_optim(cfg: TrainConfig) -> None:

@@ -138,7 +138,10 @@ class OptimSection:
 class TrainSection:
     """Exactly one of ``steps`` / ``epochs``. ``global_batch`` defaults to micro_batch * dp
     (no gradient accumulation). ``eval_interval: 0`` evaluates only at the end;
-    ``eval_batches`` caps the validation global batches per evaluation (None: all)."""
+    ``eval_batches`` caps the validation global batches per evaluation (None: all).
+    ``fused_kernels``: ``auto`` (on CUDA: the fused SwiGLU; docs/training.md), ``off``, or a
+    comma list of swiglu, cross_entropy (faster, more memory), linear_cross_entropy (the
+    logits never materialised: less memory, slower; tp=1, SFT and pretraining)."""
 
     steps: int | None = opt(None, minimum=1)
     epochs: float | None = opt(None, minimum=0.0)
@@ -150,6 +153,7 @@ class TrainSection:
     recompute: str = opt("none", choices=("none", "selective", "full"))
     eval_interval: int = opt(0, minimum=0)
     eval_batches: int | None = opt(None, minimum=1)
+    fused_kernels: str = "auto"
 
 
 @dataclass
