@@ -32,7 +32,8 @@ def launch(
     nnodes: int = typer.Option(1, "--nodes", "--nnodes", help="Number of nodes."),
     scheduler: str = typer.Option(
         "torchrun", "--scheduler", help="torchrun (this node), slurm (writes an sbatch "
-        "script) or deepspeed (the DeepSpeed launcher with a hostfile)."),
+        "script), deepspeed (the DeepSpeed launcher with a hostfile) or k8s (writes Kubernetes "
+        "manifests)."),
     node_rank: int = typer.Option(0, "--node-rank", help="This node's index (torchrun, "
                                   "one command per node)."),
     master_addr: str = typer.Option("127.0.0.1", "--master-addr",
@@ -79,10 +80,9 @@ def launch(
     """
     from toolkit.launch.prepare import LaunchError, prepare_launch
 
-    rdzv_id = "mdtk"
-    if in_pod:  # the place comes from the pod (a K8sError when it cannot: one `error:` line)
-        node_rank, master_addr, master_port, rdzv_id = _pod_place(scheduler, nnodes,
-                                                                  nproc_per_node)
+    # --in-pod: the place comes from the pod (a K8sError when it cannot: one `error:` line)
+    node_rank, master_addr, master_port, rdzv_id = _pod_place(scheduler, nnodes, nproc_per_node) \
+        if in_pod else (node_rank, master_addr, master_port, "mdtk")
     try:  # a ConfigError of the training config goes on: one `error:` line
         job = prepare_launch(list(ctx.args), nproc_per_node=nproc_per_node, nnodes=nnodes,
                              scheduler=scheduler, node_rank=node_rank, master_addr=master_addr,

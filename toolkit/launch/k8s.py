@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from toolkit.errors import UserError
 
@@ -97,7 +97,6 @@ class K8sJob:
     volumes: tuple[Volume, ...] = ()
     max_restarts: int = 0
     grace_s: int = 600
-    labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def master_addr(self) -> str:
@@ -169,7 +168,7 @@ def _metadata(job: K8sJob, name: str, queued: bool = True) -> dict:
     meta: dict = {"name": name}
     if job.namespace:
         meta["namespace"] = job.namespace
-    labels = {"app.kubernetes.io/managed-by": "mdtk", **job.labels}
+    labels = {"app.kubernetes.io/managed-by": "mdtk"}
     if job.queue and queued:
         labels[QUEUE_LABEL] = job.queue
     meta["labels"] = labels
