@@ -167,12 +167,12 @@ def pods(setup) -> dict:
         env = {**os.environ, **k8s_pods.pod_env(job, index, attempt, hosts, port),
                TEST_FAULT_ENV: faults, TEST_FAULT_DIR_ENV: str(out)}
         log = out / f"pod{index}-attempt{attempt}.log"
-        with open(log, "w") as f:  # a session per pod: its processes die together
-            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+        with open(log, "w") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
         return proc, log
 
     first = [start(i, 0, "pause:step:1:4:0") for i in (1, 0)]  # c10d: any order
+    again: list[tuple[subprocess.Popen, Path]] = []
     seen: dict = {"argv": argv}
     try:  # the pod running rank 1 (c10d numbers the ranks as the agents join) is lost
         paused = _wait_for(out / "pause-step-r1-s4-a0", first[0][0])
@@ -181,10 +181,10 @@ def pods(setup) -> dict:
         (other,) = [p for p, _ in first if p is not lost]
         seen["deleted"] = k8s_pods.delete_pod(other, grace)  # JobSet deletes the others
         seen["attempt0"] = _metrics(out)
-        again = [start(i, 1) for i in (0, 1)]
+        again += [start(i, 1) for i in (0, 1)]
         seen["status"] = [proc.wait(TIMEOUT) for proc, _ in again]
     finally:
-        for proc, _ in first + locals().get("again", []):
+        for proc, _ in first + again:
             if proc.poll() is None:
                 k8s_pods.kill_pod(proc)
     seen.update(losses=_metrics(out), logs=[log.read_text() for _, log in again],
