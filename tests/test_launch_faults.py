@@ -2,24 +2,27 @@
 
 Three launches, each scenario's assertions in its own test:
 
-* two torchrun agents (``--nodes 2``, 1 process each, c10d rendezvous on 127.0.0.1, started
-  through ``mdtk launch CONFIG --node-rank R``) train tp2 across the two nodes for 6 steps: the
-  reference;
+* two Kubernetes "pods" (a JobSet of ``--nodes 2`` x 1 process written by ``mdtk launch
+  --scheduler k8s``), each started with the manifest's command (``mdtk launch ... --in-pod``:
+  a torchrun agent, c10d rendezvous on 127.0.0.1) and the environment the manifest and the
+  controllers give it, train tp2 across the two "nodes" for 6 steps; the pod running rank 1 is
+  killed before step 5 and both pods start again as the next restart attempt, which resumes
+  from step 4: the two-agent reference;
 * one agent with 2 processes under ``--max-restarts 2``, saving asynchronously
   (``checkpoint.async: true``), that is made to fail twice: a worker is SIGKILLed from outside
   while its writer thread is inside the background save of step 4 (the restarted group resumes
   from step 2, never from the partial step 4), then a worker gets SIGTERM before step 5 (every
   rank saves step 5 and exits with status 75; the next restart resumes there). Its per-step
-  losses equal the two-agent run's bit for bit, in every attempt;
+  losses equal the pods' bit for bit, in every attempt (the two runs are interrupted and
+  resumed at different steps; steps 1-4 run uninterrupted in both);
 * two processes under ``--max-restarts 1``, one hung on purpose (test hook),
   ``runtime.heartbeat_timeout_s=5``: the watchdogs end the group within the timeout, torchrun
   restarts it, and the stop file then makes every rank save and ``mdtk launch`` exit 75.
 
-Two ranks per launch (12 worker starts in all, never more processes than this 2-core machine
+Two ranks per launch (14 worker starts in all, never more processes than this 2-core machine
 has cores): the same paths as 2 x 2 and 1 x 4 (torchrun's ranks, c10d across agents, restarts,
 the savers), at two thirds of the CPU.
 """
-
 from __future__ import annotations
 
 import json
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dist_checks import k8s_pods
 from dist_checks import trainer_checks as tc
 
 from toolkit import errors
@@ -102,19 +106,6 @@ def _metrics(out: Path) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def two_nodes(setup) -> dict:
-    """Two agents, --nodes 2 --gpus-per-node 1, uninterrupted."""
-    port = free_port()
-    agents = [_launch(setup, "two_nodes", ["--nodes", "2", "--gpus-per-node", "1",
-                                           "--node-rank", str(r), "--master-port", str(port)])
-              for r in (1, 0)]  # node 1 first: c10d lets the nodes join in any order
-    for proc, _, log in agents:
-        assert proc.wait(TIMEOUT) == 0, log.read_text()[-3000:]
-    out = agents[0][1]
-    return {"losses": _metrics(out), "log": agents[1][2].read_text(), "out": out}
-
-
-@pytest.fixture(scope="module")
 def restarted(setup) -> dict:
     """One agent, 2 processes, --max-restarts 2, asynchronous saves; SIGKILL mid-save (in the
     writer thread), then SIGTERM."""
@@ -143,24 +134,100 @@ def restarted(setup) -> dict:
     return seen
 
 
-def test_two_agents_train_like_one(two_nodes, restarted):
-    """--nodes 2 x 1 process (c10d) and 1 x 2 give the same tp2 losses, bit for bit."""
-    ref = two_nodes["losses"]
+@pytest.fixture(scope="module")
+def pods(setup) -> dict:
+    """Two JobSet "pods" of 1 process each, started with the manifest's command and exactly the
+    environment the manifest and the controllers give them (tests/dist_checks/k8s_pods.py): the
+    completion index, the restart attempt, the first pod's DNS name mapped to 127.0.0.1 (and
+    the rendezvous port to a free one), the ConfigMap's file where the command reads it.
+    Attempt 0: the pod running rank 1 (its agent and rank) is SIGKILLed before step 5, as when
+    its node is lost; JobSet then deletes the other pod (SIGTERM to its first process, SIGKILL
+    after the grace period). Attempt 1: both pods again, as the next restart attempt."""
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+
+    root, name = setup["root"], "pods"
+    out = root / name
+    res = CliRunner().invoke(app, [
+        "launch", setup["config"], f"output_dir={out}", f"data.sources=[{tc.PRETRAIN}]",
+        "--nodes", "2", "--gpus-per-node", "1", "--scheduler", "k8s", "--k8s-kind", "jobset",
+        "--image", "mdtk:test", "--volume", f"scratch:{root}", "--stop-minutes", "1",
+        "--job-name", name, "--dry-run"])
+    assert res.exit_code == 0, res.output
+    docs = list(yaml.safe_load_all(res.stdout))
+    job = k8s_pods.job_of(docs)
+    argv = k8s_pods.pod_argv(job, k8s_pods.write_configmaps(docs, job, root / "configmaps"))
+    grace = job["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"]
+    hosts, port = {f"{name}-node-0-0.{name}": "127.0.0.1"}, free_port()
+    out.mkdir()
+
+    def start(index: int, attempt: int, faults: str = "") -> tuple[subprocess.Popen, Path]:
+        env = {**os.environ, **k8s_pods.pod_env(job, index, attempt, hosts, port),
+               TEST_FAULT_ENV: faults, TEST_FAULT_DIR_ENV: str(out)}
+        log = out / f"pod{index}-attempt{attempt}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+        return proc, log
+
+    first = [start(i, 0, "pause:step:1:4:0") for i in (1, 0)]  # c10d: any order
+    again: list[tuple[subprocess.Popen, Path]] = []
+    seen: dict = {"argv": argv}
+    try:  # the pod running rank 1 (c10d numbers the ranks as the agents join) is lost
+        paused = _wait_for(out / "pause-step-r1-s4-a0", first[0][0])
+        (lost,) = [p for p, _ in first if paused in {q.pid for q in k8s_pods.pod_processes(p)}]
+        k8s_pods.kill_pod(lost)
+        (other,) = [p for p, _ in first if p is not lost]
+        seen["deleted"] = k8s_pods.delete_pod(other, grace)  # JobSet deletes the others
+        seen["attempt0"] = _metrics(out)
+        again += [start(i, 1) for i in (0, 1)]
+        seen["status"] = [proc.wait(TIMEOUT) for proc, _ in again]
+    finally:
+        for proc, _ in first + again:
+            if proc.poll() is None:
+                k8s_pods.kill_pod(proc)
+    seen.update(losses=_metrics(out), logs=[log.read_text() for _, log in again],
+                first_logs=[log.read_text() for _, log in first], out=out)
+    return seen
+
+
+def test_two_agents_train_like_one(pods, restarted):
+    """Two pods (--nodes 2 x 1 process, c10d across their agents) and `mdtk launch -n 2` give
+    the same tp2 losses, bit for bit."""
+    ref = pods["losses"]
     assert [s for s, _ in ref] == list(range(1, STEPS + 1))
     assert ref[-1][1] < ref[0][1] - 0.5  # it trains
-    assert "2 x 1 = 2 ranks: dp=1 tp=2" in two_nodes["log"]
+    assert any("2 x 1 = 2 ranks: dp=1 tp=2" in log for log in pods["first_logs"])
     final = dict(restarted["losses"])  # the last logged loss of each step
     assert [final[s] for s in range(1, STEPS + 1)] == [loss for _, loss in ref]
 
 
-def test_sigkill_mid_save_resumes_from_last_complete_checkpoint(two_nodes, restarted):
+def test_killed_pod_restarts_as_the_next_attempt_and_resumes(pods):
+    """The pod command reads its place from the pod's environment; the set started again with
+    the next restart attempt's environment resumes from the last checkpoint (step 4)."""
+    assert [s for s, _ in pods["attempt0"]] == [1, 2, 3, 4]  # lost before step 5
+    assert pods["deleted"] != 0  # the other pod's group failed or was stopped, not finished
+    assert pods["status"] == [0, 0], pods["logs"][0][-3000:]
+    assert [s for s, _ in pods["losses"]][4:] == [5, 6]  # attempt 1 ran 5 and 6 only
+    for index, log in zip((1, 0), pods["first_logs"], strict=True):
+        assert f"JobSet pod: node {index} of 2, restart attempt 0, rendezvous 127.0.0.1:" in log
+    log = pods["logs"][0]
+    assert "JobSet pod: node 0 of 2, restart attempt 1, rendezvous 127.0.0.1:" in log
+    assert "resumed from" in log and "step_0000004 at step 4" in log
+    config = Path(pods["argv"][4])  # the ConfigMap's file, as the kubelet projects it
+    assert config.name == "config.yaml" and config.parent.name == "mdtk-config"
+    assert pods["argv"][-1] == "--in-pod"
+
+
+def test_sigkill_mid_save_resumes_from_last_complete_checkpoint(pods, restarted):
     # while rank 1 was inside the save of step 4: only a temporary folder held step 4
     assert ".tmp-step_0000004" in restarted["during_save"]
     assert "step_0000004" not in restarted["during_save"]
     log = restarted["log"]
     assert "written in the background" in log  # checkpoint.async=true took effect
     assert "resumed from" in log and "step_0000002 at step 2" in log
-    ref = dict(two_nodes["losses"])
+    ref = dict(pods["losses"])
     steps = [s for s, _ in restarted["losses"]]
     # attempt 0 logged 1-4 (killed while saving 4), attempt 1 resumed at 2 and redid 3-4
     assert steps[:4] == [1, 2, 3, 4] and steps[4:6] == [3, 4]
@@ -168,7 +235,7 @@ def test_sigkill_mid_save_resumes_from_last_complete_checkpoint(two_nodes, resta
         assert loss == ref[step], step  # every attempt, bit for bit
 
 
-def test_sigterm_saves_then_resumes_bit_exactly(two_nodes, restarted):
+def test_sigterm_saves_then_resumes_bit_exactly(pods, restarted):
     log = restarted["log"]
     assert "SIGTERM: saving a checkpoint and stopping at the next step boundary" in log
     # step 5 is not a checkpoint interval: the stop saved it, and the next attempt resumed there

@@ -104,9 +104,13 @@ def run_local(spec: LaunchSpec, mdtk_args: list[str]) -> int:
     When every failed rank exited with ``errors.EXIT_STATUS`` (a user error that rank 0 has
     printed as one ``error:`` line), that status comes back without torchrun's own failure
     report (a launcher traceback and a table per rank, which would repeat the error); any other
-    failure keeps the report, the ranks' tracebacks above it.
+    failure keeps the report, the ranks' tracebacks above it. A signal to this process
+    (SIGTERM: a Kubernetes pod or Slurm job ending) is forwarded to the ranks by torchrun,
+    which waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (30 s) for them to save and exit; the
+    status is then 128 + the signal, without a traceback.
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ.update(rank_env(spec, os.environ))
@@ -124,6 +128,10 @@ def run_local(spec: LaunchSpec, mdtk_args: list[str]) -> int:
             return errors.EXIT_STOPPED
         print(e.format_msg(), file=sys.stderr, flush=True)
         return 1
+    except SignalException as e:
+        print(f"[mdtk launch] {e.sigval.name}: the ranks were asked to save and stop",
+              file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     finally:
         logger.removeFilter(quiet)
     return 0
