@@ -38,7 +38,6 @@ def test_bench_dpo_predicts_from_the_memory_model():
 
 def test_bench_checkpoint_explains_a_difference(tmp_path):
     import torch
-
     from dist_checks import load_script
 
     bench = load_script("bench_checkpoint")
