@@ -128,6 +128,15 @@ def tiny_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> Path:
+    """The demo's tiny Llama (bundled:examples/tiny_llama_config.json, random weights, with its
+    tokenizer), built once per session as `mdtk demo` builds it. Tests only read it."""
+    from toolkit.demo import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("demo") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
 def trainer_models(tmp_path_factory) -> dict[str, str]:
     """``trainer_checks.make_assets`` (a tiny tokenizer and the trainer tests' tiny HF
     checkpoints), built once per session: tests only read them. Use ``trainer_assets``."""

@@ -31,18 +31,15 @@ def _launch_train(model: Path, out: Path, source: Path) -> subprocess.Popen:
 
 
 @pytest.mark.late  # a torchrun launch: runs after the background async_io build (conftest)
-def test_data_errors_on_two_ranks_are_one_line(tmp_path):
+def test_data_errors_on_two_ranks_are_one_line(demo_model, tmp_path):
     """One launch: the malformed line's error, raised on both ranks, is printed once.
 
     What each data error says (missing file, malformed line, unknown row shape) is asserted
     in-process by tests/test_train_data.py; this launch shows the multi-rank path around any of
     them: one `error:` line from rank 0, no traceback, the user-error status from every rank."""
-    from toolkit.demo import make_tiny_checkpoint
-
-    model = make_tiny_checkpoint(tmp_path / "tiny-llama")
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text('{"prompt": "2+2?", "response": "4"}\n{"prompt": "3+3?", "response": \n')
-    proc = _launch_train(model, tmp_path / "run-malformed", malformed)
+    proc = _launch_train(demo_model, tmp_path / "run-malformed", malformed)
     text, _ = proc.communicate(timeout=600)
     lines = [x for x in text.splitlines() if x.startswith("error:")]
     assert len(lines) == 1, text[-4000:]  # once, from rank 0, not once per rank

@@ -15,12 +15,12 @@ from pathlib import Path
 
 
 def verify_many(pairs: list[tuple[str, str]], batch: int = 2, seq_len: int = 16) -> list[dict]:
-    from toolkit.convert.verify import RUNNERS, compare, fixed_tokens, parse_spec, vocab_size
+    from toolkit.convert.verify import RUNNERS, checked_vocab, compare, fixed_tokens, parse_spec
 
     refs = {}
     for ref, _ in pairs:  # all transformers runs first
         if ref not in refs:
-            tokens = fixed_tokens(vocab_size(Path(ref)), batch, seq_len)
+            tokens = fixed_tokens(checked_vocab("hf", Path(ref)), batch, seq_len)
             refs[ref] = (tokens, RUNNERS["hf"](Path(ref), tokens))
     out = []
     for ref, spec in pairs:

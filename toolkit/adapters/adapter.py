@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.adapters.family import Dims, Family
-from toolkit.adapters.hfconfig import UnsupportedModel
-from toolkit.adapters.registry import family_for
+from toolkit.adapters.hfconfig import HFConfigError, UnsupportedModel, origin_of, read_hf_config
+from toolkit.adapters.registry import family_of
 from toolkit.checkpoint.torchfree import dtypes
 from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.errors import UserError
@@ -87,7 +87,10 @@ class Adapter:
         """The dtype the HF checkpoint declares (float32 when it declares none)."""
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype",
                                                                     None)
-        return dtypes.of(dtype) if dtype else dtypes.FLOAT32
+        try:
+            return dtypes.of(dtype) if dtype else dtypes.FLOAT32
+        except ValueError as err:
+            raise HFConfigError(f"{origin_of(self.hf_config)}: {err}") from None
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab_size(self.dims.vocab, tp, self.vocab_multiple)
@@ -193,7 +196,8 @@ class Adapter:
         bad = [f"{n}: stored {tuple(stored[resolved[n]])}, expected {expected[n]}"
                for n in expected if tuple(stored[resolved[n]]) != expected[n]]
         if bad:
-            raise CheckpointMismatch("tensor shapes differ from config.json: " + _listing(bad))
+            raise CheckpointMismatch("tensor shapes differ from config.json (the weights and "
+                                     "config.json must be of the same model): " + _listing(bad))
         return resolved
 
     def kept(self, stored: Any) -> list[str]:
@@ -215,6 +219,13 @@ def _listing(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def family_for_config(hf: Any) -> Family:
+    """The family of an adapter's config: by ``architectures[0]``, which an adapter needs."""
+    if not getattr(hf, "architectures", None):
+        raise UnsupportedModel("config.json has no 'architectures' entry: cannot pick an adapter.")
+    return family_of(hf)
+
+
 def load_hf_config(path: str | Path) -> Any:
     """The HF config of a local folder, parsed by transformers' own config class."""
     from transformers import AutoConfig
@@ -233,11 +244,12 @@ def adapter_for(config_or_path: Any, *, dtype: torch.dtype | str | None = None,
     hf = config_or_path
     if isinstance(config_or_path, (str, Path)):
         source = Path(config_or_path)
+        # mdtk's checks (types named by key) first, on the plain JSON: transformers' own
+        # validation would otherwise stop a wrong type with its traceback
+        plain = read_hf_config(source)
+        family_for_config(plain).check(plain)
         hf = load_hf_config(source)
-    archs = getattr(hf, "architectures", None) or []
-    if not archs:
-        raise UnsupportedModel("config.json has no 'architectures' entry: cannot pick an adapter.")
-    family = family_for(archs[0])
+    family = family_for_config(hf)
     family.check(hf)
     check_activation(family.activation(hf))
     adapter = Adapter(family, hf, source=source, vocab_multiple=vocab_multiple)

@@ -16,11 +16,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from toolkit.adapters.hfconfig import UnsupportedModel, dense_layers, rope_kwargs, window_kwargs
+from toolkit.adapters.hfconfig import (
+    COUNT,
+    COUNTS,
+    FLAG,
+    IDENTITY,
+    NUMBER,
+    OBJECT,
+    SIZE,
+    TEXT,
+    TEXTS,
+    Kind,
+    UnsupportedModel,
+    check_fields,
+    dense_layers,
+    rope_kwargs,
+    window_kwargs,
+)
 from toolkit.mapping import Replicated, Table, builders, vocab
 from toolkit.mapping.builders import SWIGLU, Rules
 
 _REQUIRED = object()
+
+#: The JSON type of each config key the families read (by Llama's name; a family's ``keys``
+#: rename them, the types of its ``defaults`` add its own keys). ``Family.validate`` checks them
+#: before any size is used, so a wrong type is one error naming the key (not a TypeError in the
+#: memory model, or transformers' validation traceback).
+FIELDS: dict[str, Kind] = {
+    **IDENTITY,
+    "hidden_size": SIZE, "num_hidden_layers": SIZE, "num_attention_heads": SIZE,
+    "num_key_value_heads": SIZE, "head_dim": SIZE, "intermediate_size": SIZE,
+    "vocab_size": SIZE, "max_position_embeddings": SIZE, "tie_word_embeddings": FLAG,
+    "attention_bias": FLAG, "mlp_bias": FLAG, "hidden_act": TEXT, "rms_norm_eps": NUMBER,
+    "initializer_range": NUMBER, "attention_dropout": NUMBER, "hidden_dropout": NUMBER,
+    "sliding_window": COUNT, "sliding_window_pattern": COUNT, "layer_types": TEXTS,
+    "rope_theta": NUMBER, "rope_scaling": OBJECT, "rope_parameters": OBJECT,
+    "rope_parameters.rope_theta": NUMBER, "rope_parameters.rope_type": TEXT,
+    "rope_parameters.factor": NUMBER, "partial_rotary_factor": NUMBER,
+    "query_pre_attn_scalar": NUMBER, "quantization_config": OBJECT,
+    # mixture of experts and multi-latent attention: counts (a dense config may hold zeros)
+    "num_experts": COUNT, "num_local_experts": COUNT, "n_routed_experts": COUNT,
+    "num_experts_per_tok": COUNT, "moe_intermediate_size": COUNT, "norm_topk_prob": FLAG,
+    "shared_expert_intermediate_size": COUNT, "mlp_only_layers": COUNTS,
+    "decoder_sparse_step": COUNT, "first_k_dense_replace": COUNT,
+    "router_aux_loss_coef": NUMBER, "router_jitter_noise": NUMBER, "kv_lora_rank": COUNT,
+    "q_lora_rank": COUNT, "qk_nope_head_dim": COUNT, "qk_rope_head_dim": COUNT,
+    "v_head_dim": COUNT,
+}
+_BY_DEFAULT = {bool: FLAG, int: COUNT, float: NUMBER, str: TEXT}
 
 
 class ConfigKeyError(UnsupportedModel):
@@ -143,6 +186,18 @@ class Family:
                                  "complete?).")
         return found
 
+    def fields(self) -> dict[str, Kind]:
+        """This family's config keys (its names) and the JSON type each must have."""
+        own = {self.keys.get(k, k): kind for k, kind in FIELDS.items()}
+        for name, default in self.defaults.items():
+            if name not in own and type(default) in _BY_DEFAULT:
+                own[name] = _BY_DEFAULT[type(default)]
+        return own
+
+    def validate(self, hf: Any) -> None:
+        """Refuse a config key of the wrong JSON type (``hfconfig.check_fields``), naming it."""
+        check_fields(hf, self.fields(), f"the {type(self).__name__} family")
+
     def _switch(self, hf: Any, declared: bool | str) -> bool:
         return declared if isinstance(declared, bool) else bool(self.value(hf, declared, False))
 
@@ -163,6 +218,7 @@ class Family:
 
     def dims(self, hf: Any) -> Dims:
         """The model's sizes and switches from its config and this family's declarations."""
+        self.validate(hf)
         v = self.value
         hidden, heads, layers = (v(hf, "hidden_size"), v(hf, "num_attention_heads"),
                                  v(hf, "num_hidden_layers"))
@@ -192,6 +248,7 @@ class Family:
 
     def check(self, hf: Any) -> None:
         """Raise UnsupportedModel for anything megatron-core cannot represent exactly."""
+        self.validate(hf)
         act = self.activation(hf)
         if self.gated and act not in self.gated_activations:
             raise UnsupportedModel(f"hidden_act={act!r}: this family's gated MLP takes "

@@ -6,14 +6,19 @@ transformers import (``mdtk estimate``, ``ds-config``, ``inspect``). Families re
 and real transformers configs through the same attribute access.
 
 The translations (RoPE, sliding windows, HF's dense-layer rule of MoE models) are written once
-here for every family whose HF config uses the same keys.
+here for every family whose HF config uses the same keys, and so are the JSON types a key may
+have (``Kind``; ``check_fields``): each family declares its keys' types (``Family.fields``) and
+checks them before it reads a size, so a wrong type is one ``HFConfigError`` naming the file,
+the key, the value and the type, whichever command reads the config.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +41,13 @@ class HFConfig:
     back as HFConfig views; other nested objects (``rope_scaling``) stay dicts, as in transformers.
     """
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "_origin")
 
-    def __init__(self, data: Mapping[str, Any]) -> None:
+    def __init__(self, data: Mapping[str, Any], origin: str | Path | None = None) -> None:
         if not isinstance(data, Mapping):
             raise HFConfigError(f"an HF config is a JSON object, got {type(data).__name__}.")
         object.__setattr__(self, "_data", dict(data))
+        object.__setattr__(self, "_origin", str(origin) if origin else None)
 
     def __getattr__(self, name: str) -> Any:
         data = object.__getattribute__(self, "_data")
@@ -49,7 +55,7 @@ class HFConfig:
             raise AttributeError(f"HF config has no {name!r}")
         value = data[name]
         if name.endswith("_config") and isinstance(value, Mapping):
-            return HFConfig(value)
+            return HFConfig(value, self._origin)
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -79,6 +85,10 @@ class HFConfig:
         """A deep copy of the underlying JSON dict."""
         return copy.deepcopy(self._data)
 
+    def origin(self) -> str:
+        """The file this view was read from, for error messages ("config.json" if unknown)."""
+        return self._origin or "config.json"
+
 
 def read_hf_config(folder_or_file: str | Path) -> HFConfig:
     """The ``config.json`` of an HF folder (or the file itself), parsed as plain JSON."""
@@ -93,7 +103,89 @@ def read_hf_config(folder_or_file: str | Path) -> HFConfig:
         raise HFConfigError(f"{file} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise HFConfigError(f"{file} holds a JSON {type(data).__name__}, not an object.")
-    return HFConfig(data)
+    return HFConfig(data, file)
+
+
+# -- the JSON types of config keys -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kind:
+    """The JSON type (and range) a config key must have; ``what`` names it in the error."""
+
+    what: str
+    test: Callable[[Any], bool]
+
+
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+SIZE = Kind("a positive integer", lambda x: _integer(x) and x > 0)
+COUNT = Kind("a non-negative integer", lambda x: _integer(x) and x >= 0)
+NUMBER = Kind("a finite number", lambda x: (_integer(x) or isinstance(x, float))
+              and math.isfinite(x))
+FLAG = Kind("true or false", lambda x: isinstance(x, bool))
+TEXT = Kind("a string", lambda x: isinstance(x, str))
+# a dict, or the view / config object a reader made of one (``*_config`` keys)
+OBJECT = Kind("a JSON object", lambda x: not isinstance(x, (str, int, float, list)))
+TEXTS = Kind("a list of strings", lambda x: isinstance(x, list)
+             and all(isinstance(i, str) for i in x))
+COUNTS = Kind("a list of non-negative integers", lambda x: isinstance(x, list)
+              and all(COUNT.test(i) for i in x))
+
+#: What mdtk reads of every config before a family is chosen.
+IDENTITY = {"architectures": TEXTS, "model_type": TEXT}
+
+
+def origin_of(hf: Any) -> str:
+    """The file an HF config came from, for messages (a transformers config: "config.json")."""
+    return hf.origin() if isinstance(hf, HFConfig) else "config.json"
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "an integer" if isinstance(value, int) else "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a value")
+
+
+def value_at(node: Any, key: str) -> Any:
+    """The value of dotted ``key`` (``a.b``: key ``b`` of object ``a``) in a JSON dict or a
+    config object; None where a step is missing or not an object."""
+    for part in key.split("."):
+        if isinstance(node, Mapping):
+            node = node.get(part)
+        elif isinstance(node, (str, int, float, list)):
+            return None
+        else:  # HFConfig or a transformers config
+            node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def wrong_types(node: Any, fields: Mapping[str, Kind]) -> list[tuple[str, Any, Kind]]:
+    """(key, value, kind) of each key of ``fields`` present in ``node`` (not null) whose value
+    has the wrong JSON type or range, in ``fields`` order."""
+    found = ((key, value_at(node, key), kind) for key, kind in fields.items())
+    return [(k, v, kind) for k, v, kind in found if v is not None and not kind.test(v)]
+
+
+def wrong_type_text(key: str, value: Any, kind: Kind, reader: str) -> str:
+    """``'hidden_size' is "64" (a string), but READER reads it as a positive integer``."""
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"{key!r} is {shown} ({_json_kind(value)}), but {reader} reads it as {kind.what}"
+
+
+def check_fields(hf: Any, fields: Mapping[str, Kind], reader: str) -> None:
+    """Refuse the first key of ``fields`` present in ``hf`` (not null) with the wrong JSON type:
+    one ``HFConfigError`` naming the file, the key, its value and the type ``reader`` needs,
+    before any arithmetic on it fails far away."""
+    for key, value, kind in wrong_types(hf, fields)[:1]:
+        raise HFConfigError(f"{origin_of(hf)}: {wrong_type_text(key, value, kind, reader)}: "
+                            "correct that value.")
 
 
 # -- translations shared by families ---------------------------------------------------------

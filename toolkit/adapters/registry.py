@@ -13,7 +13,7 @@ import pkgutil
 from typing import Any
 
 from toolkit.adapters.family import Family
-from toolkit.adapters.hfconfig import UnsupportedModel
+from toolkit.adapters.hfconfig import IDENTITY, UnsupportedModel, check_fields
 
 PLUGINS = "model_adapters"
 FAMILIES: dict[str, Family] = {}  # by architecture (config.json ``architectures[0]``)
@@ -64,6 +64,7 @@ def family_for(architecture: str) -> Family:
 
 def family_of(hf: Any) -> Family:
     """The family of an HF config: by ``architectures[0]``, else by ``model_type``."""
+    check_fields(hf, IDENTITY, "mdtk")
     archs = getattr(hf, "architectures", None) or []
     if archs:
         return family_for(archs[0])

@@ -216,12 +216,8 @@ def open_reader(path: str | Path, out_dtype: torch.dtype | None = None
 def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
     """An HF folder as a source (``formats`` opener): its reader (dequantizing fp8 weights),
     adapter and weight files."""
+    adapter = make_adapter(Path(path), {})  # first: config.json's own checks name its keys
     reader = open_reader(path)
-    try:
-        adapter = make_adapter(Path(path), {})
-    except BaseException:
-        reader.close()
-        raise
     info: dict = {"files": sorted(set(getattr(reader, "inner", reader).files.values()))}
     if isinstance(reader, fp8.DequantizingReader):
         info["quantization"] = (f"fp8 e4m3, {reader.block[0]}x{reader.block[1]} block scales "

@@ -15,6 +15,16 @@ from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.torchfree import dtypes
 from toolkit.lazy import torch
 
+#: The fix for a damaged file (no reader can tell what its bytes should have been).
+AGAIN = "copy or download the file again"
+
+
+def _count(x: object) -> int:
+    """A size or offset from the header: a non-negative JSON integer."""
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"{x!r} is not a non-negative integer")
+    return x
+
 
 class SafetensorsFile:
     """One ``.safetensors`` file read with plain positioned reads (no memory map).
@@ -40,31 +50,59 @@ class SafetensorsFile:
         except (OSError, ValueError) as err:
             self.close()
             raise CheckpointError(f"{self.path}: not a readable safetensors file ({err}); it is "
-                                  "damaged or truncated.") from err
-        self.metadata = header.pop("__metadata__", None) or {}
+                                  f"damaged or truncated: {AGAIN}.") from err
         self._start = 8 + n
-        self._info: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        end_max = 0
-        for name, info in header.items():
-            try:
-                dtype = dtypes.BY_SAFETENSORS[info["dtype"]]
-                shape = tuple(int(x) for x in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as err:
-                self.close()
-                raise CheckpointError(f"{self.path}: bad header entry for {name!r} "
-                                      f"({err!r}).") from err
-            if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
-                self.close()
-                need = math.prod(shape) * dtype.itemsize
-                raise CheckpointError(f"{self.path}: {name} has {end - begin} bytes, its shape "
-                                      f"{shape} and dtype need {need}.")
-            self._info[name] = (dtype, shape, self._start + begin, self._start + end)
-            end_max = max(end_max, end)
-        if self._start + end_max > size:
+        try:
+            self._info = self._index(header, size)
+        except CheckpointError:
             self.close()
-            raise CheckpointError(f"{self.path} is truncated: its tensors need "
-                                  f"{self._start + end_max} bytes, the file has {size}.")
+            raise
+
+    def _index(self, header: object, size: int
+               ) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+        """Each tensor's (dtype, shape, begin, end) in the file, checked as the format
+        (and the safetensors library transformers loads with) requires: a JSON object of
+        entries whose byte ranges match shape and dtype and tile the data section exactly,
+        without gaps or overlaps, to its last byte (a file with bytes past the tensors is as
+        damaged as a truncated one)."""
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: the header is a JSON {type(header).__name__}, "
+                                  f"not an object; the file is damaged: {AGAIN}.")
+        meta = header.pop("__metadata__", None)
+        meta = {} if meta is None else meta
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise CheckpointError(f"{self.path}: __metadata__ must map names to strings; the "
+                                  f"header is damaged: {AGAIN}.")
+        self.metadata = meta
+        info: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, entry in header.items():
+            try:
+                dtype = dtypes.BY_SAFETENSORS[entry["dtype"]]
+                shape = tuple(_count(x) for x in entry["shape"])
+                begin, end = (_count(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise CheckpointError(f"{self.path}: bad header entry for {name!r} "
+                                      f"({err!r}); the header is damaged: {AGAIN}.") from err
+            need = math.prod(shape) * dtype.itemsize
+            if end - begin != need:
+                raise CheckpointError(f"{self.path}: {name} has {end - begin} bytes, its shape "
+                                      f"{shape} and dtype need {need}; the header is damaged: "
+                                      f"{AGAIN}.")
+            info[name] = (dtype, shape, self._start + begin, self._start + end)
+        at = self._start
+        for name, (_, _, begin, end) in sorted(info.items(), key=lambda kv: kv[1][2:]):
+            if begin != at:
+                raise CheckpointError(f"{self.path}: {name} starts at byte {begin}, where "
+                                      f"{at} was expected (tensors overlap or leave a gap); the "
+                                      f"header is damaged: {AGAIN}.")
+            at = end
+        if at > size:
+            raise CheckpointError(f"{self.path} is truncated: its tensors need {at} bytes, the "
+                                  f"file has {size}; {AGAIN}.")
+        if at < size:
+            raise CheckpointError(f"{self.path} has {size - at} bytes after its last tensor: "
+                                  f"it is damaged; {AGAIN}.")
+        return info
 
     def _read_at(self, offset: int, n: int) -> torch.Tensor:
         """``n`` bytes from ``offset`` as a uint8 tensor, read straight into its (uninitialised:

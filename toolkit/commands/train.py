@@ -12,10 +12,11 @@ def train(
     check: bool = typer.Option(False, "--check",
                                help="Validate the config (and overrides) and exit."),
 ) -> None:
-    """Fine-tune or pretrain with megatron-core + DeepSpeed. Launch it on every rank:
-    `torchrun --nproc-per-node N -m toolkit.cli train CFG`, `mdtk launch -n N -- train CFG`,
-    the deepspeed launcher, or srun. Writes metrics.jsonl, checkpoints and the HF export under
-    output_dir."""
+    """Fine-tune or pretrain with megatron-core + DeepSpeed. One process (tp = pp = cp = 1)
+    runs as is; N ranks are launched on every rank: `mdtk launch -n N -- train CFG`, `torchrun
+    --nproc-per-node N -m toolkit.cli train CFG`, the deepspeed launcher, or srun. Writes
+    metrics.jsonl, checkpoints and the HF export under output_dir, once the config, model and
+    data are checked (a refused run writes nothing)."""
     import os
 
     from toolkit.train.config import load_config

@@ -14,7 +14,7 @@ loaded by megatron-core's own ``dist_checkpointing.load``) and ``megatron-legacy
 
 from __future__ import annotations
 
-import os
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,18 +63,6 @@ def run_hf(path: Path, tokens: torch.Tensor) -> Run:
     return Run(logits, layers)
 
 
-def _single_process_dist() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    from toolkit.runtime.ports import free_port
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
-                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-
-
 def _run_chunks(chunks: list, vocab: int, tokens: torch.Tensor) -> Run:
     """Logits and per-layer outputs of megatron-core chunks (this process, tp=pp=1)."""
     from toolkit.adapters.live import forward_logits
@@ -97,7 +85,6 @@ def run_hf_mcore(path: Path, tokens: torch.Tensor) -> Run:
     from toolkit.adapters.live import load_hf
     from toolkit.parallel import ParallelLayout
 
-    _single_process_dist()
     runtime.enable_cpu_mode()
     chunks, adapter = load_hf(path, ParallelLayout(), dtype=torch.float32)
     try:
@@ -114,7 +101,6 @@ def _megatron_model(path: Path):
     from toolkit.convert.sources import open_checkpoint
 
     op = open_checkpoint(path)
-    _single_process_dist()
     runtime.enable_cpu_mode()
     mpu = parallel.initialize(parallel.ParallelLayout())
     # the live model from transformers' own config of the folder the checkpoint carries
@@ -189,17 +175,20 @@ def parse_spec(spec: str) -> tuple[str, Path]:
     return detect(path), path
 
 
-def vocab_size(path: Path) -> int:
-    """vocab_size of an HF folder, or of the HF config a Megatron checkpoint carries."""
-    import json
+#: The converter's format of each kind: its files are opened and checked as ``mdtk convert``
+#: and ``mdtk inspect`` open them before anything runs.
+FORMATS = {"hf": "hf", "hf-mcore": "hf", "mcore": "mcore", "megatron-legacy": "megatron-legacy"}
 
-    from toolkit.checkpoint.megatron_layout import find_hf_config
 
-    folder = path if (path / "config.json").is_file() else find_hf_config(path)
-    if folder is None:
-        raise ValueError(f"{path}: no config.json (nor hf_config/config.json) to read the "
-                         "vocab size from.")
-    return int(json.loads((folder / "config.json").read_text())["vocab_size"])
+def checked_vocab(kind: str, path: Path) -> int:
+    """Open ``path`` as the converter does (safetensors headers and sizes, config.json's types,
+    tensor names and shapes against it: one ``UserError`` naming the file on damage) and return
+    the model's vocab size."""
+    from toolkit.convert.sources import open_checkpoint
+
+    opened = open_checkpoint(path, fmt=FORMATS[kind])
+    opened.source.close()
+    return opened.adapter.dims.vocab
 
 
 def fixed_tokens(vocab: int, batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -218,15 +207,26 @@ def compare(a: Run, b: Run) -> Comparison:
     return Comparison(diff, diff / scale, layers)
 
 
+def _world(needed: bool) -> contextlib.AbstractContextManager:
+    """megatron-core runners need torch.distributed: the launch's, or a world of one (this
+    process, ended afterwards); transformers' runner needs none."""
+    from toolkit import runtime
+
+    return runtime.joined() if needed else contextlib.nullcontext()
+
+
 def verify(spec_a: str, spec_b: str, *, batch: int = 2, seq_len: int = 16,
            seed: int = 0) -> Comparison:
     """Run both checkpoints on the same tokens and compare."""
     kind_a, path_a = parse_spec(spec_a)
     kind_b, path_b = parse_spec(spec_b)
-    tokens = fixed_tokens(vocab_size(path_a), batch, seq_len, seed)
+    vocab = checked_vocab(kind_a, path_a)
+    checked_vocab(kind_b, path_b)  # both checked before either runs
+    tokens = fixed_tokens(vocab, batch, seq_len, seed)
     # transformers runs first: once megatron-core's CPU mode is on in this process, a
     # transformers model loaded afterwards gets uninitialised RoPE buffers (the CPU redirects
     # of torch.tensor hide torch.device("meta") from transformers' loader).
     order = sorted([(0, kind_a, path_a), (1, kind_b, path_b)], key=lambda x: x[1] != "hf")
-    runs = {i: RUNNERS[kind](path, tokens) for i, kind, path in order}
+    with _world(needed=kind_a != "hf" or kind_b != "hf"):
+        runs = {i: RUNNERS[kind](path, tokens) for i, kind, path in order}
     return compare(runs[0], runs[1])

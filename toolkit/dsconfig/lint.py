@@ -11,6 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.adapters.hfconfig import (
+    COUNT,
+    FLAG,
+    NUMBER,
+    OBJECT,
+    SIZE,
+    TEXT,
+    Kind,
+    wrong_type_text,
+    wrong_types,
+)
 from toolkit.dsconfig import zeropp
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
@@ -45,6 +56,22 @@ _AUTO_PLACEHOLDER = {"fp16.enabled": False, "bf16.enabled": False, "optimizer.pa
 INT_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
             "stage3_param_persistence_threshold", "stage3_max_live_parameters",
             "stage3_max_reuse_distance", "sub_group_size", "stage3_model_persistence_threshold")
+_PAIR = Kind("a list of two numbers", lambda x: isinstance(x, list) and len(x) == 2
+             and all(NUMBER.test(i) for i in x))
+#: JSON types of keys DeepSpeed takes without checking them (its pydantic blocks check their
+#: own): a wrong one would fail only in deepspeed.initialize or in the first step.
+TYPES: dict[str, Kind] = {
+    "train_batch_size": SIZE, "train_micro_batch_size_per_gpu": SIZE,
+    "gradient_accumulation_steps": SIZE, "gradient_clipping": NUMBER, "steps_per_print": SIZE,
+    "wall_clock_breakdown": FLAG, "prescale_gradients": FLAG, "gradient_predivide_factor": NUMBER,
+    "zero_allow_untested_optimizer": FLAG, "zero_optimization": OBJECT, "bf16": OBJECT,
+    "fp16": OBJECT, "optimizer": OBJECT, "optimizer.type": TEXT,
+    "optimizer.params": OBJECT, "optimizer.params.lr": NUMBER, "optimizer.params.betas": _PAIR,
+    "optimizer.params.eps": NUMBER, "optimizer.params.weight_decay": NUMBER,
+    "scheduler": OBJECT, "scheduler.type": TEXT, "scheduler.params": OBJECT,
+    "scheduler.params.warmup_min_lr": NUMBER, "scheduler.params.warmup_max_lr": NUMBER,
+    "scheduler.params.warmup_num_steps": COUNT, "scheduler.params.total_num_steps": SIZE,
+}
 KNOWN_TOP = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "bf16", "fp16", "amp",
@@ -139,9 +166,13 @@ def lint(cfg: dict[str, Any], *, world_size: int | None = None,
     _check_batch(cfg, world_size, layout, report)
     _check_optimizer(cfg, zero if isinstance(zero, dict) else {}, report)
     _check_top_level(cfg, report)
-    if run_deepspeed:
+    typed = [wrong_type_text(k, v, kind, "DeepSpeed") + ": correct that value."
+             for k, v, kind in wrong_types(cfg, TYPES) if v != "auto"]
+    report.errors += typed
+    if run_deepspeed and not typed:  # its parser's own words on a wrong type are less clear
         report.errors.extend(deepspeed_errors(cfg, world_size=world_size, layout=layout))
-    report.errors = list(dict.fromkeys(report.errors))
+    unique = list(dict.fromkeys(report.errors))  # and none that another one says in full
+    report.errors = [e for e in unique if not any(o != e and o.startswith(e) for o in unique)]
     return report
 
 

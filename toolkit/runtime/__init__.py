@@ -68,16 +68,89 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def init_distributed(timeout_s: int = 600) -> None:
-    """Initialise torch.distributed from the launcher's env vars (torchrun, deepspeed, srun)."""
+#: What a launcher (torchrun, the deepspeed launcher; srun's SLURM_* translated) sets for a rank.
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_alone_saved: dict[str, str | None] | None = None  # the env a world of one replaced
+
+
+def init_distributed(timeout_s: int = 600) -> bool:
+    """Initialise torch.distributed from the launcher's env vars (torchrun, deepspeed, srun).
+
+    A process no launcher started (none of RANK, WORLD_SIZE, SLURM_PROCID set) joins a world of
+    one instead: rank 0 of 1 on a free local port, so `mdtk train CFG` runs as one plain process
+    as HF Trainer does. Returns True when this call made that world; its caller ends it with
+    ``leave_world_of_one`` (or uses ``joined``). A partial launcher environment is refused,
+    naming what is missing, instead of torch's rendezvous traceback.
+    """
     if torch.distributed.is_initialized():
-        return
+        return False
     _env_from_slurm()
+    alone = not any(k in os.environ for k in ("RANK", "WORLD_SIZE"))
+    if alone:
+        _enter_world_of_one()
+    elif missing := [k for k in LAUNCH_ENV if k not in os.environ]:
+        raise UserError(f"the launcher's environment lacks {', '.join(missing)} (it has "
+                        f"{', '.join(k for k in LAUNCH_ENV if k in os.environ)}): start the "
+                        "ranks with `mdtk launch -n N -- ...` or torchrun, or unset RANK and "
+                        "WORLD_SIZE to run as one process.")
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.distributed.init_process_group(
-        backend=backend(), timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    try:
+        torch.distributed.init_process_group(
+            backend=backend(), timeout=datetime.timedelta(seconds=timeout_s))
+    except BaseException:
+        if alone:
+            _restore_env()
+        raise
+    return alone
+
+
+def _enter_world_of_one() -> None:
+    """The environment torchrun gives a single rank, on a port that was free just now."""
+    global _alone_saved
+    from toolkit.runtime.ports import free_port
+
+    values = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+              "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    _alone_saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+
+
+def _restore_env() -> None:
+    global _alone_saved
+    for key, value in (_alone_saved or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _alone_saved = None
+
+
+def alone() -> bool:
+    """Whether this process runs in a world of one that ``init_distributed`` made."""
+    return _alone_saved is not None
+
+
+def leave_world_of_one() -> None:
+    """End the world of one ``init_distributed`` made (its process group and environment), so the
+    process can start another; nothing when the launcher's world is in use."""
+    if _alone_saved is None:
+        return
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    _restore_env()
+
+
+@contextlib.contextmanager
+def joined(timeout_s: int = 600) -> Iterator[bool]:
+    """torch.distributed for the block: the launch's world, or a world of one made for the
+    block and ended after it (yields whether it is one)."""
+    made = init_distributed(timeout_s)
+    try:
+        yield made or alone()
+    finally:
+        if made:
+            leave_world_of_one()
 
 
 @contextlib.contextmanager

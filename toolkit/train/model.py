@@ -3,7 +3,6 @@ rank's megatron-core chunks built from it (``build_model``)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from toolkit import parallel
+from toolkit.adapters.hfconfig import read_hf_config
 from toolkit.errors import ConfigError
 from toolkit.memory.model import ModelShape, model_shape_from_hf
 from toolkit.models.kernels import Kernels
@@ -36,15 +36,23 @@ class RunModel:
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> RunModel:
+        """Read and check the model before anything is written: config.json's types (the
+        family's fields) and, for ``model.path``, its weight files as the converter opens them
+        (safetensors headers and sizes, tensor names and shapes against config.json)."""
         path = Path(cfg.model.path or cfg.model.config)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise ConfigError(f"model: {file} not found (model.path must be an HF folder, "
                               "model.config an HF config.json).")
-        hf_config = json.loads(file.read_text())
+        hf = read_hf_config(file)
         from toolkit.train.lora import spec_of  # peft: the memory model counts the adapters
 
-        return cls(hf_config, model_shape_from_hf(hf_config, lora=spec_of(cfg)))
+        shape = model_shape_from_hf(hf, lora=spec_of(cfg))
+        if cfg.model.path:
+            from toolkit.convert.sources import open_checkpoint
+
+            open_checkpoint(path, fmt="hf").source.close()
+        return cls(hf.to_dict(), shape)
 
     @property
     def has_experts(self) -> bool:

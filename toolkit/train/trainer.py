@@ -135,35 +135,34 @@ class RunState:
 
 
 def run(cfg: TrainConfig) -> TrainResult:
-    """Train as ``cfg`` says on the ranks of the current launch (collective: every rank).
-
-    Every refusal (layout, DeepSpeed config, resume) is a ``ConfigError`` raised before the
-    engine starts. The process groups and the engine are torn down on the way out, also after an
-    error, so ``run`` can be called again in the same process (tests, sweeps).
-    """
+    """Train as ``cfg`` says on every rank of the launch (without one: a world of one,
+    ``runtime.joined``). Every refusal (layout, DeepSpeed config, resume) is a ``ConfigError``
+    raised before the engine starts, and before anything is written (``_record``). Groups and
+    engine are torn down on the way out, also after an error: ``run`` can run again (tests)."""
     runtime.enable_cpu_mode()
-    runtime.init_distributed()
-    engine = state = None
-    try:
-        mpu, run_plan, model = _setup(cfg)
-        state = _prepare(cfg, mpu, run_plan, model)
-        engine = build_engine(state.chunks, mpu, state.ds_config, checked=True)
-        return _train(state, engine)
-    except (LayoutError, EngineError, ResumeError, DataError) as e:
-        raise ConfigError(str(e)) from e
-    finally:
-        if state is not None:
-            state.objective.close()
-        if engine is not None:
-            destroy_engine(engine)
-        parallel.destroy()
+    with runtime.joined():  # no launcher: a world of one, ended on the way out
+        engine = state = None
+        try:
+            mpu, run_plan, model = _setup(cfg)
+            state = _prepare(cfg, mpu, run_plan, model)
+            _record(state)
+            engine = build_engine(state.chunks, mpu, state.ds_config, checked=True)
+            return _train(state, engine)
+        except (LayoutError, EngineError, ResumeError, DataError) as e:
+            raise ConfigError(str(e)) from e
+        finally:
+            if state is not None:
+                state.objective.close()
+            if engine is not None:
+                destroy_engine(engine)
+            parallel.destroy()
 
 
 def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
     """Layout checks that need no model, the model's config, then megatron-core's process
     groups (``parallel.initialize`` refuses what this installation cannot run, before any
     group)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     with runtime.failing_together():  # e.g. a model folder missing on one node only
         run_plan = cfgmod.plan(cfg, world)
         layout = run_plan.layout
@@ -174,13 +173,21 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
                             model.shape.vocab)
     mpu = parallel.initialize(layout, seed=cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    out = Path(str(cfg.output_dir))
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "config.resolved.json", cfg.to_dict())
-    _log(f"{world} ranks, {layout.describe()}, global batch {run_plan.global_batch} = micro "
+    alone = " (one process: no launcher)" if runtime.alone() else ""
+    _log(f"{world} ranks{alone}, {layout.describe()}, global batch {run_plan.global_batch} = micro "
          f"{run_plan.micro_batch} x {run_plan.grad_accum} accumulation x dp {layout.dp}")
     return mpu, run_plan, model
+
+
+def _record(state: RunState) -> None:
+    """config.resolved.json and ds_config.json (rank 0), once config, model, data and DeepSpeed
+    settings are checked: a refused run writes nothing (the data cache only when complete)."""
+    with runtime.failing_together():  # e.g. output_dir not writable: every rank stops
+        if dist.get_rank() == 0:
+            out = Path(str(state.cfg.output_dir))
+            out.mkdir(parents=True, exist_ok=True)
+            _write_json(out / "config.resolved.json", state.cfg.to_dict())
+            _write_json(out / "ds_config.json", state.ds_config)
 
 
 def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -> RunState:
@@ -197,10 +204,8 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     _log(f"data ready in {time.perf_counter() - t0:.2f} s")
     if runtime.use_cuda():
         _log(run_kernels(cfg, layout)[1])
-    with runtime.failing_together():  # sized from this node's memory; written on rank 0
+    with runtime.failing_together():  # sized from this node's memory
         ds_config, notes = deepspeed_config(cfg, run_plan, model, total)
-        if dist.get_rank() == 0:
-            _write_json(Path(str(cfg.output_dir)) / "ds_config.json", ds_config)
     for note in notes:
         _log(f"deepspeed: {note}")
     dp_rank = mpu.get_data_parallel_rank_without_cp()

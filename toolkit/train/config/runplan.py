@@ -27,10 +27,11 @@ class RunPlan:
 def plan(cfg: TrainConfig, world_size: int) -> RunPlan:
     """Resolve dp from the world size (``ParallelLayout.resolve``) and derive gradient
     accumulation = global_batch / (micro_batch * dp)."""
+    wanted = cfg.parallel.layout()
     try:
-        layout = cfg.parallel.layout().resolve(world_size)
+        layout = wanted.resolve(world_size)
     except LayoutError as e:
-        raise ConfigError(f"parallel: {e}") from None
+        raise ConfigError(f"parallel: {e}{_how_to_launch(wanted, world_size)}") from None
     dp = int(layout.dp or 1)
     mb = cfg.train.micro_batch
     gb = cfg.train.global_batch or mb * dp
@@ -43,6 +44,26 @@ def plan(cfg: TrainConfig, world_size: int) -> RunPlan:
             f"{per} ({layout.describe()} on {world_size} ranks): set train.global_batch to a "
             f"multiple of {per} (e.g. {options}) or change train.micro_batch / the layout.")
     return RunPlan(layout=layout, micro_batch=mb, global_batch=gb, grad_accum=gb // (mb * dp))
+
+
+def ranks_needed(layout: ParallelLayout) -> int | None:
+    """The fewest ranks ``layout`` runs on (dp as set, else the least that fits the experts)."""
+    mp = layout.model_parallel
+    for n in range(mp, mp * max(layout.dp or 1, layout.ep * layout.expert_tp) + 1, mp):
+        try:
+            return layout.resolve(n).world_size
+        except LayoutError:
+            continue
+    return None
+
+
+def _how_to_launch(layout: ParallelLayout, world_size: int) -> str:
+    """For one process (no launcher): the command that starts the ranks the layout needs."""
+    need = ranks_needed(layout) if world_size == 1 else None
+    if not need or need == 1:
+        return ""
+    return (f" This is one process; the layout needs {need} ranks: start them with `mdtk launch "
+            f"-n {need} -- train CONFIG [key=value ...]` (or torchrun --nproc-per-node {need}).")
 
 
 def total_steps(cfg: TrainConfig, num_train_samples: int, global_batch: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import keyword
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -108,9 +109,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r}: expected a number, not a boolean.")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r}: expected a number (e.g. 3e-4).") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}={value!r}: expected a finite number (e.g. 3e-4).")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r}: expected a single string.")

@@ -9,14 +9,22 @@ from typing import Any
 
 @contextlib.contextmanager
 def datasets_quiet() -> Iterator[None]:
-    """``datasets``' untitled progress bars off (its warnings stay on)."""
+    """``datasets``' untitled progress bars off (its warnings stay on), and its JSON reader's
+    error log: a file it cannot parse becomes mdtk's one error naming the line
+    (``sources._bad_json``), not a second message before it."""
+    import logging
+
     import datasets
 
     was_off = datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
+        json_log.setLevel(level)
         if not was_off:
             datasets.enable_progress_bars()
 

@@ -103,6 +103,10 @@ def _chat_turns(row: dict[str, Any], field: str) -> list[dict[str, Any]]:
                     f"data.conversations_field={field}" if t.get("from") is not None
                     else "each turn needs a 'role' and a 'content'")
             raise DataError(f"turn {i} of '{field}' has no 'role' (its keys: {keys}): {hint}.")
+        content = t.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise DataError(f"turn {i} of '{field}': 'content' must be text (or a list of "
+                            f"content parts), got {type(content).__name__}: {content!r}.")
     return list(turns)
 
 
