@@ -342,7 +342,9 @@ def yaml_commands(config: Path, out: Path) -> list[tuple[list[str], bool]]:
 
 
 def test_trainer_yaml(trainer_yaml, work):
-    fields = schema_fields()
+    # data.cache_dir is set by the preview's override (yaml_commands): a damaged value of it in
+    # the file is replaced, so the preview rightly runs
+    fields = {k: v for k, v in schema_fields().items() if k != "data.cache_dir"}
 
     @fuzz("yaml")
     @given(st.data())
