@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Any
 
 import torch
@@ -65,10 +66,12 @@ def _tensor_to(orig):
 
 
 class _NullStream:
-    """Stands in for torch.cuda.Stream/Event: CPU work is already ordered."""
+    """Stands in for torch.cuda.Stream/Event: CPU work is already ordered; an event's time is
+    the host clock when it was recorded (megatron-core's inference times its tokens with
+    ``elapsed_time``)."""
 
     def __init__(self, *args, **kwargs):
-        pass
+        self._at = time.perf_counter()
 
     def wait_stream(self, *args, **kwargs):
         pass
@@ -80,7 +83,11 @@ class _NullStream:
         return _NullStream()
 
     def record(self, *args, **kwargs):
-        pass
+        self._at = time.perf_counter()
+
+    def elapsed_time(self, end: _NullStream) -> float:
+        """Milliseconds from this event to ``end``, as CUDA events report them."""
+        return 1e3 * (end._at - self._at)
 
     def synchronize(self):
         pass
@@ -142,6 +149,13 @@ def _patch_megatron() -> None:
     _patch(mc_random, "_set_cuda_rng_state",
            lambda state, *a, **k: torch.default_generator.set_state(state),
            "megatron tensor_parallel.random._set_cuda_rng_state -> CPU generator")
+    from megatron.core.inference import communication_utils as inference_comm
+
+    def _is_on_device(tensor: torch.Tensor) -> None:  # the pipeline broadcasts of generation
+        assert tensor is not None
+
+    _patch(inference_comm, "_is_cuda", _is_on_device,
+           "megatron inference communication_utils._is_cuda -> accepts CPU tensors")
 
     fix_megatron_core()
 
