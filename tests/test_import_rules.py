@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("toolkit.dsconfig",),
     ("toolkit.planner",),
     ("toolkit.convert",),
+    ("toolkit.infer",),
     ("toolkit.train",),
     ("toolkit.launch",),
     ("toolkit.demo",),
