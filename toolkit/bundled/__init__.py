@@ -1,5 +1,6 @@
-"""Files that ship inside the mdtk package: the example training configs, the demo's data and the
-tiny-model config, found through ``importlib.resources`` so they work from a wheel install.
+"""Files that ship inside the mdtk package: the example training configs, the demo's data, the
+tiny-model config and the example lm-eval tasks, found through ``importlib.resources`` so they
+work from a wheel install.
 
 A value ``bundled:REL`` (in a training YAML, an override, or as the config argument of
 ``mdtk train``) names the file ``toolkit/bundled/REL``, e.g. ``bundled:examples/sft_tiny.yaml``.
@@ -17,7 +18,8 @@ SFT_EXAMPLE = "bundled:examples/sft_tiny.yaml"
 PRETRAIN_EXAMPLE = "bundled:examples/pretrain_tiny.yaml"
 TINY_LLAMA_CONFIG = "bundled:examples/tiny_llama_config.json"
 DATA = "bundled:examples/data"
-_SHIPPED = (".yaml", ".json", ".jsonl")  # what pyproject.toml's package-data ships
+EVAL_TASKS = "bundled:examples/eval"  # lm-eval tasks (mdtk eval --include-path)
+_SHIPPED = (".yaml", ".json", ".jsonl", ".py")  # what pyproject.toml's package-data ships
 
 
 def _root() -> Path:
@@ -31,8 +33,14 @@ def _root() -> Path:
 def shipped() -> list[str]:
     """Every bundled file, as the ``bundled:`` names a config may use."""
     root = _root()
-    return sorted(f"{PREFIX}{p.relative_to(root).as_posix()}" for p in root.rglob("*")
-                  if p.suffix in _SHIPPED)
+    return sorted(f"{PREFIX}{p.relative_to(root).as_posix()}"
+                  for p in (root / "examples").rglob("*")
+                  if p.suffix in _SHIPPED and "__pycache__" not in p.parts)
+
+
+def training_examples() -> list[str]:
+    """The example training configs (``bundled:examples/*.yaml``)."""
+    return [n for n in shipped() if n.endswith(".yaml") and n.count("/") == 1]
 
 
 def path(name: str) -> Path:

@@ -250,7 +250,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     if not p.is_file():
-        examples = [n for n in bundled.shipped() if n.endswith(".yaml")]
+        examples = bundled.training_examples()
         raise ConfigError(f"config file {str(p)!r} does not exist (the examples that ship "
                           f"with mdtk: {', '.join(examples)}).")
     try:
