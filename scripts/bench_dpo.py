@@ -82,7 +82,7 @@ def predicted(args) -> dict[str, float]:
                         ("dpo", dict(micro_batch=args.micro, pairs=True, reference_model=True)),
                         ("dpo_precomputed", dict(micro_batch=args.micro, pairs=True))):
         est = estimate(shape, TrainShape(seq_len=args.seq, dtype="bf16", **train),
-                       ParallelLayout(), ZeroOptions(stage=1), 1)
+                       ParallelLayout().resolve(1), ZeroOptions(stage=1))
         out[kind] = {"model_states_gib": est.model_states() / 2**30,
                      "gpu_peak_gib": est.gpu / 2**30}
     return out

@@ -128,9 +128,9 @@ def test_config_keys_and_memory_line():
     model = ModelShape(hidden=256, layers=2, heads=4, kv_heads=4, head_dim=64, ffn=1024,
                        vocab=1000)
     train = dict(seq_len=128, micro_batch=1, dtype="bf16")
-    plain = estimate(model, TrainShape(**train), ParallelLayout(), ZeroOptions(stage=1), 4)
-    saving = estimate(model, TrainShape(async_checkpoint=True, **train), ParallelLayout(),
-                      ZeroOptions(stage=1), 4)
+    plain = estimate(model, TrainShape(**train), ParallelLayout().resolve(4), ZeroOptions(stage=1))
+    saving = estimate(model, TrainShape(async_checkpoint=True, **train),
+                      ParallelLayout().resolve(4), ZeroOptions(stage=1))
     extra = [i for i in saving.items if i not in plain.items]
     assert [i.what for i in extra] == [checkpoint_staging_item(
         saving.params, ZeroOptions(stage=1), "bf16").what]

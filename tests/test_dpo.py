@@ -231,7 +231,7 @@ SHAPE = model_shape_from_hf({"model_type": "llama", "hidden_size": 1024, "interm
 
 def _estimate(stage: int = 1, world: int = 4, **train):
     shape = TrainShape(seq_len=1024, micro_batch=2, **train)
-    return estimate(SHAPE, shape, ParallelLayout(tp=2), ZeroOptions(stage=stage), world)
+    return estimate(SHAPE, shape, ParallelLayout(tp=2).resolve(world), ZeroOptions(stage=stage))
 
 
 def test_memory_model_counts_the_reference_model():
@@ -252,8 +252,8 @@ def test_memory_model_counts_the_reference_model():
 
 
 def _estimate_rows(micro: int):
-    return estimate(SHAPE, TrainShape(seq_len=1024, micro_batch=micro), ParallelLayout(tp=2),
-                    ZeroOptions(stage=1), 4)
+    return estimate(SHAPE, TrainShape(seq_len=1024, micro_batch=micro),
+                    ParallelLayout(tp=2).resolve(4), ZeroOptions(stage=1))
 
 
 def test_planner_adds_the_reference_forward():

@@ -170,7 +170,7 @@ def _predicted(case: tc.Case, assets: dict[str, str], lora: bool) -> int:
     config = json.loads((Path(assets[case.model]) / "config.json").read_text())
     shape = model_shape_from_hf(config, lora=LoraSpec(r=4) if lora else None)
     est = estimate(shape, TrainShape(seq_len=tc.SEQ, micro_batch=tc.MICRO, dtype="fp32"),
-                   ParallelLayout(tp=case.tp, pp=case.pp), zero, 2)
+                   ParallelLayout(tp=case.tp, pp=case.pp).resolve(2), zero)
     return est.model_states()
 
 

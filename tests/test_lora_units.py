@@ -100,7 +100,7 @@ def test_memory_model_counts_adapters_and_a_frozen_base():
         r=4, targets=resolve_targets(_table(LLAMA), None, "llama")))
     assert lora.num_params() == full.num_params() + lora.trainable_params()
     train = TrainShape(seq_len=16, micro_batch=1, dtype="bf16")
-    est = estimate(lora, train, ParallelLayout(), ZeroOptions(stage=1), 2)
+    est = estimate(lora, train, ParallelLayout().resolve(2), ZeroOptions(stage=1))
     items = {i.what: i.bytes for i in est.items}
     assert items["frozen base parameters (bf16)"] == 2 * full.num_params()
     assert items["Adam m, v (fp32, 1/2 shard)"] == 8 * (-(-lora.trainable_params() // 2))

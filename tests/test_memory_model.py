@@ -86,19 +86,19 @@ def test_activations_reproduce_korthikanti(tp, sp):
 
 def test_recompute_and_pipeline_in_flight():
     model = load_model_shape("llama-3.1-8b")
-    layout = ParallelLayout(tp=2, pp=4, sequence_parallel=True)
+    layout = ParallelLayout(tp=2, pp=4, sequence_parallel=True).resolve(64)
     train = dict(seq_len=4096, micro_batch=1, global_batch=64, flash_attention=False)
     zero = ZeroOptions(stage=1)
-    none = estimate(model, TrainShape(**train), layout, zero, 64).activations()
-    sel = estimate(model, TrainShape(recompute="selective", **train), layout, zero, 64)
-    full = estimate(model, TrainShape(recompute="full", **train), layout, zero, 64,
+    none = estimate(model, TrainShape(**train), layout, zero).activations()
+    sel = estimate(model, TrainShape(recompute="selective", **train), layout, zero)
+    full = estimate(model, TrainShape(recompute="full", **train), layout, zero,
                     pipeline_stage=0)
     assert none > sel.activations() > full.activations()
     # full recompute stores one sbh/t input per layer, pp micro-batches in flight on stage 0
     stored = [i.bytes for i in full.items if i.what.startswith("activations")][0]
     assert stored == 2 * 4096 * 4096 // 2 * (32 // 4) * 4
     # the last stage holds the output layer and the logits: here it is the worst one
-    assert estimate(model, TrainShape(recompute="full", **train), layout, zero, 64).stage == 3
+    assert estimate(model, TrainShape(recompute="full", **train), layout, zero).stage == 3
     assert in_flight_microbatches(layout, 0, 8) == 4
     assert in_flight_microbatches(layout, 3, 8) == 1
     interleaved = ParallelLayout(tp=2, pp=4, vpp=2).resolve(64)
@@ -106,8 +106,9 @@ def test_recompute_and_pipeline_in_flight():
     # context parallelism divides the sequence, except for the all-gathered K and V (bf16, whole
     # sequence, every layer); the CP attention keeps Q, its output and an fp32 LSE instead of the
     # local K and the QKV buffer (measured in tests/test_memory_activations.py)
-    cp2 = estimate(model, TrainShape(seq_len=4096, micro_batch=1), ParallelLayout(cp=2), zero, 8)
-    cp1 = estimate(model, TrainShape(seq_len=4096, micro_batch=1), ParallelLayout(), zero, 8)
+    short = TrainShape(seq_len=4096, micro_batch=1)
+    cp2 = estimate(model, short, ParallelLayout(cp=2).resolve(8), zero)
+    cp1 = estimate(model, short, ParallelLayout().resolve(8), zero)
     stored_cp = [i.bytes for i in cp2.items if i.what.startswith("activations")][0]
     stored_1 = [i.bytes for i in cp1.items if i.what.startswith("activations")][0]
     gathered_kv = model.layers * 2 * 4096 * 2 * model.kv_dim
@@ -125,7 +126,7 @@ def test_moe_params_split_over_experts_and_tp():
     assert p.expert == expert_total // 8
     assert p.expert_dp == 16 // 8 and p.dense_dp == 8
     with pytest.raises(LayoutError, match="num_experts=8 is not divisible by ep=3"):
-        estimate(model, TrainShape(), ParallelLayout(ep=3), ZeroOptions(), 24)
+        estimate(model, TrainShape(), ParallelLayout(ep=3).resolve(24), ZeroOptions())
 
 
 def test_zero_sharding_rule_per_parameter():
@@ -136,7 +137,7 @@ def test_zero_sharding_rule_per_parameter():
     train = TrainShape(seq_len=8, micro_batch=1)
     for stage, per_param in [(0, 16), (1, 2 + 14 / 64), (2, 2 + 14 / 64), (3, 16 / 64)]:
         zero = ZeroOptions(stage=stage, param_persistence_threshold=0, reduce_bucket_size=1)
-        est = estimate(model, train, ParallelLayout(), zero, 64)
+        est = estimate(model, train, ParallelLayout().resolve(64), zero)
         assert est.model_states() / n == pytest.approx(per_param, rel=1e-3), stage
 
 
@@ -159,11 +160,11 @@ def test_agrees_with_deepspeed_estimators(name, gpus):
     largest = max(model.layer_params(i) for i in range(model.layers))
     train = TrainShape(seq_len=8, micro_batch=1)
     _, ds2 = estimate_zero2_model_states_mem_needs(n, gpus, 1, cpu_offload=False)
-    ours2 = estimate(model, train, ParallelLayout(), zero_options(model, 2), gpus)
+    ours2 = estimate(model, train, ParallelLayout().resolve(gpus), zero_options(model, 2))
     assert ours2.model_states(peak=True, device="gpu") == pytest.approx(ds2, rel=0.02)
     _, ds3, _ = estimate_zero3_model_states_mem_needs(n, largest, gpus, 1, cpu_offload=False,
                                                       cpu_offload_params=False)
-    ours3 = estimate(model, train, ParallelLayout(), zero_options(model, 3), gpus)
+    ours3 = estimate(model, train, ParallelLayout().resolve(gpus), zero_options(model, 3))
     grads_and_optimizer = sum(i.bytes for i in ours3.items if i.what.startswith(
         ("gradients", "fp32", "Adam")))
     # stage 3 steps one sub_group_size chunk at a time: only that chunk's fp32 gradients exist
@@ -173,7 +174,7 @@ def test_agrees_with_deepspeed_estimators(name, gpus):
     param_partition = [i.bytes for i in ours3.items if i.what.startswith("parameters")][0]
     assert param_partition == pytest.approx(2 * n / gpus, rel=1e-3)
     _, ds2_off = estimate_zero2_model_states_mem_needs(n, gpus, 1, cpu_offload=True)
-    ours_off = estimate(model, train, ParallelLayout(), zero_options(model, 2, "cpu"), gpus)
+    ours_off = estimate(model, train, ParallelLayout().resolve(gpus), zero_options(model, 2, "cpu"))
     staging = 2 * -(-n // gpus) + 2 * 2 * ours_off.params.largest_tensor
     assert ours_off.model_states(device="gpu") == ds2_off + staging
 
@@ -181,9 +182,9 @@ def test_agrees_with_deepspeed_estimators(name, gpus):
 def test_bad_inputs_raise_clear_errors():
     model = load_model_shape("llama-3.1-8b")
     with pytest.raises(LayoutError, match="global batch 10 is not divisible"):
-        estimate(model, TrainShape(global_batch=10), ParallelLayout(), ZeroOptions(), 4)
+        estimate(model, TrainShape(global_batch=10), ParallelLayout().resolve(4), ZeroOptions())
     with pytest.raises(LayoutError, match="ZeRO stage 2 with pp=2"):
-        estimate(model, TrainShape(), ParallelLayout(pp=2), ZeroOptions(stage=2), 4)
+        estimate(model, TrainShape(), ParallelLayout(pp=2).resolve(4), ZeroOptions(stage=2))
     with pytest.raises(ValueError, match="needs ZeRO stage 3"):
         ZeroOptions(stage=2, offload_param="cpu")
     with pytest.raises(ValueError, match="recompute='some'"):
@@ -222,7 +223,7 @@ def _predicted(cfg: dict, world: int) -> int:
     dtype = "bf16" if "bf16" in cfg else "fp32"
     model = model_shape_from_hf(memory_checks.TINY_LLAMA)
     est = estimate(model, TrainShape(seq_len=memory_checks.SEQ, micro_batch=2, dtype=dtype),
-                   ParallelLayout(), zero, world)
+                   ParallelLayout().resolve(world), zero)
     return est.model_states()  # a snapshot between backward and step: no transient lines
 
 

@@ -40,8 +40,7 @@ def _assert_fits(model: ModelShape, work: Workload, cluster: Cluster, plans) -> 
     host = int(cluster.cpu_mem * 0.9) // cluster.gpus_per_node
     for p in plans:
         c = p.candidate
-        est = estimate(model, train_shape(work, c), c.layout(), zero_for(model, c),
-                       cluster.world_size)
+        est = estimate(model, train_shape(work, c), c.layout(), zero_for(model, c))
         assert est.gpu <= budget, (c.describe(), est.gpu / GIB)
         assert est.cpu <= host, (c.describe(), est.cpu / GIB)
         assert est.gpu == p.mem_per_gpu
@@ -103,7 +102,7 @@ def test_rules_match_the_trainer_and_the_memory_model():
                     estimate(llama, TrainShape(seq_len=256, global_batch=8),
                              dataclasses.replace(__import__(
                                  "toolkit.parallel.layout", fromlist=["ParallelLayout"]
-                             ).ParallelLayout(pp=pp)), zero_options(llama, zero), 2)
+                             ).ParallelLayout(pp=pp)).resolve(2), zero_options(llama, zero))
                 except LayoutError:
                     ok = False
                 assert zero_allowed(zero, pp, moe) == ok, (zero, pp, moe)

@@ -139,7 +139,7 @@ def _predicted(model_dir: str, ds_config: dict, reference: bool) -> int:
     model = model_shape_from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
     shape = TrainShape(seq_len=dc.SEQ, micro_batch=dc.MICRO, dtype="fp32", pairs=True,
                        reference_model=reference)
-    return estimate(model, shape, ParallelLayout(), zero, 2).model_states()
+    return estimate(model, shape, ParallelLayout().resolve(2), zero).model_states()
 
 
 def test_memory_with_and_without_precomputed_reference(results_n, assets):

@@ -97,7 +97,7 @@ def test_zeropp_pays_only_on_a_slow_network():
         hpz = _cost(LLAMA_70B, dataclasses.replace(base, hpz=8), 64, inter)
         assert hpz.cross_node_bytes < plain.cross_node_bytes
         assert (hpz.step < 0.9 * plain.step) == pays, (inter, hpz.step, plain.step)
-    with pytest.raises(ValueError, match="needs ZeRO-3"):
+    with pytest.raises(ValueError, match="needs ZeRO stage 3"):
         Candidate(zero=2, hpz=8)
 
 
@@ -106,7 +106,8 @@ def test_zeropp_pays_only_on_a_slow_network():
 def test_memory_items():
     model = LLAMA_70B
     zero = ZeroOptions(stage=3, hpz=8, quantized_weights=True, quantized_gradients=True)
-    est = estimate(model, TrainShape(seq_len=4096, recompute="full"), ParallelLayout(), zero, 64)
+    est = estimate(model, TrainShape(seq_len=4096, recompute="full"), ParallelLayout().resolve(64),
+                   zero)
     items = {i.what.split(" (")[0]: i for i in est.items}
     secondary = items["hpZ secondary parameter partition"]
     partitioned = est.params.dense - est.params.persistent  # small tensors stay whole
@@ -274,7 +275,7 @@ def _predicted_memory(cfg: dict, world: int) -> int:
                        hpz=z.get("zero_hpz_partition_size", 1))
     dtype = "bf16" if "bf16" in cfg else "fp32"
     train = TrainShape(seq_len=mc.SEQ, micro_batch=zc.MICRO, dtype=dtype)
-    est = estimate(model_shape_from_hf(mc.TINY_LLAMA), train, ParallelLayout(), zero, world)
+    est = estimate(model_shape_from_hf(mc.TINY_LLAMA), train, ParallelLayout().resolve(world), zero)
     return est.model_states()
 
 

@@ -31,7 +31,8 @@ from toolkit.mapping.plan import EXPERTS
 FORMAT = "deepspeed"
 STATE_FILE = "trainer_state.json"
 ENGINE_TAG = "engine"
-STATES = ("fp32", "exp_avg", "exp_avg_sq")  # master weights, Adam's first and second moments
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's first and second moments, as DeepSpeed names them
+STATES = ("fp32", *MOMENTS)  # with the master weights
 _MODEL_12 = re.compile(r"^mp_rank_(\d{2})_model_states\.pt$")
 _MODEL_3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d{2})_model_states\.pt$")
 

@@ -11,7 +11,8 @@ from toolkit.commands.printing import fail, print_estimate, print_traffic
 
 WORLD_SIZE = typer.Option(None, "--world-size", min=1, help="With --check: ranks of the run; "
                           "DeepSpeed's own parser judges the batch keys at this world size.")
-RECOMPUTE = typer.Option("auto", "--recompute", help="auto, none, selective or full. auto: tried "
+RECOMPUTE = typer.Option("auto", "--recompute", help=", ".join(("auto", *opt.RECOMPUTE_CHOICES))
+                         + ". auto: tried "
                          "before offload, the fastest that fits (a trainer setting: reported, "
                          "not written in the JSON).")
 GPU = typer.Option("h100", "--gpu", help="Device whose speed ranks the options with --recompute "
@@ -66,7 +67,7 @@ def ds_config(
         fail("give --model (to generate a config) or --check FILE (to lint one).")
     from toolkit.dsconfig import ConfigError, Request, generate
     from toolkit.dsconfig.presets import render, write_json
-    from toolkit.memory import TrainShape, load_model_shape
+    from toolkit.memory import TrainShape, dpo_fields, load_model_shape
 
     auto = recompute == "auto"
     try:
@@ -75,7 +76,7 @@ def ds_config(
             cluster=opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem, nvme_path, nvme_size),
             train=TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                              dtype=dtype, recompute="none" if auto else recompute,
-                             flash_attention=flash, **opt.dpo_shape(dpo, precompute_reference)),
+                             flash_attention=flash, **dpo_fields(dpo, precompute_reference)),
             layout=layout, stage=stage, offload=offload, hf_trainer=hf_trainer,
             scheduler=scheduler, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
             hpz=_hpz(hpz), allow_quantized_comm=allow_quantized_comm,

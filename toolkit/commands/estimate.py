@@ -30,17 +30,17 @@ def estimate_cmd(
 ) -> None:
     """Per-rank bytes (parameters, gradients, optimizer, DeepSpeed buffers, activations)."""
     from toolkit.dsconfig.generator import zero_options
-    from toolkit.memory import TrainShape, estimate, load_model_shape
+    from toolkit.memory import TrainShape, dpo_fields, estimate, load_model_shape
 
     try:
         shape = load_model_shape(model, lora=opt.lora_of(peft, lora_r, lora_targets))
         cluster = opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem)
         train = TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                            dtype=dtype, recompute=recompute, flash_attention=flash,
-                           **opt.dpo_shape(dpo, precompute_reference))
+                           **dpo_fields(dpo, precompute_reference))
         zero = zero_options(shape, stage, offload_optimizer, offload_param)
-        est = estimate(shape, train, opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel), zero,
-                       cluster.world_size)
+        layout = opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel).resolve(cluster.world_size)
+        est = estimate(shape, train, layout, zero)
     except ValueError as e:
         fail(str(e))
     if as_json:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from toolkit.parallel.layout import ParallelLayout
+from toolkit.rules import RECOMPUTE as RECOMPUTE_CHOICES
 
 if TYPE_CHECKING:
     from toolkit.lora import LoraSpec
@@ -29,7 +30,7 @@ SEQ = typer.Option(4096, "--seq-len", min=1)
 MICRO = typer.Option(1, "--micro-batch", min=1)
 GLOBAL = typer.Option(None, "--global-batch", min=1)
 DTYPE = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32.")
-RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
+RECOMPUTE = typer.Option("none", "--recompute", help=", ".join(RECOMPUTE_CHOICES) + ".")
 FLASH = typer.Option(True, "--flash/--no-flash", help="Flash attention (no s^2 scores).")
 AS_JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
 DPO = typer.Option(False, "--dpo", help="Preference tuning (DPO): each sample is a chosen and a "
@@ -70,13 +71,6 @@ def cluster_of(nodes: int, gpus: int, gpu_mem: str, cpu_mem: str, nvme_path: str
     return Cluster(nodes=nodes, gpus_per_node=gpus, gpu_mem=parse_bytes(gpu_mem),
                    cpu_mem=parse_bytes(cpu_mem), nvme_path=nvme_path,
                    nvme_size=parse_bytes(nvme_size) if nvme_size else None)
-
-
-def dpo_shape(dpo: bool, precompute_reference: bool) -> dict[str, bool]:
-    """TrainShape's / Workload's DPO fields: pairs, and a reference model unless precomputed."""
-    if precompute_reference and not dpo:
-        raise ValueError("--precompute-reference applies to --dpo runs: add --dpo.")
-    return {"pairs": dpo, "reference_model": dpo and not precompute_reference}
 
 
 def layout_of(tp: int, pp: int, cp: int, ep: int, vpp: int | None, sp: bool) -> ParallelLayout:

@@ -28,7 +28,7 @@ from toolkit.parallel.layout import ParallelLayout
 
 #: Output formats, named as the registry's formats (the result is read back as one).
 TARGETS = (hf.FORMAT, mcore_dist.FORMAT, megatron_legacy.FORMAT)
-DTYPES = {"bf16": dtypes.BFLOAT16, "fp16": dtypes.FLOAT16, "fp32": dtypes.FLOAT32}
+DTYPES = dtypes.PRECISIONS
 
 
 @dataclass

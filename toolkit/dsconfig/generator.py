@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit import rules
 from toolkit.dsconfig import zeropp
 from toolkit.dsconfig.lint import HF_ADAM_BETAS, HF_ADAM_EPS, lint
 from toolkit.errors import ConfigError
@@ -26,8 +27,7 @@ from toolkit.memory import (
     ZeroOptions,
     estimate,
 )
-from toolkit.memory.estimate import zero_with_pipeline
-from toolkit.parallel.layout import LayoutError, ParallelLayout
+from toolkit.parallel.layout import LayoutError, ParallelLayout, ResolvedLayout
 
 AUTO = "auto"
 STAGES = ("auto", "0", "1", "2", "3")
@@ -155,12 +155,24 @@ def _budget(req: Request) -> tuple[int, int]:
     return gpu, cpu_per_rank
 
 
-def evaluate(req: Request, zero: ZeroOptions) -> Option:
-    """Estimate one option and decide whether it fits, saying why not."""
+def zero_problem(req: Request, stage: int, layout: ResolvedLayout) -> str | None:
+    """Why ZeRO ``stage`` cannot train the request at ``layout`` (``toolkit.rules``: pipeline,
+    and for mdtk's trainer experts and clipping; HF Trainer runs its own models), or None."""
+    if req.hf_trainer:
+        return rules.zero_with_pipeline(stage, layout.pp, clipping=False)
+    return rules.zero_problem(stage, pp=layout.pp, experts=bool(req.model.experts),
+                              clipping=req.gradient_clipping > 0)
+
+
+def evaluate(req: Request, zero: ZeroOptions, layout: ResolvedLayout) -> Option:
+    """Estimate one option at the request's resolved ``layout`` and decide whether it fits,
+    saying why not."""
+    if (problem := zero_problem(req, zero.stage, layout)) is not None:
+        return Option(zero, None, False, problem)
     if NVME in (zero.offload_optimizer, zero.offload_param) and not req.cluster.nvme_path:
         return Option(zero, None, False, "needs --nvme-path")
     try:
-        est = estimate(req.model, req.train, req.layout, zero, req.cluster.world_size)
+        est = estimate(req.model, req.train, layout, zero)
     except LayoutError as e:
         return Option(zero, None, False, str(e))
     gpu_budget, cpu_budget = _budget(req)
@@ -183,8 +195,9 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def validate_request(req: Request) -> ParallelLayout:
-    """The request's resolved layout; ConfigError for values no option can satisfy."""
+def validate_request(req: Request) -> ResolvedLayout:
+    """The request's layout, resolved once for the cluster; ConfigError for values no option can
+    satisfy."""
     if req.stage not in STAGES:
         raise ConfigError(f"--stage {req.stage!r}: use one of {', '.join(STAGES)}.")
     if req.offload not in OFFLOADS:
@@ -203,8 +216,8 @@ def validate_request(req: Request) -> ParallelLayout:
         layout = req.layout.resolve(req.cluster.world_size)
     except LayoutError as e:
         raise ConfigError(str(e)) from e
-    if req.stage != AUTO:  # a combination DeepSpeed cannot run: say so, not "nothing fits"
-        problem = zero_with_pipeline(int(req.stage), layout.pp)
+    if req.stage != AUTO:  # a combination that cannot train: say so, not "nothing fits"
+        problem = zero_problem(req, int(req.stage), layout)
         if problem:
             raise ConfigError(problem)
     _validate_zeropp(req, layout)
@@ -214,14 +227,13 @@ def validate_request(req: Request) -> ParallelLayout:
     return layout
 
 
-def _validate_zeropp(req: Request, layout: ParallelLayout) -> None:
+def _validate_zeropp(req: Request, layout: ResolvedLayout) -> None:
     """ZeRO++ options the request fixes: only at stage 3 and where DeepSpeed runs them right."""
     hpz, qwz, qgz = req.forced_zeropp
     if not (hpz > 1 or qwz or qgz):
         return
-    if req.stage not in (AUTO, "3"):
-        raise ConfigError(f"ZeRO++ (hpZ, qwZ, qgZ) with --stage {req.stage}: only ZeRO-3 uses "
-                          "it. Use stage 3 (or auto) or drop the ZeRO++ options.")
+    if req.stage != AUTO and (problem := rules.zeropp_stage_problem(int(req.stage))):
+        raise ConfigError(f"{problem} Use --stage 3 (or auto) or drop the ZeRO++ options.")
     block = {"stage": 3, zeropp.HPZ: hpz, "zero_quantized_weights": qwz,
              "zero_quantized_gradients": qgz}
     errors, _ = zeropp.findings(block, layout, req.cluster.world_size,
@@ -248,7 +260,7 @@ def request_zero(req: Request) -> list[ZeroOptions]:
     return out
 
 
-def nothing_fits(req: Request, layout: ParallelLayout, considered: list[Option]) -> ConfigError:
+def nothing_fits(req: Request, layout: ResolvedLayout, considered: list[Option]) -> ConfigError:
     """The error that lists every option considered with the memory model's reason."""
     lines = [f"{o.label}: {o.reason}" for o in considered]
     return ConfigError(
@@ -266,7 +278,7 @@ def generate(req: Request) -> Plan:
     layout = validate_request(req)
     considered: list[Option] = []
     for zero in request_zero(req):
-        option = evaluate(req, zero)
+        option = evaluate(req, zero, layout)
         considered.append(option)
         if option.fits:
             break
@@ -286,7 +298,7 @@ def generate(req: Request) -> Plan:
     return Plan(config, chosen, tuple(considered), tuple(notes))
 
 
-def build_config(req: Request, chosen: Option, layout: ParallelLayout,
+def build_config(req: Request, chosen: Option, layout: ResolvedLayout,
                  notes: list[str]) -> dict[str, Any]:
     """The DeepSpeed JSON for the chosen option: every key a real run needs, all ints exact."""
     est = chosen.estimate

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit import rules
 from toolkit.adapters.hfconfig import (
     COUNT,
     FLAG,
@@ -23,7 +24,7 @@ from toolkit.adapters.hfconfig import (
     wrong_types,
 )
 from toolkit.dsconfig import zeropp
-from toolkit.parallel.layout import LayoutError, ParallelLayout
+from toolkit.parallel.layout import LayoutError, ParallelLayout, ResolvedLayout
 
 # Keys HF Trainer / accelerate fill in when their value is "auto"
 # (transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig). "auto" anywhere else is kept
@@ -142,6 +143,12 @@ def lint(cfg: dict[str, Any], *, world_size: int | None = None,
     ``run_deepspeed`` (imports DeepSpeed) the lint asks which kernels this machine has."""
     report = LintReport()
     layout = layout or ParallelLayout()
+    resolved: ResolvedLayout | LayoutError | None = None  # resolved once, when the world is known
+    if world_size is not None:
+        try:
+            resolved = layout.resolve(world_size)
+        except LayoutError as e:
+            resolved = e
     autos = [p for p, v in _walk(cfg) if v == "auto"]
     for path in autos:
         if path not in HF_AUTO_KEYS | ACCELERATE_AUTO_KEYS:
@@ -157,20 +164,23 @@ def lint(cfg: dict[str, Any], *, world_size: int | None = None,
     zero = cfg.get("zero_optimization") or {}
     if isinstance(zero, dict):
         _check_zero(cfg, zero, layout, report)
-        errors, warnings = zeropp.findings(zero, layout, world_size, gpus_per_node,
+        at = resolved if isinstance(resolved, ResolvedLayout) else layout
+        errors, warnings = zeropp.findings(zero, at, world_size, gpus_per_node,
                                            zeropp.communication_dtype(cfg))
         report.errors += errors
         report.warnings += warnings
         if run_deepspeed and zeropp.quantized_of(zero) and zero.get("stage") == 3:
             _check_kernels(zeropp.quantized_of(zero), runs_here, report)
-    _check_batch(cfg, world_size, layout, report)
+    _check_batch(cfg, resolved, report)
     _check_optimizer(cfg, zero if isinstance(zero, dict) else {}, report)
     _check_top_level(cfg, report)
     typed = [wrong_type_text(k, v, kind, "DeepSpeed") + ": correct that value."
              for k, v, kind in wrong_types(cfg, TYPES) if v != "auto"]
     report.errors += typed
     if run_deepspeed and not typed:  # its parser's own words on a wrong type are less clear
-        report.errors.extend(deepspeed_errors(cfg, world_size=world_size, layout=layout))
+        report.errors.extend(deepspeed_errors(
+            cfg, world_size=world_size,
+            layout=resolved if isinstance(resolved, ResolvedLayout) else None))
     unique = list(dict.fromkeys(report.errors))  # and none that another one says in full
     report.errors = [e for e in unique if not any(o != e and o.startswith(e) for o in unique)]
     return report
@@ -192,19 +202,8 @@ def _check_zero(cfg: dict, zero: dict, layout: ParallelLayout, report: LintRepor
     if "aio" in zero:
         report.errors.append('"aio" is inside zero_optimization: it belongs at the top level of '
                              "the config (DeepSpeed rejects it there).")
-    if dev_par not in ("none", "auto") and 0 <= stage < 3:
-        report.errors.append(
-            f"zero_optimization.offload_param.device={dev_par} at stage {stage}: parameter "
-            "offload works only with stage 3; DeepSpeed ignores it silently. Use stage 3 or "
-            "remove offload_param.")
-    if dev_opt == "nvme" and 0 <= stage < 3:
-        report.errors.append(
-            f"zero_optimization.offload_optimizer.device=nvme at stage {stage}: DeepSpeed "
-            "silently runs it as CPU offload (NVMe swapping is stage 3 only). Use stage 3 or "
-            'device "cpu".')
-    if dev_opt not in ("none", "auto") and stage == 0:
-        report.errors.append("zero_optimization.offload_optimizer at stage 0 does nothing: "
-                             "optimizer offload needs stage >= 1.")
+    if 0 <= stage <= 3:
+        _check_offload(stage, dev_opt, dev_par, report)
     for name, block, dev in (("offload_optimizer", off_opt, dev_opt),
                              ("offload_param", off_par, dev_par)):
         if dev == "nvme" and not (isinstance(block, dict) and block.get("nvme_path")):
@@ -227,13 +226,28 @@ def _check_zero(cfg: dict, zero: dict, layout: ParallelLayout, report: LintRepor
             else:
                 report.errors.append(f"zero_optimization.{key}={value!r} must be an integer: "
                                      f"DeepSpeed rejects fractions. Use {int(value)}.")
-    if stage >= 2 and layout.pp > 1:
-        report.errors.append(f"ZeRO stage {stage} with pipeline parallelism (pp={layout.pp}): "
-                             "DeepSpeed cannot combine them. Use stage 0 or 1, or pp=1.")
+    clip = cfg.get("gradient_clipping", 1.0)  # DeepSpeed's default; "auto": HF fills it
+    problem = rules.zero_with_pipeline(stage, layout.pp, clipping=not (
+        isinstance(clip, (int, float)) and clip <= 0))
+    if problem:
+        report.errors.append(problem)
     for old in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
         if old in zero:
             report.warnings.append(f"zero_optimization.{old} is deprecated: use "
                                    "offload_optimizer / offload_param blocks.")
+
+
+def _check_offload(stage: int, dev_opt: str, dev_par: str, report: LintReport) -> None:
+    """The offload devices against the stage (``toolkit.rules.offload_problems``), each reason
+    under the key it is about."""
+    devices = {"offload_optimizer": dev_opt, "offload_param": dev_par}
+    fixes = {"offload_param": "Use stage 3 or remove offload_param.",
+             "offload_optimizer": 'Use stage 3 or device "cpu".' if dev_opt == "nvme" else
+             "Use stage >= 1."}
+    wanted = ["none" if d == "auto" else d for d in devices.values()]  # "auto": reported apart
+    for key, reason in rules.offload_problems(stage, *wanted):
+        report.errors.append(f"zero_optimization.{key}.device={devices[key]} at stage {stage}: "
+                             f"{reason} {fixes[key]}")
 
 
 def _check_kernels(keys: list[str], runs_here: bool, report: LintReport) -> None:
@@ -252,17 +266,18 @@ def _check_kernels(keys: list[str], runs_here: bool, report: LintReport) -> None
                                "deepspeed.initialize would fail.")
 
 
-def _check_batch(cfg: dict, world_size: int | None, layout: ParallelLayout,
+def _check_batch(cfg: dict, layout: ResolvedLayout | LayoutError | None,
                  report: LintReport) -> None:
+    """The batch identity at ``layout`` (None: the world is not known; a LayoutError: the
+    layout does not fit the world)."""
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     values = [cfg.get(k) for k in keys]
-    if world_size is None or any(isinstance(v, str) for v in values):
+    if layout is None or any(isinstance(v, str) for v in values):
         return
-    try:
-        dp = layout.resolve(world_size).dp_cp
-    except LayoutError as e:
-        report.errors.append(str(e))
+    if isinstance(layout, LayoutError):
+        report.errors.append(str(layout))
         return
+    dp, world_size = layout.dp_cp, layout.world_size
     batch, micro, gas = values
     for k, v in zip(keys, values, strict=True):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -337,17 +352,15 @@ def _resolve_autos(cfg: dict[str, Any], world: float = 1) -> dict[str, Any]:
     return out
 
 
-def deepspeed_world(cfg: dict[str, Any], world_size: int, layout: ParallelLayout | None = None
+def deepspeed_world(cfg: dict[str, Any], world_size: int, layout: ResolvedLayout | None = None
                     ) -> float:
     """The data-parallel world DeepSpeedConfig checks the batch keys against on WORLD_SIZE ranks:
-    with model parallelism the mpu's data-parallel size (dp x cp: the cp ranks of a dp rank join
-    DeepSpeed's data-parallel group), else DeepSpeed's own rule (the world, divided by
-    ``sequence_parallel_size`` when the config sets it: a float, as DeepSpeed does)."""
+    with model parallelism the mpu's data-parallel size (dp x cp of the resolved ``layout``: the
+    cp ranks of a dp rank join DeepSpeed's data-parallel group), else DeepSpeed's own rule (the
+    world, divided by ``sequence_parallel_size`` when the config sets it: a float, as DeepSpeed
+    does)."""
     if layout is not None and layout.model_parallel > 1:
-        try:
-            return layout.resolve(world_size).dp_cp
-        except LayoutError:
-            return world_size  # reported by lint's batch check
+        return layout.dp_cp
     sp = cfg.get("sequence_parallel_size")
     return world_size / sp if "sequence_parallel_size" in cfg and sp else world_size
 
@@ -367,7 +380,7 @@ def deepspeed_config_at(cfg: dict[str, Any], world: float):
 
 
 def deepspeed_errors(cfg: dict[str, Any], world_size: int | None = None,
-                     layout: ParallelLayout | None = None) -> list[str]:
+                     layout: ResolvedLayout | None = None) -> list[str]:
     """Run DeepSpeed's own ``DeepSpeedConfig`` at WORLD_SIZE ranks and translate what it rejects.
 
     HF "auto" values are resolved as HF Trainer/accelerate would. Without WORLD_SIZE the batch

@@ -11,7 +11,7 @@ from typing import Any
 
 from toolkit.dsconfig.generator import ConfigError, Request, generate
 from toolkit.dsconfig.lint import lint, load_config
-from toolkit.parallel.layout import ParallelLayout
+from toolkit.parallel.layout import ResolvedLayout
 
 QUIET_STEPS = 10**9  # steps_per_print: the trainer writes its own metrics lines
 
@@ -55,10 +55,10 @@ def with_trainer_keys(config: dict[str, Any], keys: TrainerKeys, cp: int = 1) ->
     return config
 
 
-def trainer_config(source: Request | str | Path, keys: TrainerKeys, layout: ParallelLayout,
+def trainer_config(source: Request | str | Path, keys: TrainerKeys, layout: ResolvedLayout,
                    gpus_per_node: int | None = None) -> tuple[dict[str, Any], list[str]]:
     """(config, notes saying why): ``source`` is a generator Request (stage and offload chosen
-    from the memory model) or the path of the user's DeepSpeed JSON. ``layout``: resolved;
+    from the memory model) or the path of the user's DeepSpeed JSON. ``layout``: the run's;
     ``gpus_per_node``: this run's ranks per node. The config runs on this machine, so kernels
     it lacks (ZeRO++'s quantizer on CPU) are errors.
 

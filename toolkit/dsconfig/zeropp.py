@@ -1,5 +1,7 @@
-"""What DeepSpeed 0.19's ZeRO++ options (hpZ, qwZ, qgZ) need, and what became of MiCS, as the
-sentences the lint and the generator say (one home for both; docs/memory-model.md, "ZeRO++").
+"""What DeepSpeed 0.19's ZeRO++ options (hpZ, qwZ, qgZ) need, and what became of MiCS, read from
+a ``zero_optimization`` block for the lint and the generator: the errors are the rules of
+``toolkit.rules`` (each sentence once), the warnings are said here (docs/memory-model.md,
+"ZeRO++").
 
 Facts from DeepSpeed 0.19.8's code, checked on real engines (tests/test_zeropp.py):
 - Only ZeRO-3 reads the keys (``stage3.py``, ``partition_parameters.py``); stages 1 and 2 accept
@@ -25,19 +27,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolkit.parallel.layout import ParallelLayout
+from toolkit import rules
+from toolkit.parallel.layout import ParallelLayout, ResolvedLayout
 
-HPZ = "zero_hpz_partition_size"
+HPZ = rules.HPZ
 QUANTIZED = ("zero_quantized_weights", "zero_quantized_gradients",
              "zero_quantized_nontrainable_weights")
 KEYS = (HPZ, *QUANTIZED)
 MICS = ("mics_shard_size", "mics_hierarchical_params_gather")
-MIXED_GROUPS = (
-    "DeepSpeed 0.19 builds {what} from consecutive world ranks, not from the data-parallel "
-    "group, so with {layout} they mix ranks that hold different weights and the run trains "
-    "silently wrong{measured}. Use it only with tp = pp = 1.")
-#: What mdtk measured when hpZ ran with tensor parallelism (docs/memory-model.md, "ZeRO++").
-MEASURED = " (measured: hpZ 2 at tp2 x dp2 starts 2.9% above the right loss)"
 
 
 def hpz_of(zero: dict[str, Any]) -> int:
@@ -67,76 +64,43 @@ def communication_dtype(cfg: dict[str, Any]) -> str:
 def findings(zero: dict[str, Any], layout: ParallelLayout, world_size: int | None = None,
              gpus_per_node: int | None = None, comm_dtype: str | None = None
              ) -> tuple[list[str], list[str]]:
-    """(errors, warnings) of a ``zero_optimization`` block's ZeRO++ and MiCS keys. The world
-    size, the GPUs per node and the gradients' communication dtype (``communication_dtype``)
-    are checked against when known."""
+    """(errors, warnings) of a ``zero_optimization`` block's ZeRO++ and MiCS keys: the rules of
+    ``toolkit.rules`` (errors) and what is probably unintended (warnings). The world size (with
+    a ``ResolvedLayout``: its data-parallel size), the GPUs per node and the gradients'
+    communication dtype (``communication_dtype``) are checked against when known."""
     errors: list[str] = []
     warnings: list[str] = []
     stage = zero.get("stage", 0)
     hpz, quantized = hpz_of(zero), quantized_of(zero)
-    _mics(zero, hpz, errors)
+    mics = [k for k in MICS if k in zero]
+    if mics:
+        errors.append(rules.mics_problem(mics[0], hpz))
     if isinstance(stage, int) and stage < 3:
         for key in ([HPZ] if hpz > 1 else []) + quantized:
-            errors.append(f"zero_optimization.{key} at stage {stage} does nothing: only ZeRO-3 "
-                          "reads it (DeepSpeed accepts it silently). Set stage 3 or remove it.")
+            errors.append(f"{rules.zeropp_stage_problem(stage, f'zero_optimization.{key}')} "
+                          "Set stage 3 or remove it.")
         return errors, warnings
-    if layout.tp * layout.pp > 1:
-        where = f"tp={layout.tp} pp={layout.pp}"
-        if hpz > 1:
-            errors.append(f"zero_optimization.{HPZ}={hpz} with {where}: " + MIXED_GROUPS.format(
-                what="the hpZ groups", layout=where, measured=MEASURED))
-        if "zero_quantized_gradients" in quantized:
-            errors.append(f"zero_optimization.zero_quantized_gradients with {where}: "
-                          + MIXED_GROUPS.format(what="qgZ's all-to-all groups", layout=where,
-                                                measured=""))
-    if "zero_quantized_gradients" in quantized and comm_dtype not in (None, "fp16"):
-        errors.append(
-            f"zero_optimization.zero_quantized_gradients with {comm_dtype} gradient "
-            "communication: DeepSpeed 0.19's qgZ kernel reads the gradients as fp16 whatever "
-            f"their dtype, so {comm_dtype} gradients are reduced as noise (measured: relative "
-            'error 1.06 with bf16 input). Set "communication_data_type": "fp16" (gradients are '
-            "cast to fp16 for the reduction and back) or turn qgZ off.")
+    qgz = "zero_quantized_gradients" in quantized
+    errors += rules.zeropp_group_problems(layout.tp, layout.pp, hpz=hpz, qgz=qgz)
+    if qgz and (problem := rules.qgz_dtype_problem(comm_dtype)):
+        errors.append(problem)
     if hpz > 1:
-        _hpz_size(hpz, layout, world_size, gpus_per_node, errors, warnings)
-    if "zero_quantized_gradients" in quantized and world_size and gpus_per_node and \
-            world_size <= gpus_per_node:
+        dp = layout.dp_cp if isinstance(layout, ResolvedLayout) else None
+        errors += rules.hpz_size_problems(hpz, dp, gpus_per_node)
+        warnings += _hpz_warnings(hpz, dp, gpus_per_node)
+    if qgz and world_size and gpus_per_node and world_size <= gpus_per_node:
         warnings.append("zero_optimization.zero_quantized_gradients on one node does nothing: "
                         "DeepSpeed uses its int4 all-to-all only when the world spans nodes.")
     return errors, warnings
 
 
-def _mics(zero: dict[str, Any], hpz: int, errors: list[str]) -> None:
-    keys = [k for k in MICS if k in zero]
-    if not keys:
-        return
-    if hpz > 1:
-        errors.append(f"zero_optimization.{keys[0]} with {HPZ}={hpz}: MiCS and hpZ do not "
-                      "combine (both re-partition the parameters), and DeepSpeed 0.19 removed "
-                      "MiCS altogether. Keep zero_hpz_partition_size and drop the mics_* keys.")
-        return
-    errors.append(f"zero_optimization.{keys[0]}: MiCS was removed from DeepSpeed (0.19 rejects "
-                  "the key). For its intra-node parameter gathers use ZeRO++'s hpZ: "
-                  f"{HPZ} = the GPUs per node, at stage 3.")
-
-
-def _hpz_size(hpz: int, layout: ParallelLayout, world_size: int | None,
-              gpus_per_node: int | None, errors: list[str], warnings: list[str]) -> None:
-    dp = None
-    if world_size is not None and world_size % layout.model_parallel == 0:
-        dp = world_size // layout.model_parallel * layout.cp
-    if dp is not None and dp % hpz:
-        errors.append(f"zero_optimization.{HPZ}={hpz} does not divide the data-parallel size "
-                      f"{dp} (DeepSpeed asserts it divides the world): use a divisor of {dp}, "
-                      "normally the GPUs per node.")
-    if gpus_per_node is not None and hpz > gpus_per_node:
-        errors.append(f"zero_optimization.{HPZ}={hpz} is larger than the {gpus_per_node} GPUs "
-                      "of a node: the secondary partition's group then spans nodes, so the "
-                      "gathers hpZ should keep on the node cross the network. Set it to "
-                      f"{gpus_per_node}.")
-    elif gpus_per_node is not None and gpus_per_node % hpz:
-        warnings.append(f"zero_optimization.{HPZ}={hpz} does not divide the {gpus_per_node} "
-                        "GPUs per node: some hpZ groups straddle two nodes.")
+def _hpz_warnings(hpz: int, dp: int | None, gpus_per_node: int | None) -> list[str]:
+    out = []
+    if gpus_per_node is not None and hpz <= gpus_per_node and gpus_per_node % hpz:
+        out.append(f"zero_optimization.{HPZ}={hpz} does not divide the {gpus_per_node} GPUs "
+                   "per node: some hpZ groups straddle two nodes.")
     if dp is not None and hpz >= dp:
-        warnings.append(f"zero_optimization.{HPZ}={hpz} covers the whole data-parallel group "
-                        f"({dp}): the secondary partition repeats the primary one (1/{hpz} of "
-                        "the parameters more memory, no traffic saved).")
+        out.append(f"zero_optimization.{HPZ}={hpz} covers the whole data-parallel group "
+                   f"({dp}): the secondary partition repeats the primary one (1/{hpz} of the "
+                   "parameters more memory, no traffic saved).")
+    return out

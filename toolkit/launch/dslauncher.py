@@ -10,10 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from toolkit.errors import UserError
 from toolkit.launch import LaunchSpec
 
 
-class HostfileError(ValueError):
+class HostfileError(UserError):
     """A hostfile that does not match the asked shape; the message names both."""
 
 

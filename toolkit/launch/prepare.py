@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.errors import UserError
 from toolkit.launch import LaunchSpec, elastic_env
 from toolkit.launch import network as net
 from toolkit.launch.shape import Fit, check_fit, is_config_arg
@@ -15,7 +16,7 @@ from toolkit.launch.shape import Fit, check_fit, is_config_arg
 SCHEDULERS = ("torchrun", "slurm", "deepspeed", "k8s")
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """An option combination no launch can run; the command shows it as a usage error."""
 
 

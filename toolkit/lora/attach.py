@@ -8,7 +8,6 @@ rank keeps the slices ``toolkit.lora.plan`` gives it. Everything but the adapter
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ import torch
 from toolkit.lora.layers import A, B, LoraBranch, M, branches, linear_kind, lora_class
 from toolkit.lora.plan import AdapterSlice, plan_adapters
 from toolkit.lora.spec import LoraError, LoraSpec
+from toolkit.models.seeding import tensor_seed
 
 
 class FullSource(Protocol):
@@ -26,12 +26,6 @@ class FullSource(Protocol):
     None for a magnitude the source does not have (then it is computed from the weights)."""
 
     def full(self, module: str, kind: str) -> torch.Tensor | None: ...
-
-
-def tensor_seed(seed: int, name: str) -> int:
-    """A 63-bit seed from (run seed, tensor name): stable across processes and Python runs."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 class SeededAdapters:

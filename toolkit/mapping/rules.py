@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.errors import UserError
+
 Range = tuple[int, int]  # [start, stop) along one dimension
 Region = tuple[Range, ...]  # one range per dimension
 Shape = tuple[int, ...]
 
 
-class MappingError(ValueError):
+class MappingError(UserError):
     """A mapping that cannot work for these sizes; the message names the tensor and the numbers."""
 
 

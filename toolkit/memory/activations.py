@@ -39,11 +39,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from toolkit import rules
+from toolkit.errors import ConfigError
 from toolkit.memory.model import ModelShape
 from toolkit.memory.states import DTYPE_BYTES, RankParams, rank_params
-from toolkit.parallel.layout import ParallelLayout
-
-RECOMPUTE = ("none", "selective", "full")
+from toolkit.parallel.layout import ParallelLayout, ResolvedLayout
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class TrainShape:
     micro_batch: int = 1
     global_batch: int | None = None  # None = micro_batch * dp (no accumulation)
     dtype: str = "bf16"
-    recompute: str = "none"
+    recompute: rules.Recompute = "none"
     flash_attention: bool = True
     dropout: bool = False  # Llama-style models train without dropout
     capacity_factor: float | None = None  # MoE: None = dropless (average load)
@@ -66,8 +66,8 @@ class TrainShape:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={self.dtype!r}: use bf16, fp16 or fp32.")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute={self.recompute!r}: use {', '.join(RECOMPUTE)}.")
+        if (problem := rules.recompute_problem(self.recompute)) is not None:
+            raise ValueError(problem)
         if self.seq_len < 1 or self.micro_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and micro_batch={self.micro_batch} must be "
                              ">= 1.")
@@ -167,6 +167,15 @@ def _mlp_saved(model: ModelShape, ffn: int, tokens: float, e: int, fused: bool) 
     return e * tokens * (model.hidden + act_in + unfused + ffn)
 
 
+def dpo_fields(dpo: bool, precompute_reference: bool) -> dict[str, bool]:
+    """``TrainShape``'s (and the planner's ``Workload``'s) DPO fields: pairs, and a reference
+    model unless its log-probabilities are precomputed. One rule for ``mdtk estimate``,
+    ``ds-config``, ``plan`` and the trainer's generator request."""
+    if precompute_reference and not dpo:
+        raise ConfigError("--precompute-reference applies to --dpo runs: add --dpo.")
+    return {"pairs": dpo, "reference_model": dpo and not precompute_reference}
+
+
 def in_flight_microbatches(layout: ParallelLayout, stage: int, num_microbatches: int) -> float:
     """1F1B: stage i holds pp - i micro-batches; interleaving adds (pp-1)/(pp*vpp) on stage 0."""
     held = min(layout.pp - stage, num_microbatches)
@@ -218,7 +227,7 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
     return out
 
 
-def forward_saved_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayout) -> float:
+def forward_saved_bytes(model: ModelShape, train: TrainShape, layout: ResolvedLayout) -> float:
     """What one forward of one micro-batch saves for backward on pipeline stage 0: the stored
     lines, not the recompute working set (it exists only during backward). The number that
     saved-tensor hooks measure, so tests and benchmarks compare against this one sum."""

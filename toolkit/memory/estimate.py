@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from toolkit import rules
 from toolkit.memory.activations import TrainShape, activation_bytes
 from toolkit.memory.model import ModelShape
 from toolkit.memory.states import (
@@ -24,7 +25,7 @@ from toolkit.memory.states import (
     rank_params,
     reference_items,
 )
-from toolkit.parallel.layout import LayoutError, ParallelLayout
+from toolkit.parallel.layout import LayoutError, ResolvedLayout
 
 GIB = 1024**3
 ACTIVATION_LINES = ("activations", "recompute", "final norm")
@@ -71,7 +72,7 @@ class Estimate:
     items: tuple[Item, ...]
     stage: int  # the pipeline stage shown
     params: RankParams
-    layout: ParallelLayout
+    layout: ResolvedLayout
     zero: ZeroOptions
     train: TrainShape
     num_microbatches: int
@@ -119,19 +120,6 @@ def is_activation(item: Item) -> bool:
     return item.what.startswith(ACTIVATION_LINES)
 
 
-def zero_with_pipeline(stage: int, pp: int) -> str | None:
-    """Why ZeRO ``stage`` cannot run with ``pp`` pipeline stages, or None (one wording for the
-    memory model, the generator and the trainer's request)."""
-    if pp > 1 and stage >= 2:
-        why = ("ZeRO-3 needs every rank to run the same modules" if stage == 3 else
-               "DeepSpeed's pipeline engine refuses ZeRO-2, which reduces gradients at every "
-               "micro-batch; mdtk's memory model and configs follow it")
-        return (f"ZeRO stage {stage} with pp={pp}: DeepSpeed cannot combine ZeRO-2/3 with "
-                f"pipeline parallelism ({why}). Use stage 1 with pp > 1 (in DeepSpeed 0.19 it "
-                "holds the same memory as stage 2), or pp=1.")
-    return None
-
-
 def num_microbatches(train: TrainShape, dp: int) -> int:
     """Gradient-accumulation steps: global = micro * accumulation * dp must hold exactly."""
     if train.global_batch is None:
@@ -146,16 +134,16 @@ def num_microbatches(train: TrainShape, dp: int) -> int:
     return train.global_batch // per_step
 
 
-def estimate(model: ModelShape, train: TrainShape, layout: ParallelLayout, zero: ZeroOptions,
-             world_size: int, pipeline_stage: int | None = None) -> Estimate:
+def estimate(model: ModelShape, train: TrainShape, layout: ResolvedLayout, zero: ZeroOptions,
+             pipeline_stage: int | None = None) -> Estimate:
     """The per-rank memory of ``pipeline_stage``, by default of the stage (first or last) that
-    needs the most GPU memory."""
-    layout = layout.resolve(world_size)
+    needs the most GPU memory. ZeRO-2/3 with pp > 1 are refused (``toolkit.rules``; clipping is
+    not the memory model's to know, so ZeRO-0 is estimated)."""
     layout.validate_model(num_layers=model.layers, num_heads=model.heads,
                           num_query_groups=model.kv_heads, num_experts=model.experts or None,
                           vocab_size=model.vocab, ffn_hidden_size=model.ffn,
                           seq_len=train.seq_len)
-    problem = zero_with_pipeline(zero.stage, layout.pp)
+    problem = rules.zero_with_pipeline(zero.stage, layout.pp, clipping=False)
     if problem:
         raise LayoutError(problem)
     m = num_microbatches(train, layout.dp)

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from toolkit import rules
+from toolkit.checkpoint.torchfree.dtypes import PRECISIONS
 from toolkit.memory.model import EXPERT, REP, ModelShape
-from toolkit.parallel.layout import ParallelLayout
+from toolkit.parallel.layout import ParallelLayout, ResolvedLayout
 
 GPU, CPU, NVME = "gpu", "cpu", "nvme"
 ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_BYTES = 4  # fp32 master weights
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = {name: d.itemsize for name, d in PRECISIONS.items()}
 
 
 @dataclass(frozen=True)
@@ -61,24 +63,19 @@ class ZeroOptions:
         return self.hpz > 1 or self.quantized_weights or self.quantized_gradients
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
+        if self.stage not in rules.ZERO_STAGES:
             raise ValueError(f"ZeRO stage {self.stage!r} does not exist: use 0, 1, 2 or 3.")
         for name in ("offload_optimizer", "offload_param"):
-            if getattr(self, name) not in ("none", CPU, NVME):
+            if getattr(self, name) not in rules.OFFLOAD_DEVICES:
                 raise ValueError(f"{name}={getattr(self, name)!r}: use none, cpu or nvme.")
-        if self.offload_param != "none" and self.stage != 3:
-            raise ValueError(f"offload_param={self.offload_param} needs ZeRO stage 3 "
-                             f"(stage {self.stage} ignores it).")
-        if self.offload_optimizer == NVME and self.stage != 3:
-            raise ValueError(f"optimizer offload to NVMe needs ZeRO stage 3 (stage {self.stage} "
-                             "silently runs it as CPU offload).")
-        if self.offload_optimizer != "none" and self.stage == 0:
-            raise ValueError("optimizer offload needs ZeRO stage >= 1.")
+        offload = rules.offload_problems(self.stage, self.offload_optimizer, self.offload_param)
+        if offload:
+            raise ValueError(f"offload_optimizer={self.offload_optimizer}, offload_param="
+                             f"{self.offload_param}: {offload[0][1]}")
         if self.hpz < 1:
             raise ValueError(f"hpz={self.hpz}: the hpZ partition size is >= 1 (1 = off).")
-        if self.zeropp and self.stage != 3:
-            raise ValueError(f"ZeRO++ (hpZ, qwZ, qgZ) needs ZeRO stage 3 (stage {self.stage} "
-                             "ignores it).")
+        if self.zeropp and (problem := rules.zeropp_stage_problem(self.stage)):
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True)
@@ -129,10 +126,9 @@ def stage_layers(model: ModelShape, layout: ParallelLayout, stage: int) -> tuple
     )
 
 
-def rank_params(model: ModelShape, layout: ParallelLayout, stage: int = 0,
+def rank_params(model: ModelShape, layout: ResolvedLayout, stage: int = 0,
                 persistence_threshold: int = 0) -> RankParams:
     """Count this pipeline stage's parameters on one tp/ep rank, split the megatron-core way."""
-    layout = layout if layout.dp is not None else layout.resolve(layout.model_parallel)
     tp, etp = layout.tp, layout.expert_tp
     vocab = model.padded_vocab(tp) if uses_megatron(layout) else model.vocab
     layers = set(stage_layers(model, layout, stage))

@@ -1,8 +1,9 @@
 """Parallel layout (validated once) and the process groups derived from it."""
 
-from toolkit.parallel.layout import LayoutError, ParallelLayout
+from toolkit.parallel.layout import LayoutError, ParallelLayout, ResolvedLayout
 
-__all__ = ["LayoutError", "Mpu", "ParallelLayout", "check_supported", "destroy", "initialize"]
+__all__ = ["LayoutError", "Mpu", "ParallelLayout", "ResolvedLayout", "check_supported", "destroy",
+           "initialize"]
 
 
 def __getattr__(name: str):

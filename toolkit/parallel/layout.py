@@ -1,7 +1,8 @@
 """One value that describes how a job is split across ranks, validated in one place.
 
 Every process group, every shard plan and every DeepSpeed batch identity is derived from a
-``ParallelLayout``; nothing else re-derives dp from the world size.
+``ParallelLayout``; ``resolve(world_size)`` derives dp once and returns a ``ResolvedLayout``, the
+type every function that needs dp or the world size takes.
 """
 
 from __future__ import annotations
@@ -62,17 +63,13 @@ class ParallelLayout:
         return self.tp if self.etp is None else self.etp
 
     @property
-    def world_size(self) -> int:
-        if self.dp is None:
-            raise LayoutError("dp is not known yet: call layout.resolve(world_size) first.")
-        return self.model_parallel * self.dp
-
-    @property
     def virtual_stages(self) -> int:
         return self.pp * (self.vpp or 1)
 
-    def resolve(self, world_size: int) -> ParallelLayout:
-        """Fill in dp from the world size and check every cross-dimension constraint."""
+    def resolve(self, world_size: int) -> ResolvedLayout:
+        """This layout on ``world_size`` ranks: dp filled in and every cross-dimension constraint
+        checked. Resolve once where the world size becomes known (a command, the trainer) and
+        pass the ``ResolvedLayout`` down."""
         if world_size < 1:
             raise LayoutError(f"world size {world_size} must be >= 1.")
         mp = self.model_parallel
@@ -88,27 +85,8 @@ class ParallelLayout:
                 f"{self.cp} = {self.dp * mp}: launch {self.dp * mp} ranks, or set dp={dp} "
                 "(or leave dp unset to infer it)."
             )
-        # megatron-core folds experts into the dp*cp*tp block: ep*etp must divide it.
-        block = dp * self.cp * self.tp
-        if block % (self.ep * self.expert_tp):
-            raise LayoutError(
-                f"ep*etp = {self.ep}*{self.expert_tp} = {self.ep * self.expert_tp} must divide "
-                f"dp*cp*tp = {dp}*{self.cp}*{self.tp} = {block}: lower ep/etp or add data-parallel "
-                "ranks."
-            )
-        return dataclasses.replace(self, dp=dp)
-
-    @property
-    def dp_cp(self) -> int:
-        """DeepSpeed's data-parallel group (mdtk's mpu): dp x cp. The cp ranks of a dp rank hold
-        the same weights, so ZeRO partitions, gradient averaging and the batch identity
-        (train_batch_size = micro x accumulation x dp_cp) span them; the sampler uses dp only."""
-        return self.dp * self.cp
-
-    @property
-    def expert_dp(self) -> int:
-        """Replicas of each expert: megatron-core's expert-data-parallel size."""
-        return self.world_size // (self.ep * self.expert_tp * self.pp)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelLayout)}
+        return ResolvedLayout(**{**fields, "dp": dp})
 
     def validate_model(
         self,
@@ -189,6 +167,47 @@ class ParallelLayout:
         if self.sequence_parallel:
             parts.append("sp")
         return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ResolvedLayout(ParallelLayout):
+    """A layout for a known world size (``ParallelLayout.resolve`` makes it): dp derived, every
+    cross-dimension constraint checked. Functions that need dp or the world size take this
+    type, so a layout is resolved once, where the world size becomes known, and passed down."""
+
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # megatron-core folds experts into the dp*cp*tp block: ep*etp must divide it.
+        block = self.dp * self.cp * self.tp
+        if block % (self.ep * self.expert_tp):
+            raise LayoutError(
+                f"ep*etp = {self.ep}*{self.expert_tp} = {self.ep * self.expert_tp} must divide "
+                f"dp*cp*tp = {self.dp}*{self.cp}*{self.tp} = {block}: lower ep/etp or add "
+                "data-parallel ranks."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.model_parallel * self.dp
+
+    def resolve(self, world_size: int) -> ResolvedLayout:
+        """Itself on its own world size (nothing to derive again); another world size is refused
+        as for any layout whose dp is set."""
+        return self if world_size == self.world_size else super().resolve(world_size)
+
+    @property
+    def dp_cp(self) -> int:
+        """DeepSpeed's data-parallel group (mdtk's mpu): dp x cp. The cp ranks of a dp rank hold
+        the same weights, so ZeRO partitions, gradient averaging and the batch identity
+        (train_batch_size = micro x accumulation x dp_cp) span them; the sampler uses dp only."""
+        return self.dp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert: megatron-core's expert-data-parallel size."""
+        return self.world_size // (self.ep * self.expert_tp * self.pp)
 
 
 def _divisors(n: int) -> list[int]:

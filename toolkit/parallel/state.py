@@ -15,13 +15,13 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from toolkit import runtime
-from toolkit.parallel.layout import LayoutError, ParallelLayout
+from toolkit.parallel.layout import LayoutError, ParallelLayout, ResolvedLayout
 
 
 class Mpu:
     """DeepSpeed's ``mpu`` protocol over megatron-core's parallel_state."""
 
-    def __init__(self, layout: ParallelLayout):
+    def __init__(self, layout: ResolvedLayout):
         self.layout = layout
 
     # tensor parallel

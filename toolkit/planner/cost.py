@@ -25,9 +25,10 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, field
 
+from toolkit import rules
 from toolkit.memory import ModelShape, rank_params
 from toolkit.memory.states import RankParams
-from toolkit.parallel.layout import ParallelLayout
+from toolkit.parallel.layout import ParallelLayout, ResolvedLayout
 from toolkit.planner.devices import Device
 from toolkit.planner.flops import (
     head_forward_flops,
@@ -40,7 +41,6 @@ OFFLOADS = ("none", "optimizer", "all")
 #: Eager attention's passes over the [heads, s, s] scores per forward: the QK^T output written,
 #: the scale and causal mask (read + write), softmax (read + write), read by the AV matmul.
 EAGER_SCORE_PASSES = 6  # all = optimizer states and ZeRO-3 parameters (cpu)
-RECOMPUTES = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -115,12 +115,13 @@ class Candidate:
     qgz: bool = False
 
     def __post_init__(self) -> None:
-        if (self.hpz > 1 or self.qwz or self.qgz) and self.zero != 3:
-            raise ValueError(f"ZeRO++ (hpZ, qwZ, qgZ) needs ZeRO-3, not ZeRO-{self.zero}.")
+        if (self.hpz > 1 or self.qwz or self.qgz) and (
+                problem := rules.zeropp_stage_problem(self.zero)):
+            raise ValueError(problem)
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload={self.offload!r}: use one of {', '.join(OFFLOADS)}.")
-        if self.recompute not in RECOMPUTES:
-            raise ValueError(f"recompute={self.recompute!r}: use one of {', '.join(RECOMPUTES)}.")
+        if (problem := rules.recompute_problem(self.recompute)) is not None:
+            raise ValueError(problem)
 
     @property
     def world_size(self) -> int:
@@ -130,10 +131,10 @@ class Candidate:
     def sequence_parallel(self) -> bool:
         return self.tp > 1  # the planner always pairs tp with sequence parallelism
 
-    def layout(self) -> ParallelLayout:
+    def layout(self) -> ResolvedLayout:
         return ParallelLayout(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, dp=self.dp,
                               vpp=self.vpp if self.vpp > 1 else None,
-                              sequence_parallel=self.sequence_parallel)
+                              sequence_parallel=self.sequence_parallel).resolve(self.world_size)
 
     def describe(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
@@ -343,5 +344,6 @@ def model_flops(model: ModelShape, seq_len: int) -> float:
 def stage_params(model: ModelShape, tp: int, pp: int, vpp: int, cp: int, ep: int, dp: int
                  ) -> tuple[RankParams, RankParams]:
     """This layout's parameters on the first and on the last pipeline stage."""
-    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp if vpp > 1 else None)
+    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp if vpp > 1 else None).resolve(
+        tp * pp * cp * dp)
     return rank_params(model, layout, 0), rank_params(model, layout, pp - 1)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from toolkit.errors import UserError
+
 GB = 1e9
 TB = 1e12
 
@@ -117,7 +119,7 @@ _NAME_ORDER = ("gh200", "h200-nvl", "h100-nvl", "h100-pcie", "h200", "h100", "h8
                "a100-80gb", "a800", "l40s", "l40", "l4", "a10", "mi300x", "mi250x")
 
 
-class DeviceError(ValueError):
+class DeviceError(UserError):
     """An unknown device or an impossible override; the message lists the known ones."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit.dsconfig.generator import Request, build_config
+from toolkit.errors import UserError
 from toolkit.memory import Cluster, ModelShape
 from toolkit.planner.cost import Workload
 from toolkit.planner.search import Budget, Planned, check_fit, train_shape
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from toolkit.planner.report import PlanReport
 
 
-class EmitError(ValueError):
+class EmitError(UserError):
     """A plan mdtk cannot emit as a runnable config; the message says why and what to do."""
 
 
@@ -59,8 +60,9 @@ def deepspeed_json(model: ModelShape, work: Workload, plan: Planned, cluster: Cl
     option = check_fit(model, work, c, cluster, budget)
     if not option.fits:  # cannot happen for a searched plan: the same test chose it
         raise EmitError(f"{c.describe()} does not fit: {option.reason}")
+    layout = c.layout()
     req = Request(model=model, cluster=cluster, train=train_shape(work, c),
-                  layout=c.layout(), stage=str(c.zero), lr=lr,
+                  layout=layout, stage=str(c.zero), lr=lr,
                   headroom=budget.headroom, gpu_reserve=budget.gpu_reserve)
     notes: list[str] = []
     if c.hpz > 1:
@@ -72,7 +74,7 @@ def deepspeed_json(model: ModelShape, work: Workload, plan: Planned, cluster: Cl
         notes.append("ZeRO++ qwZ/qgZ (allowed with --allow-quantized-comm): lossy int8 "
                      "parameter gathers / int4 gradient reduction; DeepSpeed's CUDA quantizer "
                      "kernels, so the run needs GPUs (mdtk's CPU mode refuses it).")
-    return build_config(req, option, c.layout().resolve(cluster.world_size), notes), notes
+    return build_config(req, option, layout, notes), notes
 
 
 def trainer_yaml(plan: Planned, work: Workload, run: RunSpec, ds_config_path: str

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.lora import LoraSpec
-from toolkit.memory import GIB, Cluster, ModelShape, load_model_shape, parse_bytes
+from toolkit.memory import GIB, Cluster, ModelShape, dpo_fields, load_model_shape, parse_bytes
 from toolkit.planner.cost import Network, StepCost, Workload
 from toolkit.planner.devices import Device, get_device, network_inter
 from toolkit.planner.search import (
@@ -84,8 +84,7 @@ class Setting:
 
 
 def resolve(req: PlanRequest) -> Setting:
-    if req.precompute_reference and not req.dpo:
-        raise ValueError("--precompute-reference applies to --dpo runs: add --dpo.")
+    dpo = dpo_fields(req.dpo, req.precompute_reference)
     overrides = dict(req.device_overrides)
     if overrides.get("inter") is None:
         overrides["inter"] = network_inter(req.network, req.gpus_per_node)
@@ -96,8 +95,7 @@ def resolve(req: PlanRequest) -> Setting:
     cluster = Cluster(nodes=req.nodes, gpus_per_node=req.gpus_per_node, gpu_mem=gpu_mem,
                       cpu_mem=parse_bytes(req.cpu_mem))
     on_cpu = device.key == "cpu"  # mdtk's CPU path: megatron-core's unfused kernels, eager
-    kernels = {"flash": not on_cpu and req.flash, "fused": not on_cpu, "pairs": req.dpo,
-               "reference_model": req.dpo and not req.precompute_reference}
+    kernels = {"flash": not on_cpu and req.flash, "fused": not on_cpu, **dpo}
     return Setting(shape, device, cluster, count, kernels,
                    SearchSpace(allow_cp=req.allow_cp, allow_quantized=req.allow_quantized),
                    Budget())

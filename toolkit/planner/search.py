@@ -6,13 +6,14 @@ estimated time until ``top`` distinct plans fit, so large clusters stay fast; ev
 has passed the same fit test ``mdtk ds-config`` applies (``toolkit.dsconfig.generator.evaluate``:
 10% headroom plus a 2 GiB reserve on the GPU, host RAM for offload).
 
-Rules mirror what mdtk can train (``toolkit.train.engine_rules.check_supported``, checked against it
-in tests/test_planner_search.py): tp within a node and dividing heads, query groups and the MLP
-width (sequence parallelism always on with tp > 1); pp dividing the layers (vpp the layers per
-stage, with micro-batches a multiple of pp); ZeRO-2/3 only with pp = 1; ZeRO-3 not with experts;
-ZeRO-0 not with pp > 1 or experts (DeepSpeed's ZeRO-0 clipping norm); optimizer offload with
-ZeRO-2/3, parameter offload with ZeRO-3. Context parallelism (mdtk's all-gather CP attention, no
-Transformer Engine) is searched only with ``allow_cp``; its plans are runnable like any other.
+Rules are what mdtk can train (``toolkit.rules``, which the trainer's checks, the lint and the
+memory model ask too): tp within a node and dividing heads, query groups and the MLP width
+(sequence parallelism always on with tp > 1); pp dividing the layers (vpp the layers per stage,
+with micro-batches a multiple of pp); ZeRO-2/3 only with pp = 1; ZeRO-3 not with experts; ZeRO-0
+not with pp > 1 or experts (DeepSpeed's ZeRO-0 clipping norm); optimizer offload with ZeRO-2/3,
+parameter offload with ZeRO-3 (the generator's options). Context parallelism (mdtk's all-gather
+CP attention, no Transformer Engine) is searched only with ``allow_cp``; its plans are runnable
+like any other.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from toolkit import rules
 from toolkit.dsconfig.generator import AUTO, Option, Request, evaluate, with_zeropp, zero_options
+from toolkit.errors import UserError
 from toolkit.memory import CPU, Cluster, Estimate, ModelShape, TrainShape, ZeroOptions
 from toolkit.planner.cost import (
     MDTK,
@@ -45,7 +48,7 @@ class SearchSpace:
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     offloads: tuple[str, ...] = ("none", "optimizer", "all")
-    recomputes: tuple[str, ...] = ("none", "selective", "full")
+    recomputes: tuple[rules.Recompute, ...] = rules.RECOMPUTE
     max_vpp: int = 8
     allow_cp: bool = False
     cps: tuple[int, ...] = (1, 2, 4, 8)
@@ -103,7 +106,7 @@ class SearchResult:
     reasons: tuple[str, ...] = field(default=())  # why nothing fits, when nothing does
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """No plan can exist (rules) or none fits; the message says what to change."""
 
 
@@ -116,13 +119,7 @@ def layout_key(c: Candidate) -> tuple[int, int, int, int, int]:
     return (c.tp, c.pp, c.cp, c.ep, c.dp)
 
 
-def zero_allowed(zero: int, pp: int, moe: bool) -> bool:
-    """mdtk's engine rules (``toolkit.train.engine_rules.check_supported`` with clipping on)."""
-    if zero == 3 and (pp > 1 or moe):
-        return False
-    if zero == 2 and pp > 1:
-        return False  # DeepSpeed reduces ZeRO-2 gradients every micro-batch: not with pipelines
-    return not (zero == 0 and (pp > 1 or moe))
+zero_allowed = rules.zero_allowed  # mdtk's rules with clipping on
 
 
 def offload_allowed(zero: int, offload: str) -> bool:
@@ -165,7 +162,8 @@ def zeropp_choices(space: SearchSpace, world: int, gpus_per_node: int, tp: int, 
     (DeepSpeed 0.19 builds hpZ's and qgZ's groups from consecutive world ranks), hpZ over the
     GPUs of a node, qwZ / qgZ only when lossy communication is allowed."""
     plain = [(1, False, False)]
-    if not space.zeropp or world <= gpus_per_node or tp * pp > 1 or dp_cp % gpus_per_node:
+    mixed = rules.zeropp_groups_problem(tp, pp) is not None
+    if not space.zeropp or world <= gpus_per_node or mixed or dp_cp % gpus_per_node:
         return plain
     flags = [(False, False), (True, False), (False, True), (True, True)] \
         if space.allow_quantized else [(False, False)]
@@ -227,11 +225,12 @@ def check_fit(model: ModelShape, work: Workload, c: Candidate, cluster: Cluster,
     if framework.grad_buffer_bytes:
         first, last = stage_params(model, c.tp, c.pp, c.vpp, c.cp, c.ep, c.dp)
         reserve += framework.grad_buffer_bytes * max(first.total, last.total)
+    layout = c.layout()
     req = Request(model=model, cluster=cluster,
                   train=train_shape(work, c),
-                  layout=c.layout(), stage=str(c.zero), offload=AUTO,
+                  layout=layout, stage=str(c.zero), offload=AUTO,
                   headroom=budget.headroom, gpu_reserve=reserve)
-    return evaluate(req, zero_for(model, c))
+    return evaluate(req, zero_for(model, c), layout)
 
 
 def search(model: ModelShape, work: Workload, cluster: Cluster, device: Device, *,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from toolkit import rules
 from toolkit.dsconfig.generator import (
     CPU,
     NVME,
@@ -34,7 +35,7 @@ from toolkit.dsconfig.generator import (
     with_zeropp,
 )
 from toolkit.memory import ZeroOptions, num_microbatches
-from toolkit.parallel.layout import ParallelLayout
+from toolkit.parallel.layout import ResolvedLayout
 from toolkit.planner.cost import MDTK, Candidate, Efficiency, Network, StepCost, Workload
 from toolkit.planner.devices import DEVICES, Device
 from toolkit.planner.step import step_cost
@@ -52,12 +53,12 @@ class AutoPlan(Plan):
     costs: dict[str, StepCost] = field(default_factory=dict)
 
 
-def _candidate(req: Request, zero: ZeroOptions, recompute: str) -> Candidate:
-    layout = req.layout.resolve(req.cluster.world_size)
+def _candidate(req: Request, layout: ResolvedLayout, zero: ZeroOptions, recompute: str
+               ) -> Candidate:
     offload = "none"
     if zero.offload_optimizer != "none":
         offload = "all" if zero.offload_param != "none" else "optimizer"
-    return Candidate(tp=layout.tp, pp=layout.pp, dp=int(layout.dp or 1), cp=layout.cp,
+    return Candidate(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp,
                      ep=layout.ep, vpp=layout.vpp or 1, zero=zero.stage, offload=offload,
                      recompute=recompute, micro_batch=req.train.micro_batch, hpz=zero.hpz,
                      qwz=zero.quantized_weights, qgz=zero.quantized_gradients)
@@ -75,20 +76,19 @@ def recompute_note(recompute: str, hf_trainer: bool) -> str:
             "HF Trainer: gradient_checkpointing=True).")
 
 
-def zeropp_eligible(req: Request, layout: ParallelLayout) -> str | None:
+def zeropp_eligible(req: Request, layout: ResolvedLayout) -> str | None:
     """Why ZeRO++ is not weighed for this request, or None when it is."""
     g = req.cluster.gpus_per_node
     if req.cluster.nodes < 2:
         return "one node (hpZ and qgZ only change cross-node traffic)"
-    if layout.tp * layout.pp > 1:
-        return (f"tp={layout.tp} pp={layout.pp}: DeepSpeed 0.19 builds the hpZ and qgZ groups "
-                "from consecutive world ranks, wrong with model parallelism")
+    if (mixed := rules.zeropp_groups_problem(layout.tp, layout.pp)) is not None:
+        return mixed
     if layout.dp_cp % g:
         return f"the data-parallel size {layout.dp_cp} is not a multiple of {g} GPUs per node"
     return None
 
 
-def zeropp_variants(req: Request, layout: ParallelLayout, zero: ZeroOptions
+def zeropp_variants(req: Request, layout: ResolvedLayout, zero: ZeroOptions
                     ) -> list[ZeroOptions]:
     """``zero`` and, at stage 3 where ZeRO++ is weighed, its variants (plain first): hpZ over
     the node's GPUs unless the request fixes it, qwZ / qgZ when allowed (or fixed)."""
@@ -116,9 +116,9 @@ def zero_auto(req: Request, device: Device = DEVICES["h100"], eff: Efficiency | 
     """Choose stage, offload, recompute and ZeRO++ for ``req`` (its ``train.recompute`` is
     ignored)."""
     layout = validate_request(req)
-    levels = ("none", "full") if req.hf_trainer else ("none", "selective", "full")
+    levels = rules.HF_RECOMPUTE if req.hf_trainer else rules.RECOMPUTE
     tiers = TIERS if req.offload == "auto" else (req.offload,)
-    dp = int(layout.dp or 1)
+    dp = layout.dp
     global_batch = req.train.global_batch or req.train.micro_batch * dp
     num_microbatches(dataclasses.replace(req.train, global_batch=global_batch), dp)  # divisible?
     work = Workload(req.train.seq_len, global_batch, req.train.dtype, pairs=req.train.pairs,
@@ -133,11 +133,12 @@ def zero_auto(req: Request, device: Device = DEVICES["h100"], eff: Efficiency | 
                                                                          recompute=recompute))
                 scored = []
                 for variant in zeropp_variants(req, layout, zero):
-                    option = dataclasses.replace(evaluate(sub, variant), recompute=recompute)
+                    option = dataclasses.replace(evaluate(sub, variant, layout),
+                                                 recompute=recompute)
                     considered.append(option)
                     if option.fits:
-                        cost = step_cost(req.model, work, _candidate(sub, variant, recompute),
-                                         net, MDTK, eff)
+                        cost = step_cost(req.model, work, _candidate(sub, layout, variant,
+                                                                     recompute), net, MDTK, eff)
                         scored.append(Scored(option, sub, cost, len(considered)))
                 if scored:
                     best.append((best_variant(scored), scored))
@@ -147,7 +148,7 @@ def zero_auto(req: Request, device: Device = DEVICES["h100"], eff: Efficiency | 
     raise nothing_fits(req, layout, considered)
 
 
-def _plan(req: Request, layout: ParallelLayout, chosen: Scored, variants: list[Scored],
+def _plan(req: Request, layout: ResolvedLayout, chosen: Scored, variants: list[Scored],
           considered: list[Option], work: Workload, net: Network, eff: Efficiency | None
           ) -> AutoPlan:
     notes: list[str] = []
@@ -156,7 +157,7 @@ def _plan(req: Request, layout: ParallelLayout, chosen: Scored, variants: list[S
         notes.append(recompute_note(str(option.recompute), req.hf_trainer))
     costs: dict[str, StepCost] = {"chosen": chosen.cost}
     if option.zero.stage == 3:
-        plain = _plain_cost(req, chosen, work, net, eff)
+        plain = _plain_cost(req, layout, chosen, work, net, eff)
         lossy = [s for s in variants if s.lossy]
         exact = [s for s in variants if not s.lossy]
         costs["plain"] = plain
@@ -167,16 +168,16 @@ def _plan(req: Request, layout: ParallelLayout, chosen: Scored, variants: list[S
         elif not req.allow_quantized_comm and not zeropp_eligible(req, layout):
             full = with_zeropp(option.zero, req.cluster.gpus_per_node, True, True)
             costs["quantized"] = step_cost(req.model, work, _candidate(
-                chosen.request, full, str(option.recompute)), net, MDTK, eff)
+                chosen.request, layout, full, str(option.recompute)), net, MDTK, eff)
         notes += zeropp_notes(req, option, costs, zeropp_eligible(req, layout), variants)
     config = build_config(chosen.request, option, layout, notes)
     return AutoPlan(config, option, tuple(considered), tuple(notes), costs)
 
 
-def _plain_cost(req: Request, chosen: Scored, work: Workload, net: Network,
-                eff: Efficiency | None) -> StepCost:
+def _plain_cost(req: Request, layout: ResolvedLayout, chosen: Scored, work: Workload,
+                net: Network, eff: Efficiency | None) -> StepCost:
     plain = with_zeropp(chosen.option.zero)
     if plain == chosen.option.zero:
         return chosen.cost
-    return step_cost(req.model, work, _candidate(chosen.request, plain,
+    return step_cost(req.model, work, _candidate(chosen.request, layout, plain,
                                                  str(chosen.option.recompute)), net, MDTK, eff)

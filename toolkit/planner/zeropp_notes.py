@@ -37,7 +37,7 @@ def zeropp_notes(req: Request, option: Option, costs: dict[str, StepCost], not_w
     """The notes of a ZeRO-3 choice: what ZeRO++ does here and why it was taken or not."""
     z = option.zero
     if not_weighed is not None:
-        return [f"ZeRO++ (hpZ, qwZ, qgZ) not weighed: {not_weighed}."]
+        return [f"ZeRO++ (hpZ, qwZ, qgZ) not weighed: {not_weighed.rstrip('.')}."]
     chosen, plain = costs["chosen"], costs["plain"]
     notes = []
     g = req.cluster.gpus_per_node

@@ -64,21 +64,14 @@ def deepspeed_config(cfg: TrainConfig, run: RunPlan, model: RunModel,
 
 
 def _check_engine_rules(ds_config: dict[str, Any], run: RunPlan, model: RunModel) -> None:
-    check_supported(ds_config, pp=run.layout.pp, has_experts=model.has_experts)
-
-
-def dpo_shape(cfg: TrainConfig) -> dict[str, bool]:
-    """The memory model's DPO fields for the run: pairs, and a reference model unless its
-    log-probabilities are precomputed."""
-    dpo = cfg.data.mode == "dpo"
-    return {"pairs": dpo, "reference_model": dpo and not cfg.dpo.precompute_reference}
+    check_supported(ds_config, pp=run.layout.pp, has_experts=model.has_experts, configs=True)
 
 
 def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
                       total_steps: int) -> Request:
     """What the generator needs to choose: the model, this machine's memory, the run's shape."""
     from toolkit.dsconfig.generator import Request
-    from toolkit.memory import Cluster, TrainShape
+    from toolkit.memory import Cluster, TrainShape, dpo_fields
 
     ds, world = cfg.deepspeed, run.layout.world_size
     gpu_mem, host = device_memory()
@@ -91,7 +84,8 @@ def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
         train=TrainShape(seq_len=cfg.train.seq_len, micro_batch=run.micro_batch,
                          global_batch=run.global_batch, dtype=cfg.train.precision,
                          recompute=cfg.train.recompute,
-                         async_checkpoint=cfg.checkpoint.async_, **dpo_shape(cfg)),
+                         async_checkpoint=cfg.checkpoint.async_,
+                         **dpo_fields(cfg.data.mode == "dpo", cfg.dpo.precompute_reference)),
         layout=run.layout, stage=str(ds.zero_stage), offload=ds.offload, lr=cfg.optim.lr,
         weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
         eps=cfg.optim.eps, gradient_clipping=cfg.optim.clip_grad,

@@ -25,7 +25,8 @@ gradient clipping and the data-parallel reduction. The two meet in three places:
   micro-batches and DeepSpeed's average over data parallel, and the shares summed are the loss.
 
 Supported: ZeRO 0-3 at pp=1; ZeRO 1-2 with pp>1 (1F1B and interleaved), which DeepSpeed's own
-PipelineEngine refuses for stage 2. Refused up front (``engine_rules.check_supported``): ZeRO-3
+PipelineEngine refuses for stage 2 (so do mdtk's configs: ``toolkit.rules``; the engine alone
+runs it). Refused up front (``engine_rules.check_supported``): ZeRO-3
 with pp>1, ZeRO-3 with experts, ZeRO-0 with clipping and pp>1 or experts, fp16, and bf16 ZeRO-1
 with fp32 gradient accumulation; each message says why.
 

@@ -12,7 +12,6 @@ dp ranks replicate them. Costs one full tensor at a time per rank (drawn, sliced
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,17 +19,12 @@ import torch
 
 from toolkit.mapping import MappingError
 from toolkit.mapping.rules import Region
+from toolkit.models.seeding import tensor_seed
 
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter
 
 Init = Callable[[torch.Tensor], Any]
-
-
-def tensor_seed(seed: int, name: str) -> int:
-    """A 63-bit seed from (run seed, tensor name): stable across processes and Python runs."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def init_kind(key: str, ndim: int) -> str:

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from toolkit.atomic import building
+from toolkit.checkpoint.deepspeed import MOMENTS
 from toolkit.errors import ConfigError
 from toolkit.lora import LoraError, LoraSpec
 from toolkit.lora.peft_io import CHECKPOINT_ADAPTER as ADAPTER_DIR
 from toolkit.lora.peft_io import CONFIG, WEIGHTS, check_base, config_dict, read_config
 
 OPTIMIZER_FILE = "adapter_optimizer.safetensors"
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def spec_of(cfg: Any) -> LoraSpec | None:

@@ -7,17 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from toolkit import parallel
 from toolkit.adapters.hfconfig import read_hf_config
+from toolkit.checkpoint.torchfree.dtypes import PRECISIONS
 from toolkit.errors import ConfigError
 from toolkit.memory.model import ModelShape, model_shape_from_hf
 from toolkit.models.kernels import Kernels
+from toolkit.rules import Recompute
 from toolkit.train.config import TrainConfig
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-RECOMPUTE = {
+DTYPES = {name: d.torch for name, d in PRECISIONS.items()}
+RECOMPUTE: dict[Recompute, dict[str, Any]] = {  # each choice as megatron-core's config keys
     "none": {},
     "selective": {"recompute_granularity": "selective"},
     "full": {"recompute_granularity": "full", "recompute_method": "uniform",

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from toolkit.checkpoint import CheckpointError
+from toolkit.checkpoint.deepspeed import MOMENTS
 from toolkit.mapping import MappingError, TensorPlan
 from toolkit.train.checkpointing import ENGINE_TAG, ResumeError
 
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 _LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
 
 

@@ -50,6 +50,9 @@ _ALL = [DType("float64", 8, True, "F64"), DType("float32", 4, True, "F32"),
 BY_NAME = {d.name: d for d in _ALL}
 BY_SAFETENSORS = {d.safetensors: d for d in _ALL}
 FLOAT32, BFLOAT16, FLOAT16 = BY_NAME["float32"], BY_NAME["bfloat16"], BY_NAME["float16"]
+#: The precisions a run or a conversion is asked for by name (``train.precision``, ``--dtype``):
+#: the one table; the torch dtypes are ``PRECISIONS[name].torch``, the sizes ``.itemsize``.
+PRECISIONS = {"bf16": BFLOAT16, "fp16": FLOAT16, "fp32": FLOAT32}
 UINT8, FLOAT8_E4M3 = BY_NAME["uint8"], BY_NAME["float8_e4m3fn"]
 
 

@@ -9,6 +9,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit import rules
 from toolkit.errors import ConfigError, UserError
 from toolkit.models import kernels
 from toolkit.parallel.layout import LayoutError
@@ -45,8 +46,10 @@ def check_deepspeed(cfg: TrainConfig) -> None:
         raise ConfigError("deepspeed.offload=nvme needs deepspeed.nvme_path: a folder on a fast "
                           "local NVMe disk.")
     if ds.offload in ("cpu", "nvme") and ds.zero_stage == 0:
-        raise ConfigError(f"deepspeed.offload={ds.offload} needs ZeRO: set deepspeed.zero_stage to "
-                          "1, 2 or 3 (parameters are offloaded only at stage 3).")
+        _, reason = rules.offload_problems(0, ds.offload)[0]
+        raise ConfigError(f"deepspeed.offload={ds.offload} with deepspeed.zero_stage=0: {reason} "
+                          "Set deepspeed.zero_stage to 1, 2 or 3 (parameters are offloaded only "
+                          "at stage 3).")
     if ds.config != "auto" and not Path(ds.config).is_file():
         raise ConfigError(f"deepspeed.config={ds.config!r}: no such file; give a DeepSpeed JSON "
                           "or 'auto' to generate one.")
@@ -57,9 +60,9 @@ def check_deepspeed(cfg: TrainConfig) -> None:
         raise ConfigError(f"deepspeed.{zeropp[0]} with deepspeed.config={ds.config}: the file "
                           "decides; set zero_hpz_partition_size / zero_quantized_weights / "
                           "zero_quantized_gradients in its zero_optimization block instead.")
-    if zeropp and ds.zero_stage not in (3, "auto"):
-        raise ConfigError(f"deepspeed.{zeropp[0]} (ZeRO++) needs deepspeed.zero_stage 3 (or "
-                          f"auto), not {ds.zero_stage}: only ZeRO-3 uses it.")
+    if zeropp and ds.zero_stage != "auto" and (problem := rules.zeropp_stage_problem(
+            int(ds.zero_stage), f"deepspeed.{zeropp[0]} (ZeRO++)")):
+        raise ConfigError(f"{problem} Set deepspeed.zero_stage to 3 (or auto).")
 
 
 def check_data(cfg: TrainConfig) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
-from toolkit.parallel.layout import LayoutError, ParallelLayout
+from toolkit.parallel.layout import LayoutError, ParallelLayout, ResolvedLayout
 from toolkit.train.config.schema import TrainConfig
 
 
@@ -14,14 +14,14 @@ from toolkit.train.config.schema import TrainConfig
 class RunPlan:
     """What the config means for this world size: the resolved layout and the batch split."""
 
-    layout: ParallelLayout
+    layout: ResolvedLayout
     micro_batch: int
     global_batch: int
     grad_accum: int
 
     @property
     def dp(self) -> int:
-        return int(self.layout.dp or 1)
+        return self.layout.dp
 
 
 def plan(cfg: TrainConfig, world_size: int) -> RunPlan:
@@ -32,7 +32,7 @@ def plan(cfg: TrainConfig, world_size: int) -> RunPlan:
         layout = wanted.resolve(world_size)
     except LayoutError as e:
         raise ConfigError(f"parallel: {e}{_how_to_launch(wanted, world_size)}") from None
-    dp = int(layout.dp or 1)
+    dp = layout.dp
     mb = cfg.train.micro_batch
     gb = cfg.train.global_batch or mb * dp
     if gb % (mb * dp):

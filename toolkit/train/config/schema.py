@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.parallel.layout import ParallelLayout
+from toolkit.rules import RECOMPUTE
 from toolkit.train.config.typed import as_dict, opt
 from toolkit.train.data import MODES, SFT_FORMATS
 from toolkit.train.dpo.spec import LOSSES as DPO_LOSSES
@@ -150,7 +151,7 @@ class TrainSection:
     seq_len: int = opt(512, minimum=2)
     seed: int = opt(1234, minimum=0)
     precision: str = opt("bf16", choices=("bf16", "fp16", "fp32"))
-    recompute: str = opt("none", choices=("none", "selective", "full"))
+    recompute: str = opt("none", choices=RECOMPUTE)
     eval_interval: int = opt(0, minimum=0)
     eval_batches: int | None = opt(None, minimum=1)
     fused_kernels: str = "auto"
