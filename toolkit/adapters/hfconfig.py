@@ -92,7 +92,7 @@ class HFConfig:
         return copy.deepcopy(self._data)
 
     def origin(self) -> str:
-        """The file this view was read from, for error messages ("config.json" if unknown)."""
+        """The file this view was read from, for error messages (config.json if unknown)."""
         return self._origin or CONFIG
 
 
@@ -137,7 +137,7 @@ def declared_dtype(hf: Any) -> dtypes.DType:
 
 
 def origin_of(hf: Any) -> str:
-    """The file an HF config came from, for messages (a transformers config: "config.json")."""
+    """The file an HF config came from, for messages (a transformers config: config.json)."""
     return hf.origin() if isinstance(hf, HFConfig) else CONFIG
 
 
