@@ -16,7 +16,7 @@ Two cases, because the disk holds at most ~45 GB of benchmark data at a time (a 
   (a full MoE layer, 27.9 GB per folder) runs where the disk holds ~56 GB: the source is then
   deleted once converted and written again for the next round (``lean_disk``).
 - ``fp8``: one full MoE layer (256 experts) as published: float8_e4m3fn linear weights with
-  128 x 128 block ``weight_scale_inv`` (``toolkit.checkpoint.fp8_quantize``), embeddings, norms,
+  128 x 128 block ``weight_scale_inv`` (``toolkit.convert.fp8_quantize``), embeddings, norms,
   router and bias as stored there; FP8 HF -> bf16 mcore at ep=8 against ``cp -r`` of the FP8
   folder. The torch_dist output is read back and compared with the helper's dequantization
   (every non-expert tensor, and the first and last expert of each ep rank). The way back
@@ -68,7 +68,7 @@ def pool(kind: str) -> torch.Tensor:
     """The seeded random pools: ``bf16`` values, and (``fp8``, ``scale``) their quantization
     by ``fp8_quantize.quantize`` (as one 2-D tensor of 128-row blocks)."""
     if not _pools:
-        from toolkit.checkpoint.fp8_quantize import quantize
+        from toolkit.convert.fp8_quantize import quantize
 
         g = torch.Generator().manual_seed(0)
         _pools["bf16"] = (0.02 * torch.randn(_POOL_N, generator=g)).to(torch.bfloat16)
@@ -105,7 +105,7 @@ def stored(name: str, shape: tuple[int, ...], fp8: bool) -> dict[str, torch.Tens
     """What the checkpoint stores for ``name``: the tensor, or (FP8) weight + block scales,
     tiled from the quantized pool (quantizing 11G elements one by one would take ~15 min)."""
     from toolkit.checkpoint.fp8 import SCALE
-    from toolkit.checkpoint.fp8_quantize import quantized
+    from toolkit.convert.fp8_quantize import quantized
 
     if fp8 and quantized(name, shape, torch.bfloat16):
         scales = (-(-shape[0] // BLOCK[0]), -(-shape[1] // BLOCK[1]))
@@ -118,8 +118,8 @@ def make_checkpoint(out: Path, experts: int, fp8: bool) -> Path:
     """Write the HF folder ``out`` tensor by tensor (plan first, so shards stream)."""
     from toolkit.adapters import adapter_for
     from toolkit.checkpoint.fp8 import FP8, SCALE
-    from toolkit.checkpoint.fp8_quantize import quantization_config, quantized
     from toolkit.checkpoint.hf_writer import HFWriter
+    from toolkit.convert.fp8_quantize import quantization_config, quantized
 
     cfg = config(experts)
     shapes = adapter_for(cfg).expected_tensors()
@@ -163,11 +163,12 @@ def check_fp8_mcore(path: Path, experts: int, ep: int) -> int:
     non-expert tensor and of the first and last expert of each ep rank."""
     from toolkit.checkpoint import mcore_dist
     from toolkit.checkpoint.fp8 import SCALE, dequantize
-    from toolkit.convert.sources import adapter_factory
+    from toolkit.convert.sources import Ctx, adapter_factory
 
     per = experts // ep
     ends = {str(e) for r in range(ep) for e in (r * per, r * per + per - 1)}
-    source, _, _ = mcore_dist.open_source(path, adapter_factory(None))
+    source, _, _ = mcore_dist.open_source(path, adapter_factory(Ctx("mcore", str(path), None,
+                                                                    None, 1)))
     n = 0
     try:
         for name, shape in _expected(experts).items():

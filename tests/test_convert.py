@@ -23,6 +23,7 @@ from dist_checks import adapter_checks as ac
 from dist_checks import convert_checks
 from typer.testing import CliRunner
 
+from toolkit.adapters.spec import EVENTS, read_events
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import HFReader
 from toolkit.checkpoint.torchfree.safe_load import load_torch
@@ -168,9 +169,12 @@ def test_mdtk_verify_cli_after_conversion(chains, tiny_root):
     assert "OK: logits match" in proc.stdout
 
 
-def test_dtype_cast_and_workers(tiny_root, tmp_path):
+def test_dtype_cast_and_workers(tiny_root, tmp_path, monkeypatch):
     """--dtype bf16 gives exactly the bf16-rounded weights; 2 worker processes write the same
-    tensors as one process; --verify reads the result back."""
+    tensors as one process; --verify reads the result back. One model description per
+    command: a tp2 x pp2 conversion with workers and --verify reads config.json once and builds
+    the mapping once in this process, and each worker builds the mapping once from the model it
+    is sent, reading no config.json (every process counts: ``MDTK_MODEL_EVENTS``)."""
     src = tiny_root / "qwen2"
     report = convert(src, tmp_path / "m", "mcore", L(tp=2), dtype="bf16", progress=False,
                      verify=True)
@@ -183,8 +187,16 @@ def test_dtype_cast_and_workers(tiny_root, tmp_path):
             x, y = a.read(name, full), b.read(name, full)
             assert y.dtype == torch.bfloat16 and torch.equal(x.to(torch.bfloat16), y), name
     one = convert(src, tmp_path / "w1", "megatron-legacy", L(tp=2, pp=2), progress=False)
+    events = tmp_path / "model_events"
+    monkeypatch.setenv(EVENTS, str(events))
     two = convert(src, tmp_path / "w2", "megatron-legacy", L(tp=2, pp=2), progress=False,
-                  workers=2)
+                  workers=2, verify=True)
+    monkeypatch.delenv(EVENTS)
+    per_process = read_events(events)
+    assert per_process.pop(os.getpid()) == {"read": 1, "mapping": 1}
+    assert 1 <= len(per_process) <= 2  # the workers (spawned: other processes)
+    assert all(counts == {"mapping": 1} for counts in per_process.values()), per_process
+    assert two.verified == two.tensors > 0
     assert one.files == two.files
     for f in one.files:
         if f.endswith(".pt"):

@@ -1,6 +1,6 @@
 """FP8 checkpoints (DeepSeek-V3's layout) dequantized on read (``toolkit.checkpoint.fp8``).
 
-Tiny checkpoints are quantized by ``toolkit.checkpoint.fp8_quantize`` (blockwise amax / 448,
+Tiny checkpoints are quantized by ``toolkit.convert.fp8_quantize`` (blockwise amax / 448,
 non-square blocks so a row/column mix-up shows; 128 x 128 on a shape that is not a multiple of
 128), then converted: every output value must equal the reference dequantization bit-exactly,
 and the logits of the converted models (and of the FP8 folder loaded live) must match
@@ -19,11 +19,12 @@ from dist_checks import convert_checks
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from toolkit.adapters.spec import read_hf_config
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.fp8 import FP8, SCALE
-from toolkit.checkpoint.fp8_quantize import quantize, quantize_folder, tensors_of, write_folder
 from toolkit.checkpoint.hf import HFReader, open_reader
 from toolkit.convert import convert, inspect
+from toolkit.convert.fp8_quantize import quantize, quantize_folder, tensors_of, write_folder
 from toolkit.parallel.layout import ParallelLayout as L
 
 BLOCK = (32, 48)  # tiny shapes (64, 96): partial blocks in both dimensions
@@ -63,6 +64,11 @@ def _folder(path: Path, tensors: dict, quant: dict | None) -> Path:
     return path
 
 
+def _open(path: Path, out_dtype: torch.dtype | None = None):
+    """The folder's reader, its config.json read as every command reads it (one reader)."""
+    return open_reader(path, read_hf_config(path), out_dtype)
+
+
 def test_reader_reads_only_the_blocks_of_a_region(tmp_path):
     """128 x 128 blocks on a 300 x 200 weight: any region equals the reference's, reading only
     the fp8 rows/columns asked for and the scales of the blocks they touch."""
@@ -74,7 +80,7 @@ def test_reader_reads_only_the_blocks_of_a_region(tmp_path):
     assert (ref - w).abs().max() < 0.05 * w.abs().max()  # e4m3: 3 mantissa bits
     path = _folder(tmp_path / "q", {"a.weight": q, "a.weight" + SCALE: s,
                                     "n.weight": torch.ones(4)}, FP8_CONFIG)
-    with open_reader(path, torch.float32) as r:
+    with _open(path, torch.float32) as r:
         assert sorted(r.names) == ["a.weight", "n.weight"]  # scales are not weights
         assert r.dtype("a.weight") == torch.float32 and r.dtype("n.weight") == torch.float32
         for (a, b), (c, d) in (((0, 300), (0, 200)), ((5, 260), (100, 199)),
@@ -86,7 +92,7 @@ def test_reader_reads_only_the_blocks_of_a_region(tmp_path):
             assert fp8 == (b - a) * (d - c)  # one byte per element of the region, no more
             assert all(reg[1] == (c // 128, -(-d // 128)) for reg in scales)
             assert len(scales) == len(range(a // 128, -(-b // 128)))
-    with open_reader(path) as r:  # default: the checkpoint's dtype
+    with _open(path) as r:  # default: the checkpoint's dtype
         assert torch.equal(r.read("a.weight", ((0, 300), (0, 200))), ref.to(torch.bfloat16))
         # file-to-file copies: the stored bytes of an unquantized tensor, never of a weight
         assert r.byte_range("a.weight", ((0, 300), (0, 200))) is None
@@ -105,15 +111,15 @@ def test_reader_reads_only_the_blocks_of_a_region(tmp_path):
 def test_refuses_unsupported_quantization(tmp_path, quant, match):
     path = _folder(tmp_path / "q", {"n.weight": torch.ones(4)}, quant)
     with pytest.raises(CheckpointError, match=match):
-        open_reader(path)
+        _open(path)
 
 
 def test_refuses_damaged_scales(tmp_path):
     q, s = quantize(torch.randn(300, 200), (128, 128))
     with pytest.raises(CheckpointError, match="has no a.weight_scale_inv"):
-        open_reader(_folder(tmp_path / "a", {"a.weight": q}, FP8_CONFIG))
+        _open(_folder(tmp_path / "a", {"a.weight": q}, FP8_CONFIG))
     with pytest.raises(CheckpointError, match=r"needs \(3, 2\)"):
-        open_reader(_folder(tmp_path / "b", {"a.weight": q, "a.weight" + SCALE: s[:2]},
+        _open(_folder(tmp_path / "b", {"a.weight": q, "a.weight" + SCALE: s[:2]},
                             FP8_CONFIG))
 
 

@@ -11,6 +11,7 @@ their published sizes. ``mdtk estimate`` / ``ds-config`` must not import torch o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,59 @@ def test_multimodal_text_config_and_model_type_lookup():
     assert model_shape_from_hf(outer).num_params() == PUBLISHED["llama-3.1-8b"]
     with pytest.raises(ModelConfigError, match="model_type='nope'.*llama"):
         model_shape_from_hf({**text, "model_type": "nope"})
+
+
+# -- the model description of a command (ModelSpec) -----------------------------------------------
+
+def test_model_spec_reads_once_and_builds_one_mapping_per_dtype(tmp_path, monkeypatch):
+    """A spec made from a folder reads its config.json once; its mapping is built on first use
+    and is then the same object for the same dtype and padding (another dtype or padding: one
+    more); pickled (a converter's worker) it carries the config, not its caches; the live spec's
+    transformers config is what ``AutoConfig.from_pretrained`` makes of the folder."""
+    import pickle
+
+    from transformers import AutoConfig
+
+    from toolkit.adapters import HFConfigError, ModelSpec
+    from toolkit.adapters.spec import EVENTS, read_events
+
+    CONFIGS["llama"].save_pretrained(tmp_path / "llama")
+    events = tmp_path / "events"
+    monkeypatch.setenv(EVENTS, str(events))
+    spec = ModelSpec.of(tmp_path / "llama")
+    assert ModelSpec.of(spec) is spec and spec.source == tmp_path / "llama"
+    first = spec.adapter()
+    assert spec.adapter() is first and spec.adapter(spec.dtype) is first
+    other = torch.float16 if spec.dtype.name == "bfloat16" else torch.bfloat16
+    assert spec.adapter(other) is not first and spec.adapter(other).params_dtype.name == str(
+        other).removeprefix("torch.")
+    assert spec.adapter(vocab_multiple=128).padded_vocab(2) % 256 == 0
+    assert type(first.hf_config).__name__ == "HFConfig"  # plain JSON: no transformers
+    assert spec.shape == model_shape_from_hf(read_hf_config(tmp_path / "llama"))
+    assert spec.shape.num_params() == sum(_numel(s) for s in first.expected_tensors().values())
+    copy = pickle.loads(pickle.dumps(spec))
+    assert copy.config == spec.config and copy.source == spec.source
+    assert copy.adapter() is not first and copy.adapter().table(2) == first.table(2)
+    assert read_events(events)[os.getpid()] == {"read": 2, "mapping": 4}  # the 2nd: this test's
+
+    live = ModelSpec.of(tmp_path / "llama", live=True)
+    made = live.transformers_config()
+    assert live.transformers_config() is made
+    assert made.to_dict() == AutoConfig.from_pretrained(str(tmp_path / "llama")).to_dict()
+    assert live.adapter().hf_config is made and live.adapter().table(2) == first.table(2)
+    with pytest.raises(HFConfigError, match="not a preset"):
+        ModelSpec.named("no-such-model")
+
+
+def test_model_spec_writes_its_config_as_read_or_for_new_weights(tmp_path):
+    """``write`` gives back the config as read; with a dtype (a conversion's output) the dtype
+    keys say it and an fp8 quantization declaration is dropped."""
+    from toolkit.adapters import ModelSpec
+
+    raw = {**get_preset("llama-3.2-1b"), "torch_dtype": "float32",
+           "quantization_config": {"quant_method": "fp8"}}
+    spec = ModelSpec.of(raw)
+    assert read_hf_config(spec.write(tmp_path / "a")).to_dict() == raw
+    out = read_hf_config(spec.write(tmp_path / "b", torch.bfloat16)).to_dict()
+    assert (out["dtype"], out["torch_dtype"]) == ("bfloat16", "bfloat16")
+    assert "quantization_config" not in out and spec.raw == raw

@@ -174,6 +174,17 @@ def test_step_values_read_at_the_logging_interval_are_every_steps(results_2, res
     assert rank0["metrics"] == [rank0["losses"][2], rank0["losses"][4]]
 
 
+def test_one_model_description_per_rank(results_2):
+    """Each rank of every 2-rank run (config checks, setup, packing check, model build, steps,
+    checkpoints) read config.json once and built the mapping once: the run's ModelSpec is made
+    once and passed down (toolkit/adapters/spec.py counts both: MDTK_MODEL_EVENTS)."""
+    for case in CASES_2:
+        ranks = results_2[case.name]
+        assert len(ranks) == 2
+        for r in ranks:
+            assert r["model_events"] == {"read": 1, "mapping": 1}, (case.name, r["model_events"])
+
+
 def test_odd_vocab_padded_only_at_tp2(results_2, results_1):
     # the parity above holds although tp=2 pads the vocab: the padded logit is masked out
     assert results_1["refs"]["ref_odd"]["padded_vocab"] == tc.VOCAB["odd"]

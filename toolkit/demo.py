@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit import bundled
+from toolkit.adapters.spec import ModelSpec, has_config, read_hf_config
 from toolkit.atomic import building
 
 
@@ -40,19 +41,19 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0,
 
     runtime.select_deepspeed_accelerator()  # transformers imports DeepSpeed
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
 
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+    if has_config(out) and (out / "tokenizer.json").is_file():
         return out
     hf_logging.disable_progress_bar()  # "Writing model shards" for one small file
     with building(out) as tmp:  # replaces an incomplete earlier attempt
-        raw = {**json.loads(bundled.path(bundled.TINY_LLAMA_CONFIG).read_text()),
+        raw = {**read_hf_config(bundled.path(bundled.TINY_LLAMA_CONFIG)).to_dict(),
                **(overrides or {})}
         build_tiny_tokenizer(tmp, vocab_size=raw["vocab_size"])
-        config = AutoConfig.for_model(**raw)
+        config = ModelSpec.of(raw, live=True).transformers_config()
         torch.manual_seed(seed)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
     return out
@@ -60,7 +61,7 @@ def make_tiny_checkpoint(out: Path, *, seed: int = 0,
 
 def describe_model(model_dir: Path) -> str:
     """One line for the story: what the model is and where it lives."""
-    c = json.loads((model_dir / "config.json").read_text())
+    c = read_hf_config(model_dir).to_dict()
     return (f"model: tiny {c['model_type'].capitalize()} ({c['num_hidden_layers']} layers, hidden "
             f"{c['hidden_size']}, {c['num_attention_heads']} heads / {c['num_key_value_heads']} "
             f"kv, vocab {c['vocab_size']}; random weights) at {model_dir}")

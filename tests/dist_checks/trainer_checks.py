@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -126,14 +127,31 @@ def config(case: Case, assets: dict[str, str], out: str | Path, *, mode: str | N
 
 def run_case(case: Case, assets: dict[str, str], workdir: str,
              on_engine: Any = None) -> dict[str, Any]:
-    """Train ``case`` with the real trainer; its per-step losses and what the ranks saw.
+    """Train ``case`` with the real trainer; its per-step losses and what the ranks saw (with
+    how often this rank read a config.json and built a mapping, config checks included).
     ``on_engine(engine, seen)``: called with each engine built (e.g. to measure it)."""
+    from toolkit.adapters.spec import EVENTS, read_events
+
+    out = Path(workdir) / case.name
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    fd, events = tempfile.mkstemp(prefix=f"{case.name}.model_events.", dir=workdir)
+    os.close(fd)
+    os.environ[EVENTS] = events
+    try:
+        cfg = config(case, assets, out)
+        result = _run_spied(case, cfg, on_engine)
+    finally:
+        del os.environ[EVENTS]
+    return {**result, "model_events": read_events(events).get(os.getpid(), {})}
+
+
+def _run_spied(case: Case, cfg: Any, on_engine: Any) -> dict[str, Any]:
+    """``trainer.run(cfg)``, the engines it builds watched; what ``run_case`` returns."""
     from megatron.core import parallel_state as ps
 
     from toolkit.train import trainer
 
-    out = Path(workdir) / case.name
-    cfg = config(case, assets, out)
+    out = Path(str(cfg.output_dir))
     seen: dict[str, Any] = {}
     built: list[weakref.ref] = []  # the engines this run built: freed when it returns?
     threads = _gloo_threads()

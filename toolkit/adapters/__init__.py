@@ -2,9 +2,12 @@
 
 - ``family``: ``Family`` base, ``Dims`` (the one model description), ``Moe`` switches;
 - ``registry``: architecture -> family (``@register``; discovers ``model_adapters``);
-- ``hfconfig``: ``HFConfig`` / ``read_hf_config`` and the config translations families share;
+- ``hfconfig``: ``HFConfig`` and the config translations families share;
 - ``presets``: published configs of well-known checkpoints;
-- ``adapter`` (torch): ``Adapter``, ``adapter_for``;
+- ``shape``: ``ModelShape`` (the model's tensors, as the memory model counts them);
+- ``spec``: ``ModelSpec`` (one model description per command) and the only reader and writer
+  of ``config.json`` (``read_hf_config``, ``write_config``);
+- ``adapter`` (torch): ``Adapter`` (the mapping; ``spec.adapter`` / ``adapter_for`` build it);
 - ``live`` (torch, megatron-core): load an HF checkpoint into live chunks and export them.
 
 Torch-free names are imported eagerly; the torch-needing ones resolve on first access through
@@ -17,19 +20,20 @@ import importlib
 from typing import Any
 
 from toolkit.adapters.family import ConfigKeyError, Dims, Family, Moe
-from toolkit.adapters.hfconfig import HFConfig, HFConfigError, UnsupportedModel, read_hf_config
+from toolkit.adapters.hfconfig import HFConfig, HFConfigError, UnsupportedModel
 from toolkit.adapters.registry import FAMILIES, family_for, family_of, register, supported
+from toolkit.adapters.spec import ModelSpec, adapter_for, load_hf_config, read_hf_config
 
 _LAZY = {
-    **dict.fromkeys(("ACTIVATIONS", "Adapter", "CheckpointMismatch", "activation", "adapter_for",
-                     "load_hf_config"), "toolkit.adapters.adapter"),
+    **dict.fromkeys(("ACTIVATIONS", "Adapter", "CheckpointMismatch", "activation"),
+                    "toolkit.adapters.adapter"),
     **dict.fromkeys(("build_model", "current_coord", "export_hf", "fill_chunks",
                      "forward_logits", "load_hf"), "toolkit.adapters.live"),
 }
 
-__all__ = ["FAMILIES", "ConfigKeyError", "Dims", "Family", "HFConfig", "HFConfigError", "Moe",
-           "UnsupportedModel", "family_for", "family_of", "read_hf_config", "register",
-           "supported", *_LAZY]
+__all__ = ["FAMILIES", "ConfigKeyError", "Dims", "Family", "HFConfig", "HFConfigError",
+           "ModelSpec", "Moe", "UnsupportedModel", "adapter_for", "family_for", "family_of",
+           "load_hf_config", "read_hf_config", "register", "supported", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

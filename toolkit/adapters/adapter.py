@@ -1,10 +1,12 @@
-"""The adapter: a family bound to one HF checkpoint's config, a dtype and a vocab padding.
+"""The adapter (the mapping): a family bound to one HF checkpoint's config, a dtype and a vocab
+padding.
 
 A ``Family`` (``toolkit.adapters.family``; one small file per family in ``model_adapters/``)
 declares how an HF config translates. The ``Adapter`` adds what needs torch: the dtypes, the
 activation function, the TransformerConfig, layer spec and GPTModel arguments for a layout, and
 the per-rank plans. It knows no process groups and no files except the source folder it copies
-tokenizer files from on export.
+tokenizer files from on export. A command gets it from its ``ModelSpec`` (``spec.adapter``),
+which builds it (``bind``) once per dtype and vocab padding.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.adapters.family import Dims, Family
-from toolkit.adapters.hfconfig import HFConfigError, UnsupportedModel, origin_of, read_hf_config
+from toolkit.adapters.hfconfig import UnsupportedModel, declared_dtype
 from toolkit.adapters.registry import family_of
 from toolkit.checkpoint.torchfree import dtypes
 from toolkit.checkpoint.torchfree.dtypes import to_torch
@@ -85,12 +87,7 @@ class Adapter:
     @property
     def hf_dtype(self) -> dtypes.DType:
         """The dtype the HF checkpoint declares (float32 when it declares none)."""
-        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype",
-                                                                    None)
-        try:
-            return dtypes.of(dtype) if dtype else dtypes.FLOAT32
-        except ValueError as err:
-            raise HFConfigError(f"{origin_of(self.hf_config)}: {err}") from None
+        return declared_dtype(self.hf_config)
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab_size(self.dims.vocab, tp, self.vocab_multiple)
@@ -140,10 +137,16 @@ class Adapter:
         }
 
     def table(self, tp: int) -> Table:
-        padded = self.padded_vocab(tp)
-        if padded not in self._tables:
-            self._tables[padded] = self.family.table(self.hf_config, self.dims, padded)
-        return self._tables[padded]
+        """The mapping at tensor-parallel size ``tp`` (the vocab padded as this adapter pads)."""
+        return self.table_at(self.padded_vocab(tp))
+
+    def table_at(self, padded_vocab: int) -> Table:
+        """The mapping with the vocab padded to ``padded_vocab`` rows (a checkpoint's own
+        padding; ``dims.vocab``: none), made once per size."""
+        if padded_vocab not in self._tables:
+            self._tables[padded_vocab] = self.family.table(self.hf_config, self.dims,
+                                                           padded_vocab)
+        return self._tables[padded_vocab]
 
     def plan(self, coord: Coord) -> list[TensorPlan]:
         return plan_rank(self.table(coord.tp), coord)
@@ -207,11 +210,17 @@ class Adapter:
 
     def export_config(self, dtype: torch.dtype | None = None) -> Any:
         """The HF config to write next to exported weights (dtype updated)."""
-        cfg = copy.deepcopy(self.hf_config)
-        cfg.dtype = to_torch(dtype or self.hf_dtype)
-        if getattr(cfg, "quantization_config", None) is not None:
-            del cfg.quantization_config  # fp8 sources are dequantized: the output is not
-        return cfg
+        return export_config(self.hf_config, dtype or self.hf_dtype)
+
+
+def export_config(hf: Any, dtype: Any) -> Any:
+    """A copy of transformers' config ``hf`` to write next to weights of ``dtype``: the dtype
+    updated, an fp8 ``quantization_config`` dropped (the weights written are not quantized)."""
+    cfg = copy.deepcopy(hf)
+    cfg.dtype = to_torch(dtypes.of(dtype))
+    if getattr(cfg, "quantization_config", None) is not None:
+        del cfg.quantization_config
+    return cfg
 
 
 def _listing(names: list[str], limit: int = 12) -> str:
@@ -226,29 +235,9 @@ def family_for_config(hf: Any) -> Family:
     return family_of(hf)
 
 
-def load_hf_config(path: str | Path) -> Any:
-    """The HF config of a local folder, parsed by transformers' own config class."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(path))
-
-
-def adapter_for(config_or_path: Any, *, dtype: torch.dtype | str | None = None,
-                vocab_multiple: int = 1) -> Adapter:
-    """The adapter of an HF config (or of the folder holding its config.json).
-
-    ``dtype`` is megatron-core's parameter dtype; by default the checkpoint's own dtype.
-    Raises UnsupportedModel (listing the supported architectures) for unknown families.
-    """
-    source = None
-    hf = config_or_path
-    if isinstance(config_or_path, (str, Path)):
-        source = Path(config_or_path)
-        # mdtk's checks (types named by key) first, on the plain JSON: transformers' own
-        # validation would otherwise stop a wrong type with its traceback
-        plain = read_hf_config(source)
-        family_for_config(plain).check(plain)
-        hf = load_hf_config(source)
+def bind(hf: Any, source: Path | None, dtype: Any, vocab_multiple: int) -> Adapter:
+    """A new adapter reading ``hf`` (made by ``ModelSpec.adapter``, which keeps it): the
+    family's checks, the activation, the parameters' ``dtype`` (None: the declared one)."""
     family = family_for_config(hf)
     family.check(hf)
     check_activation(family.activation(hf))

@@ -3,7 +3,8 @@
 ``HFConfig`` reads like a transformers config (``cfg.hidden_size``, ``getattr(cfg, "head_dim",
 None)``) but is a plain view over the JSON dict, so reading a checkpoint's config costs no torch or
 transformers import (``mdtk estimate``, ``ds-config``, ``inspect``). Families read both this view
-and real transformers configs through the same attribute access.
+and real transformers configs through the same attribute access. The file itself is read and
+written by ``toolkit.adapters.spec`` only.
 
 The translations (RoPE, sliding windows, HF's dense-layer rule of MoE models) are written once
 here for every family whose HF config uses the same keys, and so are the JSON types a key may
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolkit.checkpoint.hf import CONFIG
+from toolkit.checkpoint.torchfree import dtypes
 from toolkit.errors import UserError
 
 
@@ -73,6 +76,9 @@ class HFConfig:
     def __hash__(self) -> int:
         return hash(json.dumps(self._data, sort_keys=True, default=str))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return HFConfig, (self._data, self._origin)  # pickled by value (worker processes)
+
     def __repr__(self) -> str:
         return f"HFConfig({self._data!r})"
 
@@ -86,24 +92,8 @@ class HFConfig:
         return copy.deepcopy(self._data)
 
     def origin(self) -> str:
-        """The file this view was read from, for error messages ("config.json" if unknown)."""
-        return self._origin or "config.json"
-
-
-def read_hf_config(folder_or_file: str | Path) -> HFConfig:
-    """The ``config.json`` of an HF folder (or the file itself), parsed as plain JSON."""
-    path = Path(folder_or_file)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        where = f"{path} holds no config.json" if path.is_dir() else f"{path} does not exist"
-        raise HFConfigError(f"{where}: pass an HF model folder or its config.json.")
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFConfigError(f"{file} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise HFConfigError(f"{file} holds a JSON {type(data).__name__}, not an object.")
-    return HFConfig(data, file)
+        """The file this view was read from, for error messages (config.json if unknown)."""
+        return self._origin or CONFIG
 
 
 # -- the JSON types of config keys -----------------------------------------------------------
@@ -137,9 +127,18 @@ COUNTS = Kind("a list of non-negative integers", lambda x: isinstance(x, list)
 IDENTITY = {"architectures": TEXTS, "model_type": TEXT}
 
 
+def declared_dtype(hf: Any) -> dtypes.DType:
+    """The dtype an HF config declares for its weights (float32 when it declares none)."""
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    try:
+        return dtypes.of(dtype) if dtype else dtypes.FLOAT32
+    except ValueError as err:
+        raise HFConfigError(f"{origin_of(hf)}: {err}") from None
+
+
 def origin_of(hf: Any) -> str:
-    """The file an HF config came from, for messages (a transformers config: "config.json")."""
-    return hf.origin() if isinstance(hf, HFConfig) else "config.json"
+    """The file an HF config came from, for messages (a transformers config: config.json)."""
+    return hf.origin() if isinstance(hf, HFConfig) else CONFIG
 
 
 def _json_kind(value: Any) -> str:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit.adapters.adapter import Adapter, adapter_for
+from toolkit.adapters.adapter import Adapter
+from toolkit.adapters.spec import ConfigFile, ModelSpec
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import GENERATION_CONFIG, HFReader, open_reader
 from toolkit.checkpoint.hf_writer import HFWriter
@@ -87,7 +88,7 @@ def build_model(adapter: Adapter, layout: ParallelLayout, **config_overrides: An
 
 
 def load_hf(
-    source: str | Path,
+    source: str | Path | ModelSpec,
     layout: ParallelLayout | None = None,
     *,
     dtype: torch.dtype | str | None = None,
@@ -95,16 +96,22 @@ def load_hf(
     revision: str | None = None,
     **config_overrides: Any,
 ) -> tuple[list[Any], Adapter]:
-    """Build this rank's chunks and fill them from an HF folder or hub id.
+    """Build this rank's chunks and fill them from an HF folder or hub id, or from the folder
+    of a live ``ModelSpec`` (its mapping: ``spec.adapter(dtype, vocab_multiple)``).
 
     Initialises megatron-core's process groups for ``layout`` unless they already exist (then
     ``layout`` must match them). Everything that can be checked before building is checked
     first: architecture, config features, layout divisibility, tensor names and shapes.
     """
-    path = resolve_source(source, revision=revision)
-    adapter = adapter_for(path, dtype=dtype, vocab_multiple=vocab_multiple)
+    spec = source if isinstance(source, ModelSpec) else ModelSpec.of(
+        resolve_source(source, revision=revision), live=True)
+    if spec.source is None:
+        raise CheckpointError("load_hf needs the model's folder (its weights): got a model "
+                              "description without one.")
+    adapter = spec.adapter(dtype, vocab_multiple)
     adapter.validate(layout or ParallelLayout())
-    with open_reader(path, adapter.params_dtype) as reader:  # fp8: dequantized into it
+    # fp8 weights: dequantized into the parameters' dtype
+    with open_reader(spec.source, spec.config, adapter.params_dtype) as reader:
         names = adapter.match_checkpoint({n: reader.shape(n) for n in reader.names})
         active = _layout_in_use(layout)
         adapter.validate(active)
@@ -216,8 +223,9 @@ def export_hf(
         if writer is not None:
             for name, tensor in kept_tensors(adapter):  # e.g. DeepSeek-V3's MTP layers
                 writer.add(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
-            result = writer.finish(adapter.export_config(dtype),
-                                   generation_config=generation_config(adapter),
+            result = writer.finish(ConfigFile(adapter.export_config(dtype)),
+                                   generation_config=generation_config(adapter.source,
+                                                                       adapter.hf_config),
                                    copy_from=adapter.source)
     except BaseException:
         if writer is not None:
@@ -301,12 +309,14 @@ def kept_tensors(adapter: Adapter) -> Any:
             yield name, reader.read(name, tuple((0, n) for n in reader.shape(name)))
 
 
-def generation_config(adapter: Adapter) -> Any:
+def generation_config(source: Path | None, hf: Any) -> Any:
+    """The generation config to write beside a model: ``source``'s own file when it has one,
+    else transformers' defaults for its config ``hf`` (a transformers config)."""
     from transformers import GenerationConfig
 
-    if adapter.source is not None and (adapter.source / GENERATION_CONFIG).is_file():
-        return GenerationConfig.from_pretrained(str(adapter.source))
-    return GenerationConfig.from_model_config(adapter.hf_config)
+    if source is not None and (source / GENERATION_CONFIG).is_file():
+        return GenerationConfig.from_pretrained(str(source))
+    return GenerationConfig.from_model_config(hf)
 
 
 @torch.no_grad()

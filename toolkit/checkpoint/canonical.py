@@ -155,7 +155,7 @@ class McoreFullSource:
         self._get = get
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_size = cache
-        table = adapter.table(1)
+        table = adapter.table_at(adapter.dims.vocab)  # the full tensors, vocab unpadded
         self._rules = dict(table.items())
         # HF name -> [(megatron key, piece)], from the first present key(s) covering it (a tied
         # output layer names the embedding's HF tensor again: the first holder wins).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 from toolkit.checkpoint import CheckpointError, formats, nvme_swap
 from toolkit.checkpoint.canonical import McoreFullSource, hf_from_shards, local_tensor
 from toolkit.checkpoint.deepspeed_zero import Zero12, module_buffers, zero0_reader, zero3_reader
-from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, copy_side_files
+from toolkit.checkpoint.hf import CONFIG
 from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR
 from toolkit.checkpoint.source import Opening
 from toolkit.checkpoint.torchfree.safe_load import load_torch
@@ -298,25 +298,12 @@ class DeepSpeedCheckpoint:
                      etp_rank=t if etp_rank is None else etp_rank, etp=self.etp)
 
 
-def write_hf_config(step_dir: Path, hf_config: dict[str, Any], folders: Sequence[Path]) -> Path:
-    """``step_dir/hf_config/``: the model's config.json as the run read it, with the tokenizer
-    files and ``generation_config.json`` found in ``folders`` (the model's and the tokenizer's
-    local folders), so that a trainer checkpoint describes its model without the run's files."""
-    out = step_dir / HF_CONFIG_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    names = (*TOKENIZER_FILES, GENERATION_CONFIG)
-    for folder in folders:
-        names = tuple(n for n in names if n not in copy_side_files(folder, out, names))
-    return out
-
-
 def hf_config_candidates(ckpt: DeepSpeedCheckpoint) -> list[Path]:
     """Where the HF config of a DeepSpeed checkpoint may be, in order: the ``hf_config/`` folder
-    mdtk's trainer stores in each checkpoint (``write_hf_config``), trainer_state.json's
-    ``model.path`` / ``model.config`` (older trainer checkpoints; a relative path is taken as
-    given, then against the run folder), else beside the engine folder (HF Trainer's
-    ``checkpoint-N/``)."""
+    mdtk's trainer stores in each checkpoint (``megatron_layout.write_hf_config``),
+    trainer_state.json's ``model.path`` / ``model.config`` (older trainer checkpoints; a
+    relative path is taken as given, then against the run folder), else beside the engine
+    folder (HF Trainer's ``checkpoint-N/``)."""
     model = (ckpt.state.get("config") or {}).get("model") or {}
     run = ckpt.path.parent.parent.parent  # <run>/checkpoints/step_N/engine
     out: list[Path] = [ckpt.path.parent / HF_CONFIG_DIR]
@@ -332,7 +319,7 @@ def hf_config_candidates(ckpt: DeepSpeedCheckpoint) -> list[Path]:
 
 def _hf_config_dir(ckpt: DeepSpeedCheckpoint) -> Path | None:
     """The first of ``hf_config_candidates`` holding a config.json."""
-    return next((p for p in hf_config_candidates(ckpt) if (p / "config.json").is_file()), None)
+    return next((p for p in hf_config_candidates(ckpt) if (p / CONFIG).is_file()), None)
 
 
 class HFNamedSource:
@@ -388,9 +375,9 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory, state: str = "
                               f"{adapter.architecture} has no experts.")
     emb = ckpt.ranks[0].shapes["embedding.word_embeddings.weight"]  # first stage, tp rank 0
     padded = emb[0] * ckpt.tp
-    table = adapter.family.table(adapter.hf_config, adapter.dims, padded)
+    table = adapter.table_at(padded)
     rules = dict(table.items())
-    full_rules = dict(adapter.table(1).items())
+    full_rules = dict(adapter.table_at(adapter.dims.vocab).items())
     holders: dict[str, dict[int, tuple[int, str, int, int]]] = {}
     readers: dict[tuple[int, int, int], Callable[[str], torch.Tensor]] = {}
     for m, rank in ckpt.ranks.items():

@@ -26,6 +26,9 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
+#: The model's config: its name only here (format detection, ``hf_config/`` folders); it is
+#: read and written by ``toolkit.adapters.spec`` alone, a layer above.
+CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -194,35 +197,34 @@ FORMAT = "hf"
 
 
 def looks_like(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(
+    return (path / CONFIG).is_file() and any(
         (path / f).is_file() for f in (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE))
 
 
-def open_reader(path: str | Path, out_dtype: torch.dtype | None = None
+def open_reader(path: str | Path, config: Any, out_dtype: torch.dtype | None = None
                 ) -> HFReader | fp8.DequantizingReader:
     """The slice reader of an HF folder: ``HFReader``, wrapped in ``fp8.DequantizingReader``
-    when config.json declares fp8 block quantization (weights then come out in ``out_dtype``,
-    default the checkpoint's dtype)."""
-    reader = HFReader(path)
-    config = Path(path) / "config.json"
-    try:
-        data = json.loads(config.read_text()) if config.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        reader.close()
-        raise CheckpointError(f"{config} is not valid JSON ({err}).") from err
-    return fp8.dequantizing(reader, data, out_dtype)
+    when its ``config`` (the folder's config.json as read, a mapping) declares fp8 block
+    quantization (weights then come out in ``out_dtype``, default the checkpoint's dtype)."""
+    return fp8.dequantizing(HFReader(path), config, out_dtype)
 
 
 def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
     """An HF folder as a source (``formats`` opener): its reader (dequantizing fp8 weights),
     adapter and weight files."""
     adapter = make_adapter(Path(path), {})  # first: config.json's own checks name its keys
-    reader = open_reader(path)
+    reader = open_reader(path, _plain(adapter.hf_config))
     info: dict = {"files": sorted(set(getattr(reader, "inner", reader).files.values()))}
     if isinstance(reader, fp8.DequantizingReader):
         info["quantization"] = (f"fp8 e4m3, {reader.block[0]}x{reader.block[1]} block scales "
                                 f"({len(reader.quantized)} weights, dequantized on read)")
     return Opening(reader, adapter, info)
+
+
+def _plain(hf: Any) -> Any:
+    """A config as a mapping (``.get``): the plain JSON view as is, a transformers config's
+    dict (a live model's adapter reads transformers' config object)."""
+    return hf if hasattr(hf, "get") else hf.to_dict()
 
 
 formats.register(FORMAT, open_source, looks_like)

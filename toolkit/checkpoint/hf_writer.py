@@ -97,7 +97,11 @@ class HFWriter:
 
     def finish(self, config: Any, *, generation_config: Any = None,
                copy_from: Path | None = None) -> Path:
-        """Write shards, index, config and side files, then rename into ``out_dir``."""
+        """Write shards, index, config and side files, then rename into ``out_dir``.
+
+        ``config`` writes the model's config.json with ``save_pretrained(folder)``
+        (``toolkit.adapters.spec.ConfigFile``; a transformers config also works); None: a
+        folder of tensors only."""
         try:
             n = len(self._shards)
             weight_map = {}
@@ -137,24 +141,10 @@ class HFWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def config_json(hf_config: Any, dtype: torch.dtype) -> str:
-    """``config.json`` of an HF config (``to_dict()`` of the plain config.json view or of a
-    transformers config) with the weights' dtype, as plain JSON: what a conversion writes, so it
-    needs no transformers import (~2 s: its config classes pull in DTensor and torch._dynamo)
-    and carries the source's config through unchanged but for the dtype."""
-    config = hf_config.to_dict()
-    name = str(dtype).removeprefix("torch.")
-    config["dtype"] = name
-    config.pop("quantization_config", None)  # fp8 sources are dequantized: the output is not
-    if "torch_dtype" in config:  # the older name of the same key: keep the two in agreement
-        config["torch_dtype"] = name
-    return json.dumps(config, indent=2, sort_keys=True) + "\n"
-
-
 @dataclass(frozen=True)
 class TextFile:
-    """A side file ``HFWriter.finish`` writes as given, where it takes a transformers config
-    (both have ``save_pretrained(folder)``)."""
+    """A side file ``HFWriter.finish`` writes as given, where it takes a transformers
+    generation config (both have ``save_pretrained(folder)``)."""
 
     name: str
     text: str

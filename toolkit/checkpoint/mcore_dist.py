@@ -257,7 +257,7 @@ def full_names(ckpt: DistCheckpoint, adapter: ModelAdapter
     renames = KEYS_MAP
     flat = any(re.match(r"^decoder\.layers\.\d+\.", k) for k in ckpt.tensors)
     known: dict[tuple[str, tuple[int, ...]], str] = {}
-    for name, _ in adapter.table(1).items():
+    for name, _ in adapter.table_at(adapter.dims.vocab).items():
         known[dist_key(name, renames, flat)] = name
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for key, md in ckpt.tensors.items():

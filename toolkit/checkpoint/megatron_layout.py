@@ -11,14 +11,12 @@ rank, ``mp_rank_TT[_PPP][_EEE]`` (``_PPP`` when pp > 1, ``_EEE`` when ep > 1: Me
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from toolkit.checkpoint import CheckpointError
-from toolkit.checkpoint.hf import GENERATION_CONFIG, TOKENIZER_FILES, copy_side_files
-from toolkit.checkpoint.hf_writer import config_json
-from toolkit.checkpoint.source import ModelAdapter
-from toolkit.lazy import torch
+from toolkit.checkpoint.hf import CONFIG, GENERATION_CONFIG, TOKENIZER_FILES, copy_side_files
 
 TRACKER = "latest_checkpointed_iteration.txt"
 HF_CONFIG_DIR = "hf_config"
@@ -76,22 +74,24 @@ def write_tracker(root: Path, iteration: int | None) -> Path:
 def find_hf_config(path: Path) -> Path | None:
     """The ``hf_config/`` folder mdtk stores at a checkpoint root (looked up from a sub-folder)."""
     for p in (path, *list(path.parents)[:2]):
-        if (p / HF_CONFIG_DIR / "config.json").is_file():
+        if (p / HF_CONFIG_DIR / CONFIG).is_file():
             return p / HF_CONFIG_DIR
     return None
 
 
-def save_hf_config(adapter: ModelAdapter, root: Path, dtype: torch.dtype) -> None:
-    """config.json (+ tokenizer files) of the model, so the checkpoint describes itself.
-
-    config.json is the adapter's HF config as JSON with the dtype of the weights
-    (``hf_writer.config_json``: no transformers import).
-    """
+def write_hf_config(root: Path, write_config: Callable[[Path], Any],
+                    folders: Sequence[Path]) -> Path:
+    """``root/hf_config/``, so that a checkpoint (Megatron's, or a trainer's step folder)
+    describes its model: the config.json ``write_config(folder)`` writes (the model
+    description's writer, ``toolkit.adapters.spec``: a layer above) and the tokenizer files and
+    ``generation_config.json`` found in ``folders`` (the first folder holding each)."""
     out = root / HF_CONFIG_DIR
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config_json(adapter.hf_config, dtype))
-    if adapter.source is not None:
-        copy_side_files(adapter.source, out, (*TOKENIZER_FILES, GENERATION_CONFIG))
+    write_config(out)
+    names = (*TOKENIZER_FILES, GENERATION_CONFIG)
+    for folder in folders:
+        names = tuple(n for n in names if n not in copy_side_files(folder, out, names))
+    return out
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:

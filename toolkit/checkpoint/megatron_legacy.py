@@ -128,9 +128,9 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
                            {"args": ckpt.args, "iteration": ckpt.iteration,
                             "root": ckpt.path.parent})
     padded = _padded_vocab(ckpt, adapter)
-    table: Table = adapter.family.table(adapter.hf_config, adapter.dims, padded)
+    table: Table = adapter.table_at(padded)
     rules = dict(table.items())
-    full_rules = dict(adapter.table(1).items())
+    full_rules = dict(adapter.table_at(adapter.dims.vocab).items())
     holders: dict[str, dict[int, tuple[tuple[int, int, int], int, str]]] = {}
     for rank, coord in ckpt.coords():
         plans = plan_rank(table, coord)

@@ -91,7 +91,13 @@ class ModelAdapter(Protocol):
     @property
     def architecture(self) -> str: ...
 
-    def table(self, tp: int) -> Table: ...
+    def table(self, tp: int) -> Table:
+        """The mapping at tensor-parallel size ``tp``, the vocab padded as the adapter pads."""
+        ...
+
+    def table_at(self, padded_vocab: int) -> Table:
+        """The mapping with the vocab padded to ``padded_vocab`` rows (a checkpoint's own)."""
+        ...
 
 
 class Opening(NamedTuple):

@@ -9,6 +9,7 @@ One job per module:
   readback          ``--verify``: the result read back and compared bit-exactly
   progress          the progress bar
   inspection        ``inspect()``: what a checkpoint folder holds and what is wrong with it
+  fp8_quantize      an HF folder quantized into DeepSeek-V3's FP8 layout (tests, benchmarks)
   verify            ``mdtk verify``: two checkpoints' logits on the same tokens (not imported
                     here: it is the only one that builds models)
 """

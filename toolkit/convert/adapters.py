@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from toolkit.adapters.spec import has_config
 from toolkit.atomic import building
 from toolkit.checkpoint.deepspeed import STATE_FILE
 from toolkit.lora import LoraError
@@ -76,7 +77,7 @@ def merge(src: str | Path, dst: str | Path, *, base: str | None = None,
     if not base:
         raise LoraError(f"{src}: --merge-lora needs the base model and none is recorded: give "
                         "--base PATH (the HF folder the adapters were trained on).")
-    if not (Path(base) / "config.json").is_file():
+    if not has_config(base):
         raise LoraError(f"base model {base}: no config.json there (give --base PATH, an HF "
                         "folder).")
     _free(dst, overwrite)

@@ -4,10 +4,11 @@ The shard layout is planned up front (``HFWriter(plan=...)``), so each tensor go
 soon as it is read and memory holds one tensor. A source whose HF config transformers wrote
 (it names a ``transformers_version``; carried unchanged through mdtk's Megatron formats) and
 that has a ``generation_config.json`` gets both back as they are, with the weights' dtype
-(``hf_writer.config_json``): no transformers import, which is ~2 s of a conversion's start-up (more
+(``spec.config_text``): no transformers import, which is ~2 s of a conversion's start-up (more
 than a 1B model's data copy). Other sources (an HF config mdtk derived from Megatron-LM's args;
 no generation config) have them written by transformers' own config classes, which fill in
-transformers' defaults, imported in a thread while the data is copied.
+transformers' defaults, imported in a thread while the data is copied (from the source's
+``ModelSpec``: no second read, no second mapping).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from toolkit.adapters.spec import ConfigFile
 from toolkit.checkpoint.hf import GENERATION_CONFIG
-from toolkit.checkpoint.hf_writer import HFWriter, TextFile, config_json
+from toolkit.checkpoint.hf_writer import HFWriter, TextFile
 from toolkit.checkpoint.pipeline import background, read_ahead
 from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.checkpoint.torchfree.segments import will_need
@@ -83,18 +85,19 @@ def _configs(op: Opened, dtype: torch.dtype) -> Callable[[], tuple[Any, Any]]:
     """A call giving the config and generation config to write: the source's as they are when
     transformers wrote them (see the module docstring), else transformers' rendering of the
     source's HF config folder, started now in a thread and awaited by the call."""
-    src = op.adapter.source
+    spec = op.spec
+    src = spec.source
     if (src is not None and (src / GENERATION_CONFIG).is_file()
-            and "transformers_version" in op.adapter.hf_config.to_dict()):
-        found = (TextFile("config.json", config_json(op.adapter.hf_config, dtype)),
+            and "transformers_version" in spec.config):
+        found = (ConfigFile(spec.config, dtype),
                  TextFile(GENERATION_CONFIG, (src / GENERATION_CONFIG).read_text()))
         return lambda: found
 
     def render() -> tuple[Any, Any]:
-        from toolkit.adapters import adapter_for
+        from toolkit.adapters.adapter import export_config
         from toolkit.adapters.live import generation_config
 
-        live = adapter_for(src)
-        return live.export_config(dtype), generation_config(live)
+        made = spec.transformers_config()
+        return ConfigFile(export_config(made, dtype)), generation_config(src, made)
 
     return background(render)

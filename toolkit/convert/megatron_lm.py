@@ -5,7 +5,8 @@ arguments (``args``); mdtk's hold an ``hf_config/`` folder. When neither that fo
 ``--hf-config`` is there, the HF config is derived from ``args`` (architecture fields mapped to
 the family) and the tokenizer is taken from ``args.tokenizer_model`` when that is an HF folder.
 The derived folder (config.json + tokenizer files) is written once per distinct content under
-the temp directory, so worker processes that reopen the source find the same folder.
+the temp directory, so another conversion of the same checkpoint finds the same folder (a
+conversion's workers get the model as read, ``Ctx.spec``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.adapters.registry import family_for
+from toolkit.adapters.spec import config_text, has_config, write_config
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import copy_side_files
 from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR
@@ -161,16 +163,16 @@ def derived_hf_folder(common: dict[str, Any]) -> Path:
                               "config.json.")
     tok = tokenizer_folder(args, root)
     config = hf_config_from_args(args, tokenizer_facts(tok) if tok else None)
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    text = config_text(config)
     key = hashlib.sha256((text + str(tok and tok.resolve())).encode()).hexdigest()[:16]
     out = Path(tempfile.gettempdir()) / "mdtk-hf-from-args" / key
-    if (out / "config.json").is_file():
+    if has_config(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
     if tok is not None:
         copy_side_files(tok, tmp)
-    (tmp / "config.json").write_text(text)
+    write_config(tmp, config)
     try:
         os.rename(tmp, out)
     except OSError:  # another process published the same folder first

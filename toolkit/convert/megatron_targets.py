@@ -30,24 +30,25 @@ from toolkit.lazy import torch
 from toolkit.parallel.layout import ParallelLayout
 
 
-def _mcore_job(ctx: Ctx, layout: ParallelLayout, folder: str, index: int,
+def _mcore_job(dtype: torch.dtype | None, layout: ParallelLayout, folder: str, index: int,
                items: list[mcore_dist_writer.Item], tick: Callable[[int], None] | None = None
                ) -> list[dict]:
-    with job_source(ctx) as op:
-        return mcore_dist_writer.write_data_file(Path(folder) / f"__{index}_0.distcp", items,
-                                          op.adapter.table(layout.tp), op.read,
-                                          op.dtype_of(ctx.dtype), tick or (lambda n: None),
-                                          op.byte_range)
+    op = job_source()
+    return mcore_dist_writer.write_data_file(Path(folder) / f"__{index}_0.distcp", items,
+                                             op.adapter.table(layout.tp), op.read,
+                                             op.dtype_of(dtype), tick or (lambda n: None),
+                                             op.byte_range)
 
 
-def _legacy_job(ctx: Ctx, layout: ParallelLayout, folder: str, coords: list[Any],
-                extra: dict, tick: Callable[[int], None] | None = None) -> list[str]:
-    with job_source(ctx) as op:
-        table = op.adapter.table(layout.tp)
-        return [str(megatron_legacy.write_rank_file(Path(folder), c, table, op.read,
-                                                    op.dtype_of(ctx.dtype), extra,
-                                                    tick or (lambda n: None)))
-                for c in coords]
+def _legacy_job(dtype: torch.dtype | None, layout: ParallelLayout, folder: str,
+                coords: list[Any], extra: dict, tick: Callable[[int], None] | None = None
+                ) -> list[str]:
+    op = job_source()
+    table = op.adapter.table(layout.tp)
+    return [str(megatron_legacy.write_rank_file(Path(folder), c, table, op.read,
+                                                op.dtype_of(dtype), extra,
+                                                tick or (lambda n: None)))
+            for c in coords]
 
 
 def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLayout,
@@ -60,7 +61,8 @@ def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLay
     with building(dst) as tmp:
         folder = megatron_layout.write_tracker(tmp, iteration)
         out_dtype = dtype or dtype_of(next(iter(adapter.expected_tensors())))
-        megatron_layout.save_hf_config(adapter, tmp, out_dtype)
+        megatron_layout.write_hf_config(tmp, lambda d: op.spec.write(d, out_dtype),
+                                        [adapter.source] if adapter.source else [])
         save_kept(op, tmp / megatron_layout.HF_CONFIG_DIR, dtype)  # e.g. DeepSeek-V3's MTP layers
         padded = adapter.padded_vocab(layout.tp)
         # the tokenizer files copied into hf_config/, named by their final (absolute) path
@@ -78,9 +80,9 @@ def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLay
         if to == "mcore":
             items = mcore_dist_writer.plan_items(adapter, layout.tp, dtype_of)
             groups = split(items, [it.nbytes for it in items], workers)
-            jobs = [(ctx, layout, str(folder), i, g) for i, g in enumerate(groups)]
+            jobs = [(ctx.dtype, layout, str(folder), i, g) for i, g in enumerate(groups)]
             results = run_jobs(_mcore_job, jobs, workers, bar.advance,
-                               [sum(it.nbytes for it in g) for g in groups])
+                               [sum(it.nbytes for it in g) for g in groups], ctx)
             records = [r for rs in results for r in rs]
             mcore_dist_writer.write_metadata(folder, items, records, adapter.dims.layers,
                                       adapter.dims.experts, common)
@@ -91,9 +93,10 @@ def write_megatron(ctx: Ctx, op: Opened, to: str, dst: Path, layout: ParallelLay
             sizes = [megatron_legacy.rank_bytes(table, c, dtype_of) for c in coords]
             bar.set_total(sum(sizes))
             groups = split(list(range(len(coords))), sizes, workers)
-            jobs = [(ctx, layout, str(folder), [coords[i] for i in g], common) for g in groups]
+            jobs = [(ctx.dtype, layout, str(folder), [coords[i] for i in g], common)
+                    for g in groups]
             run_jobs(_legacy_job, jobs, workers, bar.advance,
-                     [sum(sizes[i] for i in g) for g in groups])
+                     [sum(sizes[i] for i in g) for g in groups], ctx)
         if fsync:
             _fsync_tree(tmp)
         if dst.exists() and not overwrite:

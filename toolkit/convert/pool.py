@@ -1,11 +1,14 @@
 """Jobs balanced by bytes, run in this process or in a pool of worker processes.
 
-A worker reopens the source from the picklable ``Ctx``; jobs that run in this process reuse the
-source ``convert`` opened (``sharing``), and report progress as they go instead of per job.
+Jobs read the source of their process (``job_source``): in this process the one ``convert``
+opened (``sharing``), reporting progress as they go instead of per job; in a worker the one it
+opened when it started, from the picklable ``Ctx`` with the model's ``ModelSpec`` (so a worker
+reads no config.json and builds the mapping once, whatever number of jobs it runs).
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import contextlib
 import multiprocessing
@@ -14,31 +17,30 @@ from typing import Any
 
 from toolkit.convert.sources import Ctx, Opened, open_ctx
 
-#: The source opened by ``convert`` in this process (jobs run here reuse it).
-_IN_PROCESS: dict[Ctx, Opened] = {}
+#: The source the jobs of this process read (``sharing`` / a worker's ``_open_worker``).
+_SOURCE: list[Opened] = []
 
 
 @contextlib.contextmanager
-def sharing(ctx: Ctx, op: Opened) -> Iterator[None]:
-    """Jobs of ``ctx`` run in this process use ``op`` while the block runs."""
-    _IN_PROCESS[ctx] = op
+def sharing(op: Opened) -> Iterator[None]:
+    """Jobs run in this process read ``op`` while the block runs."""
+    _SOURCE.append(op)
     try:
         yield
     finally:
-        _IN_PROCESS.pop(ctx, None)
+        _SOURCE.remove(op)
 
 
-@contextlib.contextmanager
-def job_source(ctx: Ctx) -> Iterator[Opened]:
-    """The source of a job: the shared one in this process, else opened (and closed) here."""
-    if ctx in _IN_PROCESS:
-        yield _IN_PROCESS[ctx]
-        return
+def job_source() -> Opened:
+    """The source of this process's jobs."""
+    return _SOURCE[-1]
+
+
+def _open_worker(ctx: Ctx) -> None:
+    """A worker's start: open the source once for all its jobs (closed when it exits)."""
     op = open_ctx(ctx)
-    try:
-        yield op
-    finally:
-        op.source.close()
+    _SOURCE.append(op)
+    atexit.register(op.source.close)
 
 
 def split(items: list[Any], weights: list[int], n: int) -> list[list[Any]]:
@@ -53,13 +55,15 @@ def split(items: list[Any], weights: list[int], n: int) -> list[list[Any]]:
 
 
 def run_jobs(fn: Callable, jobs: list[tuple], workers: int, tick: Callable[[int], None],
-             sizes: list[int]) -> list[Any]:
-    """Run ``fn(*job)`` for each job, in this process (fine-grained progress) or in workers."""
+             sizes: list[int], ctx: Ctx) -> list[Any]:
+    """Run ``fn(*job)`` for each job, in this process (fine-grained progress) or in workers
+    that each open the source of ``ctx`` once."""
     if workers <= 1 or len(jobs) <= 1:
         return [fn(*job, tick) for job in jobs]
     results: list[Any] = [None] * len(jobs)
     with cf.ProcessPoolExecutor(max_workers=workers,
-                                mp_context=multiprocessing.get_context("spawn")) as pool:
+                                mp_context=multiprocessing.get_context("spawn"),
+                                initializer=_open_worker, initargs=(ctx,)) as pool:
         futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
         for fut in cf.as_completed(futures):
             i = futures[fut]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from toolkit.checkpoint import CheckpointError
@@ -13,10 +14,15 @@ from toolkit.lazy import torch
 def verify_conversion(ctx: Ctx, dst: Path, to: str, dtype: torch.dtype | None) -> int:
     """Read every HF tensor of ``dst`` (format ``to``: targets are named as their formats) and
     compare bit-exactly with the source (cast to dtype); returns how many tensors were compared,
-    raises CheckpointError naming those that differ."""
+    raises CheckpointError naming those that differ. A Megatron result is read through the
+    source's model (``ctx.spec``: its config.json is the one written from it); an HF folder as
+    any HF folder, from its own config.json (part of what is verified)."""
     a = open_ctx(ctx)
     try:
-        b = open_checkpoint(dst, ctx.hf_config if to != "hf" else None, to)
+        if to == "hf":
+            b = open_checkpoint(dst, fmt=to)
+        else:
+            b = open_ctx(dataclasses.replace(ctx, fmt=to, src=str(dst)))
     except BaseException:
         a.source.close()
         raise

@@ -9,6 +9,7 @@ temporary sibling folder and renamed into place at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -120,6 +121,7 @@ def convert(
     fmt = source_format or detect(src)
     ctx = Ctx(fmt, str(src), str(hf_config) if hf_config else None, dtype, vocab_multiple)
     op = open_ctx(ctx)
+    ctx = dataclasses.replace(ctx, spec=op.spec)  # workers, read-back: the model as read here
     try:
         adapter = op.adapter
         adapter.validate(layout)
@@ -129,7 +131,7 @@ def convert(
         dtype_of = op.dtype_of(dtype)
         expected = adapter.expected_tensors()
         total = sum(math.prod(s) * dtype_of(n).itemsize for n, s in expected.items())
-        with Progress(progress, total, f"{fmt} -> {to}") as bar, sharing(ctx, op):
+        with Progress(progress, total, f"{fmt} -> {to}") as bar, sharing(op):
             if to == "hf":
                 write_hf(op, dst, dtype, bar, overwrite=overwrite,
                          max_shard_bytes=max_shard_bytes, fsync=fsync)

@@ -1,11 +1,12 @@
 """Any checkpoint the format registry knows, opened as HF-named tensors through its adapter.
 
-``toolkit.checkpoint.formats`` recognises and opens each format; here the model's adapter is
-built for it, from the HF config folder the checkpoint carries (or ``--hf-config``, or for
-Megatron-LM's own checkpoints the one derived from its args: ``megatron_lm``) read as plain
-JSON (``read_hf_config``: no transformers import), and the stored tensor names are matched
-against the adapter's mapping, so a checkpoint that does not fit its config.json fails here,
-naming the files that differ.
+``toolkit.checkpoint.formats`` recognises and opens each format; here the model's description
+(``ModelSpec``) is made for it, from the HF config folder the checkpoint carries (or
+``--hf-config``, or for Megatron-LM's own checkpoints the one derived from its args:
+``megatron_lm``) read as plain JSON (no transformers import), or given by the caller (``Ctx.spec``:
+a converter's worker, the read-back of a result, the trainer's own spec), and the stored tensor
+names are matched against its mapping, so a checkpoint that does not fit its config.json fails
+here, naming the files that differ.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.adapters import Adapter, CheckpointMismatch, adapter_for, read_hf_config
+from toolkit.adapters import Adapter, CheckpointMismatch, ModelSpec
 from toolkit.checkpoint import CheckpointError, formats
 from toolkit.checkpoint.source import Region, TensorSource
 from toolkit.convert.megatron_lm import derived_hf_folder
@@ -29,23 +30,30 @@ def full(shape: tuple[int, ...]) -> Region:
 
 @dataclass(frozen=True)
 class Ctx:
-    """What a worker process needs to reopen the source (picklable)."""
+    """What a worker process needs to reopen the source (picklable). ``spec``: the model, once
+    read (then no config.json is read again and its mapping is the spec's); else it is read
+    from the checkpoint (``live``: as a model to run, ``ModelSpec.live``). ``dtype``: the
+    output's (``--dtype``) and the mapping's."""
 
     fmt: str
     src: str
     hf_config: str | None
     dtype: torch.dtype | None
     vocab_multiple: int
+    spec: ModelSpec | None = None
+    live: bool = False
 
 
 @dataclass
 class Opened:
-    """An open checkpoint: ``source`` (close it when done), the adapter, the format's info."""
+    """An open checkpoint: ``source`` (close it when done), the model (``spec``) and its
+    mapping (``adapter``), the format's info."""
 
     source: TensorSource
     adapter: Adapter
     info: dict
     names: dict[str, str]  # expected HF name -> stored name
+    spec: ModelSpec
 
     def read(self, name: str, region: Any) -> torch.Tensor:
         return self.source.read(self.names[name], tuple(region))
@@ -69,20 +77,25 @@ class Opened:
 
 
 def adapter_from_folder(folder: str | Path, vocab_multiple: int = 1) -> Adapter:
-    """The adapter of the ``config.json`` in ``folder`` (read as JSON), ``source`` = folder."""
-    adapter = adapter_for(read_hf_config(folder), vocab_multiple=vocab_multiple)
-    adapter.source = Path(folder)
-    return adapter
+    """The converter's adapter of the ``config.json`` in ``folder`` (read as plain JSON)."""
+    return ModelSpec.of(Path(folder)).adapter(vocab_multiple=vocab_multiple)
 
 
-def adapter_factory(override: str | Path | None) -> formats.AdapterFactory:
-    """A format opener's ``make_adapter(found_hf_dir, common)``: the adapter of the checkpoint's
-    own HF config folder, or of ``override`` (``--hf-config``)."""
-    def make(found: Path | None, common: dict) -> Adapter:
-        folder = override or found
-        if folder is None:  # Megatron-LM's own checkpoint: the model from its args
-            folder = derived_hf_folder(common)
-        return adapter_from_folder(folder)
+def adapter_factory(ctx: Ctx, found: list[ModelSpec] | None = None) -> formats.AdapterFactory:
+    """A format opener's ``make_adapter(found_hf_dir, common)``: the mapping of ``ctx.spec``, or
+    of the checkpoint's own HF config folder, of ``ctx.hf_config`` (``--hf-config``) or of the
+    config derived from Megatron-LM's args; the spec is appended to ``found``."""
+    found = [] if found is None else found
+
+    def make(folder: Path | None, common: dict) -> Adapter:
+        spec = ctx.spec
+        if spec is None:
+            folder = ctx.hf_config or folder
+            if folder is None:  # Megatron-LM's own checkpoint: the model from its args
+                folder = derived_hf_folder(common)
+            spec = ModelSpec.of(Path(folder), live=ctx.live)
+        found.append(spec)
+        return spec.adapter(ctx.dtype, ctx.vocab_multiple)
     return make
 
 
@@ -93,13 +106,12 @@ def detect(path: str | Path) -> str:
 
 def open_ctx(ctx: Ctx) -> Opened:
     """Open ``ctx.src`` and match its tensors to the adapter (``vocab_multiple`` applied)."""
-    opening = formats.get(ctx.fmt).open(Path(ctx.src), adapter_factory(ctx.hf_config))
-    source, found, info = opening.source, opening.adapter, opening.info
+    found: list[ModelSpec] = []
+    opening = formats.get(ctx.fmt).open(Path(ctx.src), adapter_factory(ctx, found))
+    source, adapter, info = opening.source, opening.adapter, opening.info
     if ctx.dtype is not None and hasattr(source, "dequantize_to"):
         source.dequantize_to(ctx.dtype)  # fp8 weights: the product rounded once, into --dtype
     try:
-        adapter = adapter_for(found.hf_config, vocab_multiple=ctx.vocab_multiple)
-        adapter.source = found.source
         stored = {n: tuple(source.shape(n)) for n in source.names}
         try:
             names = adapter.match_checkpoint(stored)
@@ -108,16 +120,19 @@ def open_ctx(ctx: Ctx) -> Opened:
     except BaseException:
         source.close()
         raise
-    return Opened(source, adapter, info, names)
+    return Opened(source, adapter, info, names, found[0])
 
 
 def open_checkpoint(path: str | Path, hf_config: str | Path | None = None,
-                    fmt: str | None = None) -> Opened:
+                    fmt: str | None = None, *, spec: ModelSpec | None = None,
+                    dtype: Any = None, live: bool = False) -> Opened:
     """Any supported checkpoint folder as HF-named tensors: ``.read(name, region)``,
-    ``.adapter``, ``.info``, ``.source`` (close it when done). ``fmt`` defaults to detection."""
+    ``.adapter``, ``.spec``, ``.info``, ``.source`` (close it when done). ``fmt`` defaults to
+    detection; ``spec``: the model, already read; the mapping is the model's in ``dtype``
+    (default: the declared one); ``live``: read the model as one to run."""
     path = Path(path)
     return open_ctx(Ctx(fmt or detect(path), str(path), str(hf_config) if hf_config else None,
-                        None, 1))
+                        dtype, 1, spec, live))
 
 
 def _where(source: TensorSource, adapter: Adapter, stored: dict[str, tuple[int, ...]]) -> str:

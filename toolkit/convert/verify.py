@@ -18,8 +18,12 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from toolkit.adapters import ModelSpec
 
 
 @dataclass
@@ -42,8 +46,9 @@ def _first_output(output: object) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output  # type: ignore[return-value]
 
 
-def run_hf(path: Path, tokens: torch.Tensor) -> Run:
-    """The transformers reference model (fp32, eager attention) loaded from ``path``."""
+def run_hf(path: Path, tokens: torch.Tensor, model: ModelSpec | None = None) -> Run:
+    """The transformers reference model (fp32, eager attention) loaded from ``path`` (by
+    transformers itself: ``model`` is not used)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
@@ -79,36 +84,35 @@ def _run_chunks(chunks: list, vocab: int, tokens: torch.Tensor) -> Run:
     return Run(logits, layers)
 
 
-def run_hf_mcore(path: Path, tokens: torch.Tensor) -> Run:
-    """The HF folder loaded into megatron-core through mdtk's adapter (tp=pp=1, fp32)."""
+def run_hf_mcore(path: Path, tokens: torch.Tensor, model: ModelSpec | None = None) -> Run:
+    """The HF folder loaded into megatron-core through mdtk's adapter (tp=pp=1, fp32);
+    ``model``: its live ``ModelSpec`` when already read."""
     from toolkit import parallel, runtime
     from toolkit.adapters.live import load_hf
     from toolkit.parallel import ParallelLayout
 
     runtime.enable_cpu_mode()
-    chunks, adapter = load_hf(path, ParallelLayout(), dtype=torch.float32)
+    chunks, adapter = load_hf(model or path, ParallelLayout(), dtype=torch.float32)
     try:
         return _run_chunks(chunks, adapter.dims.vocab, tokens)
     finally:
         parallel.destroy()
 
 
-def _megatron_model(path: Path):
-    """(chunks at tp=pp=1 fp32, adapter, source) for a Megatron checkpoint folder."""
+def _megatron_model(path: Path, model: ModelSpec | None):
+    """(chunks at tp=pp=1 fp32, adapter, source) for a Megatron checkpoint folder: the live
+    model (transformers' own config of the folder the checkpoint carries, or ``model``)."""
     from toolkit import parallel, runtime
-    from toolkit.adapters import adapter_for
     from toolkit.adapters.live import build_model
     from toolkit.convert.sources import open_checkpoint
 
-    op = open_checkpoint(path)
+    op = open_checkpoint(path, spec=model, dtype=torch.float32, live=True)
     runtime.enable_cpu_mode()
     mpu = parallel.initialize(parallel.ParallelLayout())
-    # the live model from transformers' own config of the folder the checkpoint carries
-    adapter = adapter_for(op.adapter.source, dtype=torch.float32)
-    return build_model(adapter, mpu.layout), adapter, op
+    return build_model(op.adapter, mpu.layout), op.adapter, op
 
 
-def run_mcore(path: Path, tokens: torch.Tensor) -> Run:
+def run_mcore(path: Path, tokens: torch.Tensor, model: ModelSpec | None = None) -> Run:
     """A torch_dist checkpoint loaded by megatron-core's own ``dist_checkpointing.load``."""
     from megatron.core import dist_checkpointing
 
@@ -116,7 +120,7 @@ def run_mcore(path: Path, tokens: torch.Tensor) -> Run:
     from toolkit.checkpoint.mcore_dist import marker
     from toolkit.checkpoint.megatron_layout import checkpoint_dir
 
-    chunks, adapter, op = _megatron_model(path)
+    chunks, adapter, op = _megatron_model(path, model)
     try:
         op.source.close()
         folder, _ = checkpoint_dir(path, marker)
@@ -128,12 +132,13 @@ def run_mcore(path: Path, tokens: torch.Tensor) -> Run:
         parallel.destroy()
 
 
-def run_megatron_legacy(path: Path, tokens: torch.Tensor) -> Run:
+def run_megatron_legacy(path: Path, tokens: torch.Tensor, model: ModelSpec | None = None
+                        ) -> Run:
     """A legacy ``mp_rank_XX`` checkpoint (any tp/pp) merged by mdtk's reader, run at tp=1."""
     from toolkit import parallel
     from toolkit.adapters.live import fill_chunks
 
-    chunks, adapter, op = _megatron_model(path)
+    chunks, adapter, op = _megatron_model(path, model)
     try:
         fill_chunks(chunks, adapter, op.source)
         return _run_chunks(chunks, adapter.dims.vocab, tokens)
@@ -142,7 +147,7 @@ def run_megatron_legacy(path: Path, tokens: torch.Tensor) -> Run:
         parallel.destroy()
 
 
-RUNNERS: dict[str, Callable[[Path, torch.Tensor], Run]] = {
+RUNNERS: dict[str, Callable[..., Run]] = {  # (path, tokens, model=None) -> Run
     "hf": run_hf,
     "hf-mcore": run_hf_mcore,
     "mcore": run_mcore,
@@ -152,7 +157,9 @@ RUNNERS: dict[str, Callable[[Path, torch.Tensor], Run]] = {
 
 def detect(path: Path) -> str:
     """The kind of a bare path."""
-    if (path / "config.json").is_file():
+    from toolkit.adapters.spec import has_config
+
+    if has_config(path):
         return "hf"
     from toolkit.checkpoint import CheckpointError
     from toolkit.convert.sources import detect as detect_format
@@ -180,15 +187,20 @@ def parse_spec(spec: str) -> tuple[str, Path]:
 FORMATS = {"hf": "hf", "hf-mcore": "hf", "mcore": "mcore", "megatron-legacy": "megatron-legacy"}
 
 
-def checked_vocab(kind: str, path: Path) -> int:
+def checked(kind: str, path: Path) -> ModelSpec:
     """Open ``path`` as the converter does (safetensors headers and sizes, config.json's types,
     tensor names and shapes against it: one ``UserError`` naming the file on damage) and return
-    the model's vocab size."""
+    the model as read (live for the megatron-core runners, its fp32 mapping built)."""
     from toolkit.convert.sources import open_checkpoint
 
-    opened = open_checkpoint(path, fmt=FORMATS[kind])
+    opened = open_checkpoint(path, fmt=FORMATS[kind], dtype=torch.float32, live=kind != "hf")
     opened.source.close()
-    return opened.adapter.dims.vocab
+    return opened.spec
+
+
+def checked_vocab(kind: str, path: Path) -> int:
+    """``checked``'s model's vocab size."""
+    return checked(kind, path).dims.vocab
 
 
 def fixed_tokens(vocab: int, batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -220,13 +232,12 @@ def verify(spec_a: str, spec_b: str, *, batch: int = 2, seq_len: int = 16,
     """Run both checkpoints on the same tokens and compare."""
     kind_a, path_a = parse_spec(spec_a)
     kind_b, path_b = parse_spec(spec_b)
-    vocab = checked_vocab(kind_a, path_a)
-    checked_vocab(kind_b, path_b)  # both checked before either runs
-    tokens = fixed_tokens(vocab, batch, seq_len, seed)
+    models = [checked(kind_a, path_a), checked(kind_b, path_b)]  # both before either runs
+    tokens = fixed_tokens(models[0].dims.vocab, batch, seq_len, seed)
     # transformers runs first: once megatron-core's CPU mode is on in this process, a
     # transformers model loaded afterwards gets uninitialised RoPE buffers (the CPU redirects
     # of torch.tensor hide torch.device("meta") from transformers' loader).
     order = sorted([(0, kind_a, path_a), (1, kind_b, path_b)], key=lambda x: x[1] != "hf")
     with _world(needed=kind_a != "hf" or kind_b != "hf"):
-        runs = {i: RUNNERS[kind](path, tokens) for i, kind, path in order}
+        runs = {i: RUNNERS[kind](path, tokens, models[i]) for i, kind, path in order}
     return compare(runs[0], runs[1])

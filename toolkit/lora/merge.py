@@ -37,8 +37,8 @@ def merge_folder(base: str | Path, adapter_dir: str | Path, out: str | Path, *,
     """Write ``out``: the HF checkpoint ``base`` with the adapter of ``adapter_dir`` merged."""
     from safetensors import safe_open
 
-    from toolkit.adapters.adapter import adapter_for
     from toolkit.adapters.live import generation_config
+    from toolkit.adapters.spec import ConfigFile, ModelSpec
     from toolkit.checkpoint.hf import HFReader
     from toolkit.checkpoint.hf_writer import HFWriter
     from toolkit.checkpoint.torchfree.dtypes import to_torch
@@ -46,7 +46,7 @@ def merge_folder(base: str | Path, adapter_dir: str | Path, out: str | Path, *,
     from toolkit.lora.targets import check_adapter
 
     spec, raw = read_config(adapter_dir)
-    adapter = adapter_for(base)
+    adapter = ModelSpec.of(base, live=True).adapter()  # the merge's one model description
     with HFReader(base) as reader, safe_open(str(Path(adapter_dir) / WEIGHTS), "pt") as lora:
         stored = {n: reader.shape(n) for n in reader.names}
         names = adapter.match_checkpoint(stored)  # expected HF name -> stored name
@@ -68,8 +68,10 @@ def merge_folder(base: str | Path, adapter_dir: str | Path, out: str | Path, *,
                                       if "lora_magnitude_vector" in k else None,
                                       _scaling(spec), bool(raw.get("fan_in_fan_out"))).to(dtype)
                 writer.add(name, w)
-            return writer.finish(adapter.export_config(), generation_config=generation_config(
-                adapter), copy_from=adapter.source)
+            return writer.finish(ConfigFile(adapter.export_config()),
+                                 generation_config=generation_config(adapter.source,
+                                                                     adapter.hf_config),
+                                 copy_from=adapter.source)
         except BaseException:
             writer.abort()
             raise

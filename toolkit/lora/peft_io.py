@@ -86,11 +86,12 @@ def read_config(folder: str | Path) -> tuple[LoraSpec, dict[str, Any]]:
 def check_base(raw: dict[str, Any], dims: Any, where: str) -> None:
     """When the adapter names a local base folder, its sizes must be the model's (hidden size,
     layers, vocab): LoraError naming the differences."""
+    from toolkit.adapters.spec import has_config, read_hf_config
+
     base = raw.get("base_model_name_or_path")
-    file = Path(str(base)) / "config.json" if base else None
-    if file is None or not file.is_file():
+    if not base or not has_config(str(base)):
         return
-    cfg = json.loads(file.read_text())
+    cfg = read_hf_config(str(base)).to_dict()  # another model's config: its own read
     cfg = cfg.get("text_config") or cfg
     have = {"hidden_size": dims.hidden, "num_hidden_layers": dims.layers,
             "vocab_size": dims.vocab}

@@ -9,13 +9,13 @@ with the same lint.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from toolkit.adapters.spec import config_file
 from toolkit.dsconfig.generator import Request, build_config
 from toolkit.errors import UserError
 from toolkit.memory import Cluster, ModelShape
@@ -119,16 +119,14 @@ def model_source(model_arg: str, folder: Path) -> tuple[str | None, str | None]:
     if path.is_dir() and any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
         return str(path.resolve()), None
     if path.is_dir():
-        return None, str((path / "config.json").resolve())
+        return None, str(config_file(path).resolve())
     if path.is_file():
         return None, str(path.resolve())
     from toolkit.adapters.presets import MODEL_PRESETS, get_preset
+    from toolkit.adapters.spec import write_config
 
     if model_arg.lower() in MODEL_PRESETS:
-        from toolkit.atomic import write_text
-
-        target = folder / "model_config.json"
-        write_text(target, json.dumps(get_preset(model_arg), indent=2))
+        target = write_config(folder, get_preset(model_arg), name="model_config.json")
         return None, str(target.resolve())
     return model_arg, None  # a hub id: fine-tune it
 

@@ -1,20 +1,24 @@
-"""The model of a run: its HF config read once, its shape computed once (``RunModel``), and this
-rank's megatron-core chunks built from it (``build_model``)."""
+"""The model of a run: its ``ModelSpec`` made once (config.json read once, the mapping built once
+in the run's dtype) and its shape with the run's adapters (``RunModel``), and this rank's
+megatron-core chunks built from it (``build_model``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolkit import parallel
-from toolkit.adapters.hfconfig import read_hf_config
+from toolkit.adapters.spec import ModelSpec, config_file
 from toolkit.checkpoint.torchfree.dtypes import PRECISIONS
 from toolkit.errors import ConfigError
-from toolkit.memory.model import ModelShape, model_shape_from_hf
+from toolkit.memory.model import ModelShape, shape_of
 from toolkit.models.kernels import Kernels
 from toolkit.rules import Recompute
 from toolkit.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = {name: d.torch for name, d in PRECISIONS.items()}
 RECOMPUTE: dict[Recompute, dict[str, Any]] = {  # each choice as megatron-core's config keys
@@ -27,12 +31,14 @@ RECOMPUTE: dict[Recompute, dict[str, Any]] = {  # each choice as megatron-core's
 
 @dataclass(frozen=True)
 class RunModel:
-    """``model.path``'s (or ``model.config``'s) config.json and the shape its family describes:
-    read and computed once per run, then handed to every phase that needs them (the DeepSpeed
-    config, the engine's rules, the model build, the FLOP count)."""
+    """``model.path``'s (or ``model.config``'s) model description and the shape the run trains
+    (with its LoRA / DoRA adapters): made once per run, then handed to every phase that needs
+    them (the DeepSpeed config, the engine's rules, the model build, the FLOP count, the
+    checkpoints' ``hf_config/``)."""
 
-    hf_config: dict[str, Any]
+    spec: ModelSpec  # live: the megatron-core model is built from it
     shape: ModelShape
+    dtype: torch.dtype  # the parameters' (``train.precision``): the run's one mapping
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> RunModel:
@@ -40,19 +46,25 @@ class RunModel:
         family's fields) and, for ``model.path``, its weight files as the converter opens them
         (safetensors headers and sizes, tensor names and shapes against config.json)."""
         path = Path(cfg.model.path or cfg.model.config)
-        file = path / "config.json" if path.is_dir() else path
+        file = config_file(path)
         if not file.is_file():
             raise ConfigError(f"model: {file} not found (model.path must be an HF folder, "
                               "model.config an HF config.json).")
-        hf = read_hf_config(file)
+        spec = ModelSpec.of(path if cfg.model.path else file, live=True)
         from toolkit.train.lora import spec_of  # peft: the memory model counts the adapters
 
-        shape = model_shape_from_hf(hf, lora=spec_of(cfg))
+        shape = shape_of(spec, lora=spec_of(cfg))
+        dtype = DTYPES[cfg.train.precision]
         if cfg.model.path:
             from toolkit.convert.sources import open_checkpoint
 
-            open_checkpoint(path, fmt="hf").source.close()
-        return cls(hf.to_dict(), shape)
+            open_checkpoint(path, fmt="hf", spec=spec, dtype=dtype).source.close()
+        return cls(spec, shape, dtype)
+
+    @property
+    def adapter(self) -> Any:
+        """The run's mapping (built on first use, then the same object)."""
+        return self.spec.adapter(self.dtype)
 
     @property
     def has_experts(self) -> bool:
@@ -63,16 +75,15 @@ class RunModel:
 def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout, model: RunModel):
     """Fine-tune: this rank's slices of the HF checkpoint. Pretrain: this rank's slices of
     weights drawn per tensor from (seed, name), identical at every layout (``train.init``)."""
-    from toolkit.adapters import adapter_for, live
+    from toolkit.adapters import live
     from toolkit.train.init import initialize
 
-    dtype = DTYPES[cfg.train.precision]
     kernels = run_kernels(cfg, layout)[0]
     overrides = dict(RECOMPUTE[cfg.train.recompute], kernels=kernels)
     if cfg.model.path:
-        chunks, adapter = live.load_hf(cfg.model.path, layout, dtype=dtype, **overrides)
+        chunks, adapter = live.load_hf(model.spec, layout, dtype=model.dtype, **overrides)
     else:
-        adapter = adapter_for(_hf_config(model), dtype=dtype)
+        adapter = model.adapter
         adapter.validate(layout)
         chunks = live.build_model(adapter, layout, **overrides)
         initialize(chunks, adapter, cfg.train.seed)  # the same weights at every layout
@@ -98,16 +109,8 @@ def check_packing(cfg: TrainConfig, layout: parallel.ParallelLayout, model: RunM
     kept apart in (``toolkit.models.packed.check_packing``); else the log line naming the
     kernel that keeps them apart."""
     from toolkit import runtime
-    from toolkit.adapters import adapter_for
     from toolkit.models import packed
 
-    source = cfg.model.path if cfg.model.path else _hf_config(model)
-    config = adapter_for(source, dtype=DTYPES[cfg.train.precision]).transformer_config(layout)
+    config = model.adapter.transformer_config(layout)
     packed.check_packing(config)
     return packed.describe(config, runtime.device())
-
-
-def _hf_config(model: RunModel):
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(**model.hf_config)

@@ -76,8 +76,7 @@ def _convert_rank(raw: dict[str, Any], src: str) -> str:
     import torch.distributed as dist
 
     from toolkit import parallel
-    from toolkit.checkpoint.deepspeed import write_hf_config
-    from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR
+    from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR, write_hf_config
     from toolkit.train import config as cfgmod
     from toolkit.train.checkpoint_folders import CheckpointManager
     from toolkit.train.checkpointing import load_training_state
@@ -104,7 +103,7 @@ def _convert_rank(raw: dict[str, Any], src: str) -> str:
         folders = [Path(src) / HF_CONFIG_DIR, *(Path(p) for p in (cfg.model.path,
                    cfg.tokenizer_path) if p and Path(p).is_dir())]
         manager = CheckpointManager(cfg.checkpoint_dir, describe=lambda d: write_hf_config(
-            d, model.hf_config, [f for f in folders if f.is_dir()]))
+            d, model.spec.write, [f for f in folders if f.is_dir()]))
         return str(manager.save(
             state, lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG, save_latest=False)))
     finally:

@@ -2,7 +2,7 @@
 
 Every rank runs ``run(cfg)`` (launched by torchrun, the deepspeed launcher or srun). The pieces
 live in their own modules; this one only wires them in order:
-config.plan (layout, batches) and model.RunModel (config.json read once, the model's shape)
+config.plan (layout, batches) and model.RunModel (the ModelSpec: config.json read once)
 -> parallel.initialize -> data.prepare_data_distributed -> ds_config.deepspeed_config
 (dsconfig.training: generated or the user's JSON, linted; the engine's rules checked) ->
 model.build_model -> engine.build_engine -> resume -> train_step loop (metrics,
@@ -107,7 +107,7 @@ class RunState:
 
     cfg: TrainConfig
     plan: cfgmod.RunPlan
-    model: RunModel  # config.json and the model's shape, read once
+    model: RunModel  # the model's description (config.json read once) and shape
     data: PreparedData
     sampler: GlobalBatchSampler  # this rank's share of every global batch
     chunks: list[torch.nn.Module]
@@ -127,11 +127,11 @@ class RunState:
     def _describe_model(self, folder: Path) -> None:
         """A checkpoint's ``hf_config/``: config.json as read, tokenizer and generation config
         from the local model and tokenizer folders (a hub id stays in trainer_state.json)."""
-        from toolkit.checkpoint.deepspeed import write_hf_config
+        from toolkit.checkpoint.megatron_layout import write_hf_config
 
         local = [Path(p) for p in (self.cfg.model.path, self.cfg.tokenizer_path)
                  if p and Path(p).is_dir()]
-        write_hf_config(folder, self.model.hf_config, local)
+        write_hf_config(folder, self.model.spec.write, local)
 
 
 def run(cfg: TrainConfig) -> TrainResult:
@@ -214,7 +214,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
         from toolkit.train.dpo.objective import precomputed_reference
 
         precomputed = precomputed_reference(cfg, layout, mpu, ds_config, data,
-                                            run_plan.micro_batch, dp_rank, model.hf_config)
+                                            run_plan.micro_batch, dp_rank, model.spec)
     chunks, adapter = build_model(cfg, layout, model)
     vocab = adapter.dims.vocab
     for split in ("train", "validation"):
@@ -231,7 +231,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     if cfg.data.mode == "dpo":
         from toolkit.train.dpo.objective import dpo_objective
 
-        objective = dpo_objective(cfg, layout, mpu, ds_config, model.hf_config, precomputed,
+        objective = dpo_objective(cfg, layout, mpu, ds_config, model.spec, precomputed,
                                   chunks)
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
                     notes, total, objective, lora)

@@ -172,12 +172,12 @@ def check_peft(cfg: TrainConfig) -> None:
                 raise ConfigError(f"peft.adapter {p.adapter} is a {spec.method} adapter but "
                                   f"peft.method={p.method}: set peft.method={spec.method}.")
             targets = sorted(spec.targets)
-        config = Path(cfg.model.path) / "config.json"
-        if config.is_file():  # a local model: its family says which targets exist
-            from toolkit.adapters.hfconfig import read_hf_config
+        from toolkit.adapters.spec import ModelSpec, has_config
+
+        if has_config(cfg.model.path):  # a local model: its family says which targets exist
             from toolkit.lora import LoraSpec
 
-            model_projections(read_hf_config(config),
+            model_projections(ModelSpec.of(Path(cfg.model.path)).config,
                               LoraSpec(r=p.r, targets=frozenset(targets or ())))
     except LoraError as e:
         raise ConfigError(f"peft: {e}") from None

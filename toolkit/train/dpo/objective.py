@@ -4,13 +4,13 @@ probabilities of every pair computed once before the policy is built (and cached
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
+from toolkit.adapters.spec import ModelSpec
 from toolkit.errors import ConfigError
 from toolkit.train.dpo import reference as ref
 from toolkit.train.dpo.loss import DpoLoss
@@ -42,20 +42,22 @@ def reference_path(cfg) -> str:
 
 
 def build_model_reference(cfg, layout, mpu, ds_config: dict[str, Any],
-                          policy_config: dict[str, Any]) -> ref.ModelReference:
+                          policy: ModelSpec) -> ref.ModelReference:
     """The reference checkpoint's chunks with the policy's layout and precision, frozen, padded
-    vocab masked; under ZeRO-3 partitioned over the data-parallel group."""
+    vocab masked; under ZeRO-3 partitioned over the data-parallel group. Without
+    ``dpo.reference`` the reference is the policy's starting checkpoint: its model description
+    (``policy``) and mapping serve both."""
     from toolkit.adapters import live
     from toolkit.train.engine import mask_vocab_padding
     from toolkit.train.model import DTYPES
 
-    source = live.resolve_source(reference_path(cfg))
-    difference = architecture_difference(policy_config,
-                                         json.loads((source / "config.json").read_text()))
+    model = policy if not cfg.dpo.reference else ModelSpec.of(
+        live.resolve_source(cfg.dpo.reference), live=True)
+    difference = architecture_difference(policy, model)
     if difference:
         raise ConfigError(f"dpo.reference={reference_path(cfg)!r} is not the policy's "
                           f"architecture: {difference} (reference vs policy).")
-    chunks, adapter = live.load_hf(source, layout, dtype=DTYPES[cfg.train.precision])
+    chunks, adapter = live.load_hf(model, layout, dtype=DTYPES[cfg.train.precision])
     mask_vocab_padding(chunks, adapter.dims.vocab)
     ref.freeze(chunks)
     engine = ref.partition(chunks, mpu, ds_config)
@@ -63,7 +65,7 @@ def build_model_reference(cfg, layout, mpu, ds_config: dict[str, Any],
 
 
 def precomputed_reference(cfg, layout, mpu, ds_config: dict[str, Any], data, micro_batch: int,
-                          dp_rank: int, policy_config: dict[str, Any]) -> ref.PrecomputedReference:
+                          dp_rank: int, policy: ModelSpec) -> ref.PrecomputedReference:
     """Collective, before the policy is built: the cached log-probabilities of every pair, or
     a reference model run once over the training and validation sets (then freed) and cached
     atomically beside the data (``data_cache_dir/reference_logps/KEY``)."""
@@ -71,7 +73,7 @@ def precomputed_reference(cfg, layout, mpu, ds_config: dict[str, Any], data, mic
     folder = cfg.data_cache_dir / "reference_logps" / key
     tables = ref.load_cached(folder)
     if not _everywhere(tables is not None):  # a rank that does not see the cache computes too
-        model = build_model_reference(cfg, layout, mpu, ds_config, policy_config)
+        model = build_model_reference(cfg, layout, mpu, ds_config, policy)
         try:
             tables = ref.precompute(model, {"train": data.train, "validation": data.validation},
                                     micro_batch, layout.dp, dp_rank)
@@ -94,7 +96,7 @@ def _everywhere(flag: bool) -> bool:
     return bool(t.item())
 
 
-def dpo_objective(cfg, layout, mpu, ds_config: dict[str, Any], policy_config: dict[str, Any],
+def dpo_objective(cfg, layout, mpu, ds_config: dict[str, Any], policy: ModelSpec,
                   precomputed: ref.PrecomputedReference | None,
                   policy_chunks: Sequence[Any] = ()) -> DpoObjective:
     """The run's DPO objective; its reference: ``precomputed`` when given; with LoRA / DoRA the
@@ -110,4 +112,4 @@ def dpo_objective(cfg, layout, mpu, ds_config: dict[str, Any], policy_config: di
         chunks = list(policy_chunks)
         return DpoObjective(loss, ref.ModelReference(
             chunks, cfg.train.seq_len, context=lambda: adapters_disabled(chunks)))
-    return DpoObjective(loss, build_model_reference(cfg, layout, mpu, ds_config, policy_config))
+    return DpoObjective(loss, build_model_reference(cfg, layout, mpu, ds_config, policy))

@@ -3,10 +3,10 @@ the losses offered and of the metrics logged, and the cross-key checks of the ``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from toolkit.adapters.spec import ModelSpec, has_config
 from toolkit.errors import ConfigError
 
 #: TRL ``loss_type`` names whose value for a pair depends on that pair alone (so the loss of a
@@ -41,9 +41,9 @@ def check_settings(mode: str, dpo: Any, defaults: Any) -> None:
                           "(the EXO paper recommends 1e-3).")
 
 
-def _config_json(path: str) -> dict[str, Any] | None:
-    file = Path(path) / "config.json"
-    return json.loads(file.read_text()) if file.is_file() else None
+def _local(path: str) -> ModelSpec | None:
+    """The model of a local HF folder (None: not one)."""
+    return ModelSpec.of(Path(path)) if has_config(path) else None
 
 
 def check_reference(policy: str | None, reference: str | None) -> None:
@@ -51,7 +51,7 @@ def check_reference(policy: str | None, reference: str | None) -> None:
     (compared on config.json when both are local folders; hub ids are checked on load)."""
     if reference is None:
         return
-    ref = _config_json(reference)
+    ref = _local(reference)
     if ref is None:
         if Path(reference).exists() or reference.startswith((".", "/", "~")) or \
                 reference.count("/") != 1:
@@ -59,7 +59,7 @@ def check_reference(policy: str | None, reference: str | None) -> None:
                               "there (give the reference model's folder or hub id, or leave "
                               "dpo.reference unset to use the starting model).")
         return
-    mine = _config_json(policy) if policy else None
+    mine = _local(policy) if policy else None
     if mine is not None:
         difference = architecture_difference(mine, ref)
         if difference:
@@ -70,16 +70,17 @@ def check_reference(policy: str | None, reference: str | None) -> None:
                 "starts from).")
 
 
-def architecture_difference(policy: dict[str, Any], reference: dict[str, Any]) -> str | None:
-    """What differs between two HF configs as their model family describes them (type, sizes,
+def architecture_difference(policy: ModelSpec, reference: ModelSpec) -> str | None:
+    """What differs between two models as their family describes them (type, sizes,
     vocabulary, tying), or None."""
     import dataclasses
 
-    from toolkit.memory.model import model_shape_from_hf
+    from toolkit.memory.model import shape_of
 
-    if policy.get("model_type") != reference.get("model_type"):
-        return f"model_type {reference.get('model_type')!r} vs {policy.get('model_type')!r}"
-    a, b = (dataclasses.asdict(model_shape_from_hf(c)) for c in (reference, policy))
+    mine, theirs = policy.config.get("model_type"), reference.config.get("model_type")
+    if mine != theirs:
+        return f"model_type {theirs!r} vs {mine!r}"
+    a, b = (dataclasses.asdict(shape_of(m)) for m in (reference, policy))
     for key in a:
         if key != "name" and a[key] != b[key]:
             return f"{key} {a[key]!r} vs {b[key]!r}"

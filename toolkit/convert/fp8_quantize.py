@@ -9,7 +9,6 @@ The result is written atomically (``toolkit.atomic.building``).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -18,9 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from toolkit.adapters.spec import read_hf_config, write_config
 from toolkit.atomic import building
 from toolkit.checkpoint.fp8 import FP8, SCALE
-from toolkit.checkpoint.hf import SAFE_SINGLE, HFReader
+from toolkit.checkpoint.hf import CONFIG, SAFE_SINGLE, HFReader
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KEEP = re.compile(r"(embed_tokens|lm_head|wte|wpe|norm|\.gate)\.weight$|\.bias$")
@@ -60,10 +60,10 @@ def write_folder(dst: Path, src: Path, tensors: dict[str, torch.Tensor], config:
     side files of ``src`` (tokenizer, generation config)."""
     with building(dst) as tmp:
         for f in src.iterdir():
-            if f.is_file() and not f.name.startswith("model") and f.name != "config.json":
+            if f.is_file() and not f.name.startswith("model") and f.name != CONFIG:
                 shutil.copy2(f, tmp / f.name)
         save_file(tensors, str(tmp / SAFE_SINGLE), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_config(tmp, config)
     return dst
 
 
@@ -75,6 +75,6 @@ def quantize_folder(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -
             out[name], out[name + SCALE] = quantize(t, block)
         else:
             out[name] = t
-    config = json.loads((src / "config.json").read_text())
+    config = read_hf_config(src).to_dict()
     config["quantization_config"] = quantization_config(block)
     return write_folder(dst, src, out, config)
