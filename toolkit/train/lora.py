@@ -150,16 +150,22 @@ def has_state(folder: Path) -> bool:
     return (Path(folder) / ADAPTER_DIR / WEIGHTS).is_file()
 
 
-def load_state(folder: Path, engine: Any, chunks: list[Any], spec: LoraSpec | None, step: int,
+def refuse_adapters_for_full_run(folder: Path) -> None:
+    """A full fine-tuning run cannot resume from a checkpoint of adapters."""
+    from toolkit.train.checkpointing import ResumeError
+
+    if has_state(folder):
+        raise ResumeError(f"{folder} holds LoRA adapters (no full model): resume it with the "
+                          "run's peft settings, or start fresh with checkpoint.resume=none.")
+
+
+def load_state(folder: Path, engine: Any, chunks: list[Any], spec: LoraSpec, step: int,
                samples: int) -> None:
     """Fill the engine (any layout) from ``save_state``'s files: weights, fp32 masters, Adam."""
     from safetensors.torch import load_file
 
     from toolkit.train.checkpointing import ResumeError
 
-    if spec is None:
-        raise ResumeError(f"{folder} holds LoRA adapters (no full model): resume it with the "
-                          "run's peft settings, or start fresh with checkpoint.resume=none.")
     if not has_state(folder):
         raise ResumeError(f"{folder} is a full fine-tuning checkpoint, this run trains adapters "
                           "(peft.method): start the adapters fresh with checkpoint.resume=none, "

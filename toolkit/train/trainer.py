@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,23 +25,12 @@ from toolkit import parallel, runtime
 from toolkit.atomic import write_text
 from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
-from toolkit.train import lora as lora_run
-from toolkit.train import reshard
-from toolkit.train.checkpoint_folders import CheckpointManager
-from toolkit.train.checkpointing import (
-    ENGINE_TAG,
-    ResumeError,
-    TrainingState,
-    check_resume,
-    load_rng,
-    load_training_state,
-)
+from toolkit.train.checkpointing import ResumeError, load_training_state
 from toolkit.train.config import ConfigError, TrainConfig
 from toolkit.train.data import (
     DataError,
     DataSettings,
     GlobalBatchSampler,
-    PreparedData,
     prepare_data_distributed,
     with_reset_at_eod,
 )
@@ -63,76 +51,21 @@ from toolkit.train.metrics import (
 )
 from toolkit.train.model import RunModel, build_model, check_packing, run_kernels
 from toolkit.train.objective import Objective
+from toolkit.train.run_state import RunState, TrainResult
+from toolkit.train.run_state import log as _log
 from toolkit.train.schedule import LRSchedule
 from toolkit.train.step_log import Progress, StepLog
 from toolkit.train.step_values import StepResult
 from toolkit.train.validation import validation_metrics
+from toolkit.train.variants import variant_for
 from toolkit.train.zero3_release import destroy_engine
 
 if TYPE_CHECKING:
-    from toolkit.adapters import Adapter
     from toolkit.train.faults import Heartbeat, StopGuard
     from toolkit.train.saver import Saver
 
 
-@dataclass
-class TrainResult:
-    """What a run did, identical on every rank (export_dir only where it was written)."""
-
-    steps: int
-    start_step: int
-    losses: list[float] = field(default_factory=list)
-    val_losses: dict[int, float] = field(default_factory=dict)
-    metrics: list[dict[str, float]] = field(default_factory=list)  # per step, besides the loss
-    val_metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # (DPO: TRL's)
-    export_dir: str | None = None
-    export_max_abs_diff: float | None = None  # HF export vs the trained model's logits
-    adapter_dir: str | None = None  # peft: the HF PEFT folder (export.adapter_dir)
-    adapter_max_abs_diff: float | None = None  # PEFT's model with it vs the trained model
-    ds_config: dict[str, Any] = field(default_factory=dict)
-    ds_notes: list[str] = field(default_factory=list)
-
-
-def _log(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[mdtk train] {msg}", flush=True)
-
-
 # -- the run ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RunState:
-    """What the phases of one run hand each other once ``_prepare`` has built it (each rank
-    holds its own model chunks and data-parallel share); the DeepSpeed engine goes alongside."""
-
-    cfg: TrainConfig
-    plan: cfgmod.RunPlan
-    model: RunModel  # the model's description (config.json read once) and shape
-    data: PreparedData
-    sampler: GlobalBatchSampler  # this rank's share of every global batch
-    chunks: list[torch.nn.Module]
-    adapter: Adapter
-    ds_config: dict[str, Any]
-    ds_notes: list[str]
-    total_steps: int
-    objective: Objective  # the data mode's micro-batches and loss (DPO: with its reference)
-    lora: Any = None  # the LoraSpec of a LoRA / DoRA run (None: full fine-tuning)
-
-    @property
-    def checkpoints(self) -> CheckpointManager:
-        c = self.cfg.checkpoint
-        return CheckpointManager(self.cfg.checkpoint_dir, c.keep_last, c.keep_every,
-                                 describe=self._describe_model)
-
-    def _describe_model(self, folder: Path) -> None:
-        """A checkpoint's ``hf_config/``: config.json as read, tokenizer and generation config
-        from the local model and tokenizer folders (a hub id stays in trainer_state.json)."""
-        from toolkit.checkpoint.megatron_layout import write_hf_config
-
-        local = [Path(p) for p in (self.cfg.model.path, self.cfg.tokenizer_path)
-                 if p and Path(p).is_dir()]
-        write_hf_config(folder, self.model.spec.write, local)
-
 
 def run(cfg: TrainConfig) -> TrainResult:
     """Train as ``cfg`` says on every rank of the launch (without one: a world of one,
@@ -223,7 +156,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
             raise ConfigError(f"data: token id {top} in the {split} split is outside the model's "
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
     mask_vocab_padding(chunks, vocab)
-    lora = lora_run.attach_adapters(cfg, chunks, adapter) if cfg.peft.method != "none" else None
+    variant = variant_for(cfg).attach(cfg, chunks, adapter)  # adapters, for a LoRA run
     num_samples, shuffle = data.train.sampler_args(cfg.data.shuffle)
     sampler = GlobalBatchSampler(num_samples, run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, dp_rank, cfg.train.seed, shuffle)
@@ -234,7 +167,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
         objective = dpo_objective(cfg, layout, mpu, ds_config, model.spec, precomputed,
                                   chunks)
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
-                    notes, total, objective, lora)
+                    notes, total, objective, variant)
 
 
 def _train(state: RunState, engine) -> TrainResult:
@@ -261,7 +194,7 @@ def _train(state: RunState, engine) -> TrainResult:
     saver = Saver(state.checkpoints, asynchronous=cfg.checkpoint.async_,
                   on_error=cfg.checkpoint.on_save_error, log=_log)
     try:
-        if start < total and state.lora is None:
+        if start < total and state.variant.uses_saver:
             saver.prepare(engine)
         with stop, heartbeat:
             _loop(state, engine, result, start, stop, heartbeat, saver, writer, progress)
@@ -271,8 +204,7 @@ def _train(state: RunState, engine) -> TrainResult:
             writer.close()
         if progress is not None:
             progress.close()
-    if cfg.export.hf_dir or cfg.export.adapter_dir:
-        _export(state, engine, result)
+    state.variant.export(state, engine, result)
     if rank == 0:
         summary = dataclasses.asdict(result)
         summary.pop("ds_config")
@@ -318,14 +250,14 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
             log.line(done, val, sampler.consumed_samples(done))
         if save:
             with log.paused():
-                _checkpoint(state, engine, saver, done)
+                state.variant.save(state, engine, saver, done)
             saved = done
         else:
             saver.poll()
         heartbeat.beat(done)
         if done < total and stop.requested():
             log.read()
-            path = _checkpoint(state, engine, saver, done) if saved != done else None
+            path = state.variant.save(state, engine, saver, done) if saved != done else None
             path = saver.finish() or path
             raise faults.TrainingStopped(done, path and str(path), stop.reason or "")
     log.read()
@@ -375,55 +307,9 @@ def _validate(state: RunState, result: TrainResult, step: int) -> float:
     return result.val_losses[step]
 
 
-def _training_state(state: RunState, step: int) -> TrainingState:
-    cfg, plan = state.cfg, state.plan
-    return TrainingState(
-        step=step, consumed_samples=state.sampler.consumed_samples(step),
-        world_size=plan.layout.world_size, dp_size=plan.layout.dp,
-        global_batch=plan.global_batch, micro_batch=plan.micro_batch, seed=cfg.train.seed,
-        layout=dataclasses.asdict(plan.layout), data_fingerprint=state.data.key,
-        config=_absolute_model_paths(cfg.to_dict()),
-    )
-
-
-def _absolute_model_paths(config: dict) -> dict:
-    """The config with local model paths made absolute, so that a checkpoint names its HF
-    folder wherever it is read from (``mdtk convert`` from another directory); hub ids stay."""
-    model = dict(config.get("model") or {})
-    for key in ("path", "config", "tokenizer"):
-        value = model.get(key)
-        if isinstance(value, str) and value and Path(value).exists():
-            model[key] = str(Path(value).resolve())
-    return {**config, "model": model}
-
-
-def _checkpoint(state: RunState, engine, saver: Saver, step: int) -> Path | None:
-    """Save step ``step``: through ``saver`` (synchronous or asynchronous), or for LoRA runs
-    (the adapters and their optimizer state, small) synchronously by ``_save``."""
-    if state.lora is not None:
-        return _save(state, engine, step)
-    return saver.save(engine, _training_state(state, step))
-
-
-def _save(state: RunState, engine, step: int) -> Path:
-    from toolkit.train import faults
-
-    def write_engine(folder: Path) -> None:
-        if state.lora is not None:  # the adapters and their optimizer state only
-            lora_run.save_state(folder, engine, state.chunks, state.adapter, state.lora,
-                                state.cfg.model.path)
-        else:
-            engine.save_checkpoint(str(folder), tag=ENGINE_TAG, save_latest=False)
-        faults.test_hook("save", step)  # tests kill a rank here, mid-save
-
-    path = state.checkpoints.save(_training_state(state, step), write_engine)
-    _log(f"saved checkpoint {path}")
-    return path
-
-
 def _resume(state: RunState, engine) -> int:
     """The step to start from: 0, or the step of the checkpoint ``checkpoint.resume`` names
-    (engine, RNG and data position restored after the run is checked to be the same one)."""
+    (checked to be this run's, then filled by the run's variant: engine, RNG, data position)."""
     cfg = state.cfg
     path = state.checkpoints.resolve_resume(
         cfg.checkpoint.resume, checksums=cfg.checkpoint.verify == "checksums",
@@ -431,64 +317,6 @@ def _resume(state: RunState, engine) -> int:
     if path is None:
         return 0
     saved = load_training_state(path)
-    if state.lora is not None or lora_run.has_state(path):
-        return _resume_adapters(state, engine, path, saved)
-    # Another layout (or ZeRO stage): resharded through the mapping; the same one: DeepSpeed's
-    # native load of its per-rank shards.
-    stage = reshard.saved_stage(path)
-    native = (reshard.same_layout(saved.layout, state.plan.layout)
-              and stage == engine.zero_optimization_stage())
-    check_resume(saved, layout=state.plan.layout, global_batch=state.plan.global_batch,
-                 seed=cfg.train.seed, data_fingerprint=state.data.key,
-                 dp_change_ok=state.sampler.supports_dp_change, reshard_ok=True)
-    if native:
-        loaded, _ = engine.load_checkpoint(str(path), tag=ENGINE_TAG)
-        if loaded is None:
-            raise ConfigError(f"checkpoint {path}: DeepSpeed found no engine state under tag "
-                              f"{ENGINE_TAG!r} (incomplete or foreign checkpoint).")
-    else:
-        reshard.load_resharded(path, engine, state.chunks, state.adapter, saved.step,
-                               saved.consumed_samples)
-    # RNG states belong to the ranks of the saved layout: elsewhere reseed per step
-    if not native or not load_rng(path, dist.get_rank()):
-        torch.manual_seed(cfg.train.seed + saved.step)
-    how = "" if native else f" (resharded from {_describe(saved.layout)}, ZeRO-{stage})"
-    _log(f"resumed from {path} at step {saved.step}{how}")
+    state.check_resume(saved)
+    _log(state.variant.resume(state, engine, path, saved))
     return saved.step
-
-
-def _resume_adapters(state: RunState, engine, path: Path, saved) -> int:
-    """Resume a LoRA / DoRA run: its adapters and their optimizer state, at any layout."""
-    cfg = state.cfg
-    check_resume(saved, layout=state.plan.layout, global_batch=state.plan.global_batch,
-                 seed=cfg.train.seed, data_fingerprint=state.data.key,
-                 dp_change_ok=state.sampler.supports_dp_change, reshard_ok=True)
-    lora_run.load_state(path, engine, state.chunks, state.lora, saved.step,
-                        saved.consumed_samples)
-    same = reshard.same_layout(saved.layout, state.plan.layout)
-    if not same or not load_rng(path, dist.get_rank()):
-        torch.manual_seed(cfg.train.seed + saved.step)
-    how = "" if same else f" (from {_describe(saved.layout)})"
-    _log(f"resumed adapters from {path} at step {saved.step}{how}")
-    return saved.step
-
-
-def _export(state: RunState, engine, result: TrainResult) -> None:
-    from toolkit.train.export import export
-
-    cfg = state.cfg
-    if state.lora is not None:
-        lora_run.export(cfg, engine, state.chunks, state.adapter, state.lora, result, _log)
-        return
-    result.export_dir, result.export_max_abs_diff = export(
-        engine, state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
-    if result.export_dir is not None:
-        diff = result.export_max_abs_diff
-        _log(f"exported HF checkpoint to {result.export_dir}"
-             + (f" (logits vs trained model: max abs diff {diff:.2e})" if cfg.export.verify
-                else ""))
-
-
-def _describe(layout: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in layout.items()
-                    if k in ("dp", "tp", "pp", "vpp", "ep") and v not in (None, 1)) or "1 rank"
