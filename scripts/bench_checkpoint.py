@@ -82,7 +82,7 @@ def train_step(engine, seq: int) -> float:
 
 def _state(step: int):
     from toolkit.parallel import ParallelLayout
-    from toolkit.train.checkpointing import TrainingState
+    from toolkit.train.checkpoints.state import TrainingState
 
     return TrainingState(step=step, consumed_samples=step, world_size=1, dp_size=1,
                          global_batch=1, micro_batch=1, seed=0,
@@ -227,8 +227,8 @@ def _compare(work: Path, sync_manifest: str, step: int) -> tuple[list[str], dict
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
-    from toolkit.train.checkpoint_folders import CheckpointManager
-    from toolkit.train.saver import Saver
+    from toolkit.train.checkpoints.folders import CheckpointManager
+    from toolkit.train.checkpoints.saver import Saver
 
     engine, params = build_engine(args.layers, args.precision, args.device)
     quiet = lambda text: None  # noqa: E731

@@ -67,7 +67,7 @@ def epoch_seconds(chunk, opt, split, micro_batch: int, device) -> float:
     import torch
 
     from toolkit.models.packed import localise, segments_of
-    from toolkit.train.loss import count_step, token_mean
+    from toolkit.train.loop.loss import count_step, token_mean
 
     batches = [split.batch(np.arange(i, min(i + micro_batch, len(split))))
                for i in range(0, len(split), micro_batch)]

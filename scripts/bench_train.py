@@ -111,13 +111,12 @@ def bare_steps(cfg) -> list[float]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from toolkit import parallel, runtime
     from toolkit.parallel.grads import finalize_grads
     from toolkit.train import config as cfgmod
-    from toolkit.train.engine import mark_tensor_parallel_params
+    from toolkit.train.loop.engine import mark_tensor_parallel_params
     from toolkit.train.model import RunModel, build_model
 
     run_plan = cfgmod.plan(cfg, dist.get_world_size())
@@ -163,22 +162,7 @@ def bare_steps(cfg) -> list[float]:
                              model=chunks[0], num_microbatches=n, seq_length=seq,
                              micro_batch_size=mb, forward_only=False)
             finalize_grads(chunks)
-            grads = [p.grad for p in params if p.grad is not None]
-            if dist.get_world_size(dp_group) > 1:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=dp_group)
-                flat /= dist.get_world_size(dp_group)
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-            norm_grads = [p.grad for p in params if p.grad is not None and (
-                tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
-            norm = get_grad_norm_fp32(norm_grads,
-                                      grad_stats_parallel_group=ps.get_model_parallel_group())
-            coeff = cfg.optim.clip_grad / (norm + 1e-6)
-            if coeff < 1.0:  # megatron-core's clip_grad_by_total_norm_fp32 (CUDA-only assert)
-                torch._foreach_mul_(grads, coeff)
+            _reduce_and_clip(params, dp_group, tp_rank, cfg.optim.clip_grad)
             if mixed:
                 for m, p in zip(master, params, strict=True):
                     m.grad = None if p.grad is None else p.grad.float()
@@ -192,6 +176,31 @@ def bare_steps(cfg) -> list[float]:
         return times
     finally:
         parallel.destroy()
+
+
+def _reduce_and_clip(params, dp_group, tp_rank: int, clip: float) -> None:
+    """The bare loop's gradient reduction: one flat all-reduce over data parallel (averaged),
+    then megatron-core's grad norm and clipping by the total norm."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if dist.get_world_size(dp_group) > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=dp_group)
+        flat /= dist.get_world_size(dp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    norm_grads = [p.grad for p in params if p.grad is not None and (
+        tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+    norm = get_grad_norm_fp32(norm_grads, grad_stats_parallel_group=ps.get_model_parallel_group())
+    coeff = clip / (norm + 1e-6)
+    if coeff < 1.0:  # megatron-core's clip_grad_by_total_norm_fp32 (CUDA-only assert)
+        torch._foreach_mul_(grads, coeff)
 
 
 def compare(assets: dict[str, str], opts: dict) -> dict:

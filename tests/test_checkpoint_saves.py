@@ -23,9 +23,9 @@ from typer.testing import CliRunner
 
 from toolkit.checkpoint import manifest
 from toolkit.parallel import ParallelLayout
-from toolkit.train.checkpoint_folders import CheckpointManager
-from toolkit.train.checkpointing import ResumeError, TrainingState
-from toolkit.train.snapshot import StagingPool, snapshot
+from toolkit.train.checkpoints.folders import CheckpointManager
+from toolkit.train.checkpoints.snapshot import StagingPool, snapshot
+from toolkit.train.checkpoints.state import ResumeError, TrainingState
 
 
 def _state(step: int) -> TrainingState:
@@ -181,7 +181,7 @@ def test_copies_of_gpu_storages_are_tagged_as_torch_tags_gpu_storages(tmp_path):
     import pickletools
     import zipfile
 
-    from toolkit.train import snapshot as snap
+    from toolkit.train.checkpoints import snapshot as snap
 
     flat = torch.arange(8, dtype=torch.float32)
     state = {"a": flat[:4], "b": flat[4:], "c": torch.ones(2)}

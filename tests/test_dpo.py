@@ -24,8 +24,8 @@ from toolkit.planner.step import step_cost
 from toolkit.train.config import config_from_dict
 from toolkit.train.data import DataError, DataSettings, load_tokenizer, prepare_data
 from toolkit.train.data.preference import encode_preference_row
-from toolkit.train.dpo import spec
-from toolkit.train.dpo.losses import LOSSES, Pairs
+from toolkit.train.objectives.dpo import spec
+from toolkit.train.objectives.dpo.losses import LOSSES, Pairs
 
 DPO_FILE = bundled.path("bundled:examples/data/dpo.jsonl")  # conversational rows
 TEXT_FILE = bundled.path("bundled:examples/data/dpo_text.jsonl")  # string rows
@@ -300,7 +300,7 @@ def test_reference_off_the_trainers_device_is_refused_before_its_forward():
     is on the trainer's device (``runtime.device()``); a module on another device (meta here,
     as cuda vs cpu on a GPU) is named. The trainer's own runs (tests/test_trainer_dpo.py) pass
     the same check on CPU."""
-    from toolkit.train.dpo.reference import ModelReference
+    from toolkit.train.objectives.dpo.reference import ModelReference
 
     stray = torch.nn.Embedding(8, 4, device="meta")
     batch = {"tokens": torch.zeros(2, 4, dtype=torch.long),

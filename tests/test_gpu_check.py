@@ -13,6 +13,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
 import gpu_check  # noqa: E402
+import gpu_check_report  # noqa: E402
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -67,14 +68,14 @@ def test_runner_records_parts_and_skips_what_does_not_fit(tmp_path):
                     "--docs", str(docs)).returncode == 0
     text = docs.read_text()
     assert text.startswith("# Benchmarks\n\nbefore\n")
-    assert text.count(gpu_check.BEGIN) == 1 and text.count("### GPU check,") == 1
+    assert text.count(gpu_check_report.BEGIN) == 1 and text.count("### GPU check,") == 1
     later = json.loads((tmp_path / "b" / "gpu_check.json").read_text())
     later["date"] = "2099-01-01 00:00 UTC"  # another run: kept beside the first, newest first
     (tmp_path / "b" / "gpu_check.json").write_text(json.dumps(later))
     assert _run("--record", str(tmp_path / "b" / "gpu_check.json"), "--docs",
                 str(docs)).returncode == 0
     text = docs.read_text()
-    assert text.count("### GPU check,") == 2 and text.count(gpu_check.BEGIN) == 1
+    assert text.count("### GPU check,") == 2 and text.count(gpu_check_report.BEGIN) == 1
     assert text.index("2099-01-01") < text.index("### GPU check,", text.index("2099-01-01") + 1)
 
 

@@ -41,7 +41,7 @@ from dist_checks import trainer_checks as tc
 
 from toolkit import errors
 from toolkit.runtime.ports import free_port
-from toolkit.train.faults import TEST_FAULT_DIR_ENV, TEST_FAULT_ENV
+from toolkit.train.loop.faults import TEST_FAULT_DIR_ENV, TEST_FAULT_ENV
 
 pytestmark = pytest.mark.late  # see tests/conftest.py
 

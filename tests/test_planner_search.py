@@ -85,8 +85,8 @@ def test_random_shapes_only_fitting_plans(h, layers, kv, gpus, mem, seq):
 
 
 def test_rules_match_the_trainer_and_the_memory_model():
-    """zero_allowed == what toolkit.train.engine.check_supported and the memory model accept."""
-    from toolkit.train.engine import EngineError, check_supported
+    """zero_allowed == what the engine's check_supported and the memory model accept."""
+    from toolkit.train.loop.engine import EngineError, check_supported
 
     llama = load_model_shape("llama-3.2-1b")
     for zero in (0, 1, 2, 3):

@@ -21,7 +21,7 @@ from toolkit.memory import Cluster, TrainShape, ZeroOptions, estimate, load_mode
 from toolkit.memory.model import model_shape_from_hf
 from toolkit.parallel.layout import LayoutError, ParallelLayout, ResolvedLayout
 from toolkit.planner.search import zero_allowed
-from toolkit.train.engine_rules import EngineError, check_supported
+from toolkit.train.loop.engine_rules import EngineError, check_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(model_type="llama", hidden_size=128, intermediate_size=384, num_hidden_layers=2,

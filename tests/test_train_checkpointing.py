@@ -13,8 +13,8 @@ import torch
 from dist_checks.checkpoint_save_checks import train_step, zero2_engine
 
 from toolkit.parallel import ParallelLayout
-from toolkit.train.checkpoint_folders import CheckpointManager
-from toolkit.train.checkpointing import (
+from toolkit.train.checkpoints.folders import CheckpointManager
+from toolkit.train.checkpoints.state import (
     ENGINE_TAG,
     STATE_FILE,
     ResumeError,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from dist_checks import engine_checks as ec
 
-from toolkit.train import engine as te
+from toolkit.train.loop import engine as te
 
 LOSS_RTOL = 1e-5
 NORM_RTOL = 1e-4
@@ -112,7 +112,7 @@ def test_unsupported_combinations_refused_before_training(rank_pool_2):
 def test_token_mean_shares_add_up_to_the_global_token_mean():
     """Two micro-batches of unequal loss-token counts: the shares add up to the sum of kept
     token losses over all kept tokens (not the mean of the two micro-batch means)."""
-    from toolkit.train.loss import StepCounts, sample_mean, token_mean
+    from toolkit.train.loop.loss import StepCounts, sample_mean, token_mean
 
     per_token = [torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), torch.tensor([[7.0, 8.0, 9.0]])]
     masks = [torch.tensor([[0, 1, 1], [0, 0, 1]]), torch.tensor([[0, 0, 1]])]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from toolkit import bundled
-from toolkit.train.metrics import (
+from toolkit.train.loop.metrics import (
     MetricsWriter,
     StepMetrics,
     gather_memory,

@@ -1,5 +1,5 @@
 """Layout-invariant initialization and resume at another layout (``toolkit.train.init``,
-``toolkit.train.reshard``), with the real trainer on gloo ranks.
+``toolkit.train.checkpoints.reshard``), with the real trainer on gloo ranks.
 
 Pretraining from a config must start from bit-identical weights at every layout (gathered to an
 HF folder right after the model is built) and give the single-rank run's first losses. A
@@ -76,7 +76,7 @@ def _by_case(per_rank) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def results(rank_pool_2, rank_pool_4, assets):
-    from toolkit.train.relayout import convert_checkpoint
+    from toolkit.train.checkpoints.relayout import convert_checkpoint
 
     work = assets["work"]
     out = _by_case(rank_pool_4.run(rc.runs, cases_4(work), assets, work, timeout=900))

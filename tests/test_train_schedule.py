@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from toolkit.train.schedule import LRSchedule, lr_at
+from toolkit.train.loop.schedule import LRSchedule, lr_at
 
 KW = dict(lr=1.0, min_lr=0.1, warmup_steps=4, total_steps=14)
 

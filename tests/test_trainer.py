@@ -39,7 +39,7 @@ CASES_2 = [
     Case("cp2", cp=2),
     Case("cp2_sft", cp=2, mode="sft", ref="ref_sft"),  # masked prompts: token-weighted over CP
     Case("cp2_grads", cp=2, zero=0, steps=1, grads=True, ref="ref_grads"),
-    # the step values read every 3 steps (toolkit/train/step_log.py), ZeRO-0's norm included
+    # the step values read every 3 steps (toolkit/train/loop/step_log.py), ZeRO-0's norm included
     Case("dp2_zero0_log3", zero=0, overrides=("logging.interval=3",)),
 ]
 CASES_4 = [
@@ -131,7 +131,7 @@ def _assert_parity(ranks: list[dict], ref: dict, case: Case, world: int) -> None
         assert r["stage"] == case.zero
         assert not r["left_initialised"]  # run() tore its process groups down
         assert r["engine_freed"], (case.name, case.zero)  # nothing keeps the engine (ZeRO-3's
-        # DeepSpeed references: toolkit/train/zero3_release.py), nor its groups' gloo threads
+        # DeepSpeed references: toolkit/train/loop/zero3_release.py), nor its groups' gloo threads
         # (megatron-core's leftovers: toolkit/parallel/state.destroy)
         before, after = r["gloo_threads"]
         assert after <= before, (case.name, r["gloo_threads"])

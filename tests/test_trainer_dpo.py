@@ -28,7 +28,7 @@ from toolkit import bundled
 from toolkit.memory import TrainShape, ZeroOptions, estimate, model_shape_from_hf
 from toolkit.parallel.layout import ParallelLayout
 from toolkit.runtime.rankpool import RankPool
-from toolkit.train.dpo.spec import METRICS
+from toolkit.train.objectives.dpo.spec import METRICS
 
 LOSS_RTOL = 1e-5
 VAL_SEQ, VAL_PAIRS = 64, 8

@@ -71,7 +71,7 @@ def run_demo(out: Path, *, nproc: int = 2, steps: int | None = None,
              extra: list[str] | None = None, log: Callable[[str], None] = print) -> DemoResult:
     from toolkit.launch import LaunchSpec, run_local
     from toolkit.runtime.ports import free_port
-    from toolkit.train.metrics import read_metrics
+    from toolkit.train.loop.metrics import read_metrics
 
     model_dir = make_tiny_checkpoint(out / "tiny-llama")
     log(describe_model(model_dir))

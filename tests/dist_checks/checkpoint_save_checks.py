@@ -71,7 +71,7 @@ def _state(step: int):
     import torch.distributed as dist
 
     from toolkit.parallel import ParallelLayout
-    from toolkit.train.checkpointing import TrainingState
+    from toolkit.train.checkpoints.state import TrainingState
 
     world = dist.get_world_size() if dist.is_initialized() else 2
     layout = ParallelLayout().resolve(world)
@@ -102,8 +102,8 @@ def async_matches_sync(root: str, width: int = 32, stage: int = 2,
     import torch.distributed as dist
 
     from toolkit import runtime
-    from toolkit.train.checkpoint_folders import CheckpointManager
-    from toolkit.train.saver import Saver
+    from toolkit.train.checkpoints.folders import CheckpointManager
+    from toolkit.train.checkpoints.saver import Saver
 
     runtime.prepare_deepspeed()
     rank = dist.get_rank()
@@ -127,7 +127,7 @@ def async_matches_sync(root: str, width: int = 32, stage: int = 2,
 
     resumed_engine = zero2_engine(seed=5, width=width, stage=stage, bf16=bf16)
     loaded, _ = resumed_engine.load_checkpoint(str(async_path), tag="engine")
-    from toolkit.train.checkpointing import load_rng
+    from toolkit.train.checkpoints.state import load_rng
 
     load_rng(async_path, rank)
     resumed = [train_step(resumed_engine, k, rank, width) for k in (3, 4, 5)]
@@ -172,8 +172,8 @@ def full_disk(root: str, fsize_limit: int | None) -> dict[str, Any]:
     import torch.distributed as dist
 
     from toolkit import runtime
-    from toolkit.train.checkpoint_folders import CheckpointManager
-    from toolkit.train.saver import SaveError, Saver
+    from toolkit.train.checkpoints.folders import CheckpointManager
+    from toolkit.train.checkpoints.saver import SaveError, Saver
 
     runtime.prepare_deepspeed()
     rank = dist.get_rank()

@@ -75,7 +75,7 @@ def run_case(case: DpoCase, assets: dict[str, str], workdir: str) -> dict[str, A
     from megatron.core import parallel_state as ps
 
     from toolkit.train import trainer
-    from toolkit.train.dpo import objective as dpo_objective
+    from toolkit.train.objectives.dpo import objective as dpo_objective
 
     out = Path(workdir) / case.name
     seen: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""Rank functions for the training-engine parity checks (toolkit.train.engine).
+"""Rank functions for the training-engine parity checks (toolkit.train.loop.engine).
 
 Every case trains the same tiny megatron-core GPT for a few AdamW steps through
 ``build_engine`` / ``train_step`` (megatron-core schedules inside a real DeepSpeed engine) and
@@ -19,7 +19,7 @@ from megatron.core import parallel_state as ps
 from dist_checks import gpt_checks as gc
 from toolkit import parallel
 from toolkit.parallel import ParallelLayout
-from toolkit.train import engine as te
+from toolkit.train.loop import engine as te
 
 LR, CLIP, STEPS = 1e-2, 1.0, 5
 

@@ -50,7 +50,7 @@ def val_losses(layouts: list[Layout], model: str, splits: dict[str, Any], seq_le
     from megatron.core import parallel_state as ps
 
     from toolkit import parallel
-    from toolkit.train.validation import validation_loss
+    from toolkit.train.loop.validation import validation_loss
 
     out = {}
     for lay in layouts:

@@ -12,13 +12,13 @@ def run_then_release(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     keeps a thread that wakes 100 times a second until its last reference goes, and engines
     hold theirs in reference cycles that an idle rank never collects (280 -> 200 threads per
     rank after two engine jobs; each job adds ~130). ZeRO-3 engines are also released from
-    DeepSpeed's lasting references (toolkit/train/zero3_release.py): otherwise each leaks
+    DeepSpeed's lasting references (toolkit/train/loop/zero3_release.py): otherwise each leaks
     whole, with ~15 gloo threads. What survives is frozen (``collect``)."""
     try:
         return fn(*args, **kwargs)
     finally:
         from toolkit.parallel import state
-        from toolkit.train.zero3_release import release_zero3
+        from toolkit.train.loop.zero3_release import release_zero3
 
         release_zero3()
         state.destroy()

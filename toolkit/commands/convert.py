@@ -158,10 +158,10 @@ def _adapters(src: Path, dst: Path, to: str, *, merge_lora: bool, base: Path | N
 
 
 def _to_trainer(src: Path, dst: Path, **layout) -> None:
-    """A trainer checkpoint resharded to another layout (``toolkit.train.reshard``)."""
+    """A trainer checkpoint resharded to another layout (``toolkit.train.checkpoints.reshard``)."""
     from toolkit.errors import UserError
     from toolkit.runtime.rankpool import RankFailure
-    from toolkit.train.relayout import convert_checkpoint
+    from toolkit.train.checkpoints.relayout import convert_checkpoint
 
     try:
         out = convert_checkpoint(src, dst, **layout)

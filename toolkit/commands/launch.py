@@ -178,7 +178,7 @@ def _say(text: str) -> None:
 
 def _clear_stop_file(output_dir: Path) -> None:
     """A stop asked of an earlier run is done once that run has stopped: a new launch runs."""
-    from toolkit.train.faults import stop_file
+    from toolkit.train.loop.faults import stop_file
 
     path = stop_file(output_dir)
     if path.exists():
@@ -190,7 +190,7 @@ def _slurm(spec, args: list[str], output_dir: Path | None, script: Path | None, 
            env: dict[str, str], **kw) -> None:
     from toolkit.atomic import write_text
     from toolkit.launch import slurm_script
-    from toolkit.train.faults import stop_file
+    from toolkit.train.loop.faults import stop_file
 
     base = output_dir or Path.cwd()
     log_dir = base.resolve() / "logs"

@@ -32,7 +32,7 @@ def train(
         typer.echo("config OK")
         return
     from toolkit import errors
-    from toolkit.train.faults import TrainingStopped, stop_file
+    from toolkit.train.loop.faults import TrainingStopped, stop_file
     from toolkit.train.trainer import run
 
     try:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from toolkit import errors
-from toolkit.train.faults import STOP_FILE_ENV
+from toolkit.train.loop.faults import STOP_FILE_ENV
 
 
 @dataclass(frozen=True)

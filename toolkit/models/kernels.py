@@ -16,7 +16,7 @@ materialised fp32 logits tensor ([tokens, vocab]: 4.2 GB per 8k-token micro-batc
   the loss in vocabulary chunks, gradients computed in the forward, so the logits never exist.
   Only where the output layer is not vocab-parallel (tp = 1) and the objective is the token
   mean (SFT, pretraining): the model then returns the sum of the kept tokens' losses
-  (``GPTModel`` with a ``loss_mask``), which ``toolkit.train.loss.token_mean`` divides.
+  (``GPTModel`` with a ``loss_mask``), which ``toolkit.train.loop.loss.token_mean`` divides.
 
 RMSNorm needs nothing: torch's ``rms_norm`` is one fused kernel on CUDA (``_fused_rms_norm``;
 Liger's took x2.2 its time on the H200). On CPU nothing changes (the reference path). Each

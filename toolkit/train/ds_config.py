@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from toolkit import runtime
 from toolkit.errors import ConfigError
 from toolkit.train.config import RunPlan, TrainConfig
-from toolkit.train.engine_rules import check_supported
+from toolkit.train.loop.engine_rules import check_supported
 from toolkit.train.model import RunModel
 
 if TYPE_CHECKING:

@@ -51,7 +51,9 @@ class RunModel:
             raise ConfigError(f"model: {file} not found (model.path must be an HF folder, "
                               "model.config an HF config.json).")
         spec = ModelSpec.of(path if cfg.model.path else file, live=True)
-        from toolkit.train.lora import spec_of  # peft: the memory model counts the adapters
+        from toolkit.train.variants.lora import (
+            spec_of,  # peft: the memory model counts the adapters
+        )
 
         shape = shape_of(spec, lora=spec_of(cfg))
         dtype = DTYPES[cfg.train.precision]

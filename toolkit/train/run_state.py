@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter
-    from toolkit.train.checkpoint_folders import CheckpointManager
-    from toolkit.train.checkpointing import TrainingState
+    from toolkit.train.checkpoints.folders import CheckpointManager
+    from toolkit.train.checkpoints.state import TrainingState
     from toolkit.train.config import RunPlan, TrainConfig
     from toolkit.train.data import GlobalBatchSampler, PreparedData
     from toolkit.train.model import RunModel
-    from toolkit.train.objective import Objective
+    from toolkit.train.objectives.base import Objective
     from toolkit.train.variants import Variant
 
 
@@ -62,7 +62,7 @@ class RunState:
 
     @property
     def checkpoints(self) -> CheckpointManager:
-        from toolkit.train.checkpoint_folders import CheckpointManager
+        from toolkit.train.checkpoints.folders import CheckpointManager
 
         c = self.cfg.checkpoint
         return CheckpointManager(self.cfg.checkpoint_dir, c.keep_last, c.keep_every,
@@ -79,7 +79,7 @@ class RunState:
 
     def training_state(self, step: int) -> TrainingState:
         """The run's record for a checkpoint of ``step`` (what resume checks it against)."""
-        from toolkit.train.checkpointing import TrainingState
+        from toolkit.train.checkpoints.state import TrainingState
 
         cfg, plan = self.cfg, self.plan
         return TrainingState(
@@ -92,7 +92,7 @@ class RunState:
 
     def check_resume(self, saved: TrainingState) -> None:
         """The checkpoint is this run's (layout may differ: every variant reshards)."""
-        from toolkit.train.checkpointing import check_resume
+        from toolkit.train.checkpoints.state import check_resume
 
         check_resume(saved, layout=self.plan.layout, global_batch=self.plan.global_batch,
                      seed=self.cfg.train.seed, data_fingerprint=self.data.key,
@@ -118,7 +118,7 @@ def describe_layout(layout: dict[str, Any]) -> str:
 def reseed_unless_restored(path: Path, seed: int, step: int, same_layout: bool) -> None:
     """RNG states belong to the ranks of the saved layout: restore them there, elsewhere (or
     when the checkpoint holds none) reseed per step."""
-    from toolkit.train.checkpointing import load_rng
+    from toolkit.train.checkpoints.state import load_rng
 
     if not same_layout or not load_rng(path, dist.get_rank()):
         torch.manual_seed(seed + step)

@@ -25,7 +25,7 @@ from toolkit import parallel, runtime
 from toolkit.atomic import write_text
 from toolkit.parallel import LayoutError
 from toolkit.train import config as cfgmod
-from toolkit.train.checkpointing import ResumeError, load_training_state
+from toolkit.train.checkpoints.state import ResumeError, load_training_state
 from toolkit.train.config import ConfigError, TrainConfig
 from toolkit.train.data import (
     DataError,
@@ -37,32 +37,32 @@ from toolkit.train.data import (
 from toolkit.train.data.blend import SourceTokens
 from toolkit.train.data.pretrain import check_token_ids
 from toolkit.train.ds_config import deepspeed_config
-from toolkit.train.engine import (
+from toolkit.train.loop.engine import (
     EngineError,
     build_engine,
     mask_vocab_padding,
     run_step,
 )
-from toolkit.train.metrics import (
+from toolkit.train.loop.metrics import (
     MetricsWriter,
     device_name,
     model_flops_per_token,
     peak_tflops,
 )
+from toolkit.train.loop.schedule import LRSchedule
+from toolkit.train.loop.step_log import Progress, StepLog
+from toolkit.train.loop.step_values import StepResult
+from toolkit.train.loop.validation import validation_metrics
+from toolkit.train.loop.zero3_release import destroy_engine
 from toolkit.train.model import RunModel, build_model, check_packing, run_kernels
-from toolkit.train.objective import Objective
+from toolkit.train.objectives.base import Objective
 from toolkit.train.run_state import RunState, TrainResult
 from toolkit.train.run_state import log as _log
-from toolkit.train.schedule import LRSchedule
-from toolkit.train.step_log import Progress, StepLog
-from toolkit.train.step_values import StepResult
-from toolkit.train.validation import validation_metrics
 from toolkit.train.variants import variant_for
-from toolkit.train.zero3_release import destroy_engine
 
 if TYPE_CHECKING:
-    from toolkit.train.faults import Heartbeat, StopGuard
-    from toolkit.train.saver import Saver
+    from toolkit.train.checkpoints.saver import Saver
+    from toolkit.train.loop.faults import Heartbeat, StopGuard
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     dp_rank = mpu.get_data_parallel_rank_without_cp()
     precomputed = None
     if cfg.data.mode == "dpo" and cfg.dpo.precompute_reference:  # before the policy exists
-        from toolkit.train.dpo.objective import precomputed_reference
+        from toolkit.train.objectives.dpo.objective import precomputed_reference
 
         precomputed = precomputed_reference(cfg, layout, mpu, ds_config, data,
                                             run_plan.micro_batch, dp_rank, model.spec)
@@ -156,13 +156,13 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
             raise ConfigError(f"data: token id {top} in the {split} split is outside the model's "
                               f"vocab ({vocab}): the tokenizer does not belong to this model.")
     mask_vocab_padding(chunks, vocab)
-    variant = variant_for(cfg).attach(cfg, chunks, adapter)  # adapters, for a LoRA run
+    variant = variant_for(cfg).attach(cfg, chunks, adapter)  # e.g. adds trained adapters
     num_samples, shuffle = data.train.sampler_args(cfg.data.shuffle)
     sampler = GlobalBatchSampler(num_samples, run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, dp_rank, cfg.train.seed, shuffle)
     objective = Objective()
     if cfg.data.mode == "dpo":
-        from toolkit.train.dpo.objective import dpo_objective
+        from toolkit.train.objectives.dpo.objective import dpo_objective
 
         objective = dpo_objective(cfg, layout, mpu, ds_config, model.spec, precomputed,
                                   chunks)
@@ -186,8 +186,8 @@ def _train(state: RunState, engine) -> TrainResult:
         _validate(state, result, 0)
         _log(f"validation loss before training: {result.val_losses[0]:.4f}")
     progress = Progress(total, start) if rank == 0 else None
-    from toolkit.train import faults  # imported here: the import block is shared with reshard
-    from toolkit.train.saver import Saver
+    from toolkit.train.checkpoints.saver import Saver
+    from toolkit.train.loop import faults  # imported here: the import block is shared
 
     stop = faults.StopGuard(faults.stop_file(out))
     heartbeat = faults.Heartbeat(cfg.runtime.heartbeat_timeout_s, rank)
@@ -217,7 +217,7 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
     """The steps from ``start``; at each boundary the save in flight is published when written
     (``saver.poll``) and a requested stop (``faults``) saves, waits for the save and raises
     ``faults.TrainingStopped`` on every rank. The run's end waits for the last save."""
-    from toolkit.train import faults
+    from toolkit.train.loop import faults
 
     cfg, run_plan, data, sampler = state.cfg, state.plan, state.data, state.sampler
     total, objective = state.total_steps, state.objective

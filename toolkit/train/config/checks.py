@@ -14,7 +14,7 @@ from toolkit.errors import ConfigError, UserError
 from toolkit.models import kernels
 from toolkit.parallel.layout import LayoutError
 from toolkit.train.config.schema import DpoSection, TrainConfig
-from toolkit.train.dpo import spec as dpo_spec
+from toolkit.train.objectives.dpo import spec as dpo_spec
 
 
 def check_output_dir(cfg: TrainConfig) -> None:

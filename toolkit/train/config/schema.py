@@ -20,7 +20,7 @@ from toolkit.parallel.layout import ParallelLayout
 from toolkit.rules import RECOMPUTE
 from toolkit.train.config.typed import as_dict, opt
 from toolkit.train.data import MODES, SFT_FORMATS
-from toolkit.train.dpo.spec import LOSSES as DPO_LOSSES
+from toolkit.train.objectives.dpo.spec import LOSSES as DPO_LOSSES
 
 
 @dataclass

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.train.metrics import MetricsWriter, StepMetrics, gather_memory, throughput
-from toolkit.train.step_values import PendingStep, StepResult, resolve_steps
+from toolkit.train.loop.metrics import MetricsWriter, StepMetrics, gather_memory, throughput
+from toolkit.train.loop.step_values import PendingStep, StepResult, resolve_steps
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What a training checkpoint holds besides DeepSpeed's engine files: the trainer state (step,
 data position, layout, config), each rank's RNG states, and the checks that a resume continues
 the same run. The folders themselves (publication, lookup, verification, pruning) are
-``toolkit.train.checkpoint_folders``; the save protocol is ``toolkit.train.saver``.
+``toolkit.train.checkpoints.folders``; the save protocol is ``toolkit.train.checkpoints.saver``.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def check_resume(state: TrainingState, *, layout, global_batch: int, seed: int,
     ``dp_change_ok``: whether both the data sampler and the engine checkpoint can continue at
     another dp size (``GlobalBatchSampler.supports_dp_change`` is True; the trainer adds what
     its engine can reshard). ``reshard_ok``: the engine state is resharded to this layout
-    (``toolkit.train.reshard``), so another model-parallel layout is accepted too."""
+    (``toolkit.train.checkpoints.reshard``), so another model-parallel layout is accepted too."""
     where = f"checkpoint at step {state.step}"
     if state.global_batch != global_batch:
         raise ResumeError(

@@ -1,15 +1,15 @@
 """The validation loss (and the objective's metrics) of a model over a validation split, forward
 only: over the whole split (or its first ``eval_batches`` rounds), the last round completed with
 filler samples that count for nothing, normalised over all of it (token-weighted; pairs for DPO,
-``toolkit.train.loss``), so the same number at any layout, micro-batch and packing."""
+``toolkit.train.loop.loss``), so the same number at any layout, micro-batch and packing."""
 
 from __future__ import annotations
 
 from megatron.core import parallel_state as ps
 
 from toolkit.train.data import eval_micro_batches, eval_rows
-from toolkit.train.engine import evaluate_metrics
-from toolkit.train.objective import Objective
+from toolkit.train.loop.engine import evaluate_metrics
+from toolkit.train.objectives.base import Objective
 
 
 def validation_loss(chunks, split, **kwargs) -> float:

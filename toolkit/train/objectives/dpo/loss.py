@@ -3,7 +3,7 @@ cross-entropy of 2b rows (b chosen, then b rejected) -> per-sequence log-probabi
 completions -> the configured per-pair loss (``losses.LOSSES``), its mean over the b pairs, and
 TRL's metrics.
 
-The engine's loss functions return shares (``toolkit.train.loss``): here the sum of the
+The engine's loss functions return shares (``toolkit.train.loop.loss``): here the sum of the
 micro-batch's per-pair losses over the pairs of the whole global batch (``sample_mean``, never
 token-weighted), so the step's loss is the mean over the global batch's pairs, as TRL's
 ``DPOTrainer`` computes it, for any micro_batch, accumulation and dp; the metrics likewise.
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from toolkit.train.dpo.losses import LOSSES, Pairs
-from toolkit.train.dpo.spec import METRICS
-from toolkit.train.loss import StepCounts, sample_mean
+from toolkit.train.loop.loss import StepCounts, sample_mean
+from toolkit.train.objectives.dpo.losses import LOSSES, Pairs
+from toolkit.train.objectives.dpo.spec import METRICS
 
 
 def sequence_logps(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,10 @@ For one save, ``capturing`` puts ``CaptureEngine`` in that place; it either
   the first save).
 
 Every write is recorded (size, xxh3-128: the manifest) and every error is kept, never raised:
-``save_checkpoint`` has barriers inside, and a rank that left it early would hang the others.
-The ranks agree on the outcome afterwards (``toolkit.train.saver``). DeepSpeed's other write
-inside ``save_checkpoint``, rank 0's copy of its ``zero_to_fp32.py`` scripts, is wrapped the
-same way for the save. (Its copy of NVMe swap files is not: it stays inside DeepSpeed.)
+``save_checkpoint`` has barriers inside, and a rank that left it early would hang the others. The
+ranks agree on the outcome afterwards (``toolkit.train.checkpoints.saver``). DeepSpeed's other
+write inside ``save_checkpoint``, rank 0's copy of its ``zero_to_fp32.py`` scripts, is wrapped
+the same way for the save. (Its copy of NVMe swap files is not: it stays inside DeepSpeed.)
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from toolkit.checkpoint.manifest import FileRecord, record
 from toolkit.errors import ConfigError
-from toolkit.train.snapshot import StagingPool, snapshot, staging_sizes
+from toolkit.train.checkpoints.snapshot import StagingPool, snapshot, staging_sizes
 
 WRITE, STAGE, MEASURE = "write", "stage", "measure"
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from toolkit.errors import ConfigError
-from toolkit.train import lora
 from toolkit.train.run_state import (
     RunState,
     TrainResult,
@@ -25,13 +24,14 @@ from toolkit.train.run_state import (
     log,
     reseed_unless_restored,
 )
+from toolkit.train.variants import lora
 
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter
     from toolkit.lora import LoraSpec
-    from toolkit.train.checkpointing import TrainingState
+    from toolkit.train.checkpoints.saver import Saver
+    from toolkit.train.checkpoints.state import TrainingState
     from toolkit.train.config import TrainConfig
-    from toolkit.train.saver import Saver
 
 
 class Variant(Protocol):
@@ -74,8 +74,8 @@ class FullWeights:
         return saver.save(engine, state.training_state(step))
 
     def resume(self, state: RunState, engine: Any, path: Path, saved: TrainingState) -> str:
-        from toolkit.train import reshard
-        from toolkit.train.checkpointing import ENGINE_TAG
+        from toolkit.train.checkpoints import reshard
+        from toolkit.train.checkpoints.state import ENGINE_TAG
 
         lora.refuse_adapters_for_full_run(path)
         # Another layout (or ZeRO stage): resharded through the mapping; the same one:
@@ -96,7 +96,7 @@ class FullWeights:
         return f"resumed from {path} at step {saved.step}{how}"
 
     def export(self, state: RunState, engine: Any, result: TrainResult) -> None:
-        from toolkit.train.export import export
+        from toolkit.train.variants.export import export
 
         cfg = state.cfg
         if not cfg.export.hf_dir:
@@ -119,7 +119,7 @@ class LoraWeights:
         return LoraWeights(lora.attach_adapters(cfg, chunks, adapter))
 
     def save(self, state: RunState, engine: Any, saver: Saver, step: int) -> Path:
-        from toolkit.train import faults
+        from toolkit.train.loop import faults
 
         def write_engine(folder: Path) -> None:  # the adapters and their optimizer state only
             lora.save_state(folder, engine, state.chunks, state.adapter, self._spec,
@@ -131,7 +131,7 @@ class LoraWeights:
         return path
 
     def resume(self, state: RunState, engine: Any, path: Path, saved: TrainingState) -> str:
-        from toolkit.train import reshard
+        from toolkit.train.checkpoints import reshard
 
         lora.load_state(path, engine, state.chunks, self._spec, saved.step,
                         saved.consumed_samples)

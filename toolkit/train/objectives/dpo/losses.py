@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from toolkit.train.dpo import spec
+from toolkit.train.objectives.dpo import spec
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ Layout of ``checkpoint.dir``::
     latest                      "step_0000010", written last (for people and external tools)
 
 A save is collective. ``begin`` makes ``.tmp-step_0000010`` (rank 0, with ``hf_config/``); every
-rank writes its files into it (``toolkit.train.saver``: at once, or from a host copy while the
-steps go on); once the ranks agree that every file is written, ``publish`` (rank 0) hashes the
-files no rank recorded, writes ``trainer_state.json`` and ``manifest.json``, fsyncs, renames the
-folder to ``step_0000010`` and then rewrites ``latest``; a failed save's folder is removed
-(``abandon``). A folder named ``step_*`` therefore only ever exists complete; a crash leaves at
-most a ``.tmp-*`` folder, which resume ignores and the next save removes. Pruning renames a
-folder away before deleting it, so a half-deleted checkpoint never looks complete either.
+rank writes its files into it (``toolkit.train.checkpoints.saver``: at once, or from a host copy
+while the steps go on); once the ranks agree that every file is written, ``publish`` (rank 0)
+hashes the files no rank recorded, writes ``trainer_state.json`` and ``manifest.json``, fsyncs,
+renames the folder to ``step_0000010`` and then rewrites ``latest``; a failed save's folder is
+removed (``abandon``). A folder named ``step_*`` therefore only ever exists complete; a crash
+leaves at most a ``.tmp-*`` folder, which resume ignores and the next save removes. Pruning
+renames a folder away before deleting it, so a half-deleted checkpoint never looks complete
+either.
 
 Resume verifies before it loads: each rank checks its share of the files against the manifest
 (sizes, and xxh3-128 checksums unless ``checksums=False``) and the ranks pool what they found.
@@ -40,7 +41,7 @@ from typing import Any
 
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.deepspeed import ENGINE_TAG, STATE_FILE
-from toolkit.train.checkpointing import ResumeError, TrainingState, save_rng
+from toolkit.train.checkpoints.state import ResumeError, TrainingState, save_rng
 
 _STEP_RE = re.compile(r"^step_(\d{7,})$")
 TMP_PREFIX = ".tmp-"
@@ -205,7 +206,8 @@ class CheckpointManager:
 
         ``write_engine(folder)`` runs on every rank, e.g.
         ``lambda d: engine.save_checkpoint(str(d), tag=ENGINE_TAG, save_latest=False)``; its
-        files are hashed at publication. (The trainer saves through ``toolkit.train.saver``.)"""
+        files are hashed at publication. (The trainer saves through
+        ``toolkit.train.checkpoints.saver``.)"""
         tmp, error = self.begin(state.step)
         if error is None:
             if write_engine is not None:

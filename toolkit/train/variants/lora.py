@@ -152,7 +152,7 @@ def has_state(folder: Path) -> bool:
 
 def refuse_adapters_for_full_run(folder: Path) -> None:
     """A full fine-tuning run cannot resume from a checkpoint of adapters."""
-    from toolkit.train.checkpointing import ResumeError
+    from toolkit.train.checkpoints.state import ResumeError
 
     if has_state(folder):
         raise ResumeError(f"{folder} holds LoRA adapters (no full model): resume it with the "
@@ -164,7 +164,7 @@ def load_state(folder: Path, engine: Any, chunks: list[Any], spec: LoraSpec, ste
     """Fill the engine (any layout) from ``save_state``'s files: weights, fp32 masters, Adam."""
     from safetensors.torch import load_file
 
-    from toolkit.train.checkpointing import ResumeError
+    from toolkit.train.checkpoints.state import ResumeError
 
     if not has_state(folder):
         raise ResumeError(f"{folder} is a full fine-tuning checkpoint, this run trains adapters "
@@ -177,7 +177,7 @@ def load_state(folder: Path, engine: Any, chunks: list[Any], spec: LoraSpec, ste
                           f"{sorted(spec.targets)}: restore the peft settings.")
     from toolkit.lora.attach import local_part
     from toolkit.lora.state import adapter_params
-    from toolkit.train.reshard import write_engine_state
+    from toolkit.train.checkpoints.reshard import write_engine_state
 
     weights = load_file(str(Path(folder) / ADAPTER_DIR / WEIGHTS))
     optim = load_file(str(Path(folder) / OPTIMIZER_FILE))
@@ -224,7 +224,7 @@ def export_merged(engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpec, 
     the model's dtype) into ``out_dir`` on rank 0; with ``verify`` its logits (transformers) vs
     the live model's: returns (folder, max abs diff)."""
     from toolkit.lora.merge import merge_folder
-    from toolkit.train.export import verify_export
+    from toolkit.train.variants.export import verify_export
 
     problem: list[Any] = [None]
     path = None
@@ -246,7 +246,7 @@ def export_merged(engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpec, 
 def verify_adapter(chunks: list[Any], adapter: Any, base: str, adapter_dir: str) -> float:
     """Max abs logit difference on every rank: PEFT's own model (``PeftModel.from_pretrained``
     over the base with the exported folder, fp32) vs the live model, on a fixed batch."""
-    from toolkit.train.export import verify_against
+    from toolkit.train.variants.export import verify_against
 
     return verify_against(chunks, adapter, lambda tokens: peft_logits(base, adapter_dir, tokens))
 

@@ -20,7 +20,7 @@ gradient clipping and the data-parallel reduction. The two meet in three places:
 - One ``engine.step()`` is one optimizer step: the engine's accumulation boundary is pinned to
   True (the schedule already accumulated ``num_microbatches`` micro-batches).
 - The loss. A loss function returns its micro-batch's share of the global batch's loss
-  (``toolkit.train.loss``: token-weighted over the whole global batch by default); the share is
+  (``toolkit.train.loop.loss``: token-weighted over the whole global batch by default); the share is
   scaled by ``num_microbatches x dp`` for backward, undoing the schedule's division by the
   micro-batches and DeepSpeed's average over data parallel, and the shares summed are the loss.
 
@@ -54,12 +54,12 @@ from toolkit.models.cp_attention import context_parallel_share
 from toolkit.models.packed import localise, segments_of
 from toolkit.models.vocab import mask_vocab_padding  # noqa: F401 - the trainer's
 from toolkit.parallel.grads import finalize_grads
-from toolkit.train.engine_rules import (
+from toolkit.train.loop.engine_rules import (
     EngineError,
     check_supported,
     with_optimizer_defaults,
 )
-from toolkit.train.loss import (
+from toolkit.train.loop.loss import (
     Batch,
     LossFn,
     StepCounts,
@@ -69,7 +69,7 @@ from toolkit.train.loss import (
     reduce_shares,
     token_mean,
 )
-from toolkit.train.step_values import PendingStep, StepResult, resolve_steps
+from toolkit.train.loop.step_values import PendingStep, StepResult, resolve_steps
 
 # -- engine ------------------------------------------------------------------------------------
 
@@ -297,7 +297,7 @@ def run_step(
     ``labels`` ([micro_batch, seq_len] int64), optional ``loss_mask`` and ``position_ids``
     (restarting at 0 where a packed example starts). Every rank of the pipeline reads it (one
     item per micro-batch). ``loss_fn(per_token_loss, batch, counts)`` returns the micro-batch's
-    share of the global batch's loss (``toolkit.train.loss``; default: token-weighted mean).
+    share of the global batch's loss (``toolkit.train.loop.loss``; default: token-weighted mean).
     ``lr``: when given, the update uses this learning rate (a stateless LR schedule).
     ``rows_per_sample``: sequences per sample (DPO: 2, a chosen and a rejected row), so a
     micro-batch holds ``micro_batch * rows_per_sample`` rows; DeepSpeed counts samples.

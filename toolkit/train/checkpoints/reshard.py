@@ -23,7 +23,7 @@ import torch
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.deepspeed import MOMENTS
 from toolkit.mapping import MappingError, TensorPlan
-from toolkit.train.checkpointing import ENGINE_TAG, ResumeError
+from toolkit.train.checkpoints.state import ENGINE_TAG, ResumeError
 
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter

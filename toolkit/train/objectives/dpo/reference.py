@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from toolkit.train.dpo.loss import sequence_logps
-from toolkit.train.engine import forward_outputs
-from toolkit.train.zero3_release import destroy_engine
+from toolkit.train.loop.engine import forward_outputs
+from toolkit.train.loop.zero3_release import destroy_engine
+from toolkit.train.objectives.dpo.loss import sequence_logps
 
 Batch = dict[str, torch.Tensor]
 SPLITS = ("train", "validation")
@@ -142,7 +142,7 @@ def partition(chunks: Sequence[torch.nn.Module], mpu: Any, ds_config: dict[str, 
     chunks moved where DeepSpeed's engine moves the policy's (``place_like_engine``)."""
     config = reference_ds_config(ds_config)
     if config is None:
-        from toolkit.train.engine import place_like_engine
+        from toolkit.train.loop.engine import place_like_engine
 
         place_like_engine(chunks)
         return None

@@ -1,9 +1,9 @@
 """What the training loop asks of a run's data mode: the micro-batches of an optimizer step or
 an evaluation, the loss function the engine reduces them with, and how many rows a sample has.
-``Objective`` is pretraining's and SFT's (one row per sample, the masked mean token loss);
-DPO's is ``toolkit.train.dpo.objective.DpoObjective`` (two rows, reference log-probabilities
+``Objective`` is pretraining's and SFT's (one row per sample, the masked mean token loss); DPO's
+is ``toolkit.train.objectives.dpo.objective.DpoObjective`` (two rows, reference log-probabilities
 attached, the DPO loss and TRL's metrics). Loss functions return shares of the global batch's
-loss (``toolkit.train.loss``)."""
+loss (``toolkit.train.loop.loss``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.train.loss import LossFn, token_mean
+from toolkit.train.loop.loss import LossFn, token_mean
 
 
 class Objective:

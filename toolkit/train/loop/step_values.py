@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from toolkit import runtime
-from toolkit.train.loss import reduce_values
+from toolkit.train.loop.loss import reduce_values
 
 
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step produced, identical on every rank."""
 
-    loss: float  # the global batch's loss (``toolkit.train.loss``: token-weighted by default)
+    loss: float  # the global batch's loss (``toolkit.train.loop.loss``: token-weighted by default)
     grad_norm: float | None  # global norm DeepSpeed computed before clipping (None: not known)
     lr: float  # learning rate the update used
     skipped: bool  # True when DeepSpeed skipped the update (fp16 overflow)

@@ -32,15 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.train import faults
-from toolkit.train.checkpoint_folders import (
+from toolkit.train.checkpoints.folders import (
     CheckpointManager,
     from_rank0,
     gather_all,
     rank_and_world,
 )
-from toolkit.train.checkpointing import ENGINE_TAG, TrainingState, capture_rng_state, rng_file
-from toolkit.train.rank_save import (
+from toolkit.train.checkpoints.rank_save import (
     MEASURE,
     STAGE,
     WRITE,
@@ -51,7 +49,9 @@ from toolkit.train.rank_save import (
     capturing,
     check_engine,
 )
-from toolkit.train.snapshot import StagingPool
+from toolkit.train.checkpoints.snapshot import StagingPool
+from toolkit.train.checkpoints.state import ENGINE_TAG, TrainingState, capture_rng_state, rng_file
+from toolkit.train.loop import faults
 
 
 class SaveError(UserError):

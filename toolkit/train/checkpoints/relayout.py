@@ -2,8 +2,8 @@
 (``mdtk convert SRC DST --to trainer``), for users who reshard before they restart.
 
 The target's ranks start on this machine (CPU, gloo), build the new layout's engine, load the
-old state through ``toolkit.train.reshard.load_resharded`` and save it with DeepSpeed, so that
-the restart at the new layout takes DeepSpeed's own load.
+old state through ``toolkit.train.checkpoints.reshard.load_resharded`` and save it with
+DeepSpeed, so that the restart at the new layout takes DeepSpeed's own load.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from toolkit.train.checkpointing import ENGINE_TAG, STATE_FILE, ResumeError
-from toolkit.train.reshard import load_resharded, saved_stage
-from toolkit.train.zero3_release import destroy_engine
+from toolkit.train.checkpoints.reshard import load_resharded, saved_stage
+from toolkit.train.checkpoints.state import ENGINE_TAG, STATE_FILE, ResumeError
+from toolkit.train.loop.zero3_release import destroy_engine
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, *, tp: int = 1, pp: int = 1,
@@ -31,8 +31,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, tp: int = 1, pp: int
     the new ``step_*`` folder.
     """
     from toolkit.runtime.rankpool import RankPool
-    from toolkit.train.checkpoint_folders import CheckpointManager
-    from toolkit.train.checkpointing import load_training_state
+    from toolkit.train.checkpoints.folders import CheckpointManager
+    from toolkit.train.checkpoints.state import load_training_state
 
     path = Path(src)
     if not (path / STATE_FILE).is_file():
@@ -78,10 +78,10 @@ def _convert_rank(raw: dict[str, Any], src: str) -> str:
     from toolkit import parallel
     from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR, write_hf_config
     from toolkit.train import config as cfgmod
-    from toolkit.train.checkpoint_folders import CheckpointManager
-    from toolkit.train.checkpointing import load_training_state
+    from toolkit.train.checkpoints.folders import CheckpointManager
+    from toolkit.train.checkpoints.state import load_training_state
     from toolkit.train.ds_config import deepspeed_config
-    from toolkit.train.engine import build_engine, mask_vocab_padding
+    from toolkit.train.loop.engine import build_engine, mask_vocab_padding
     from toolkit.train.model import RunModel, build_model
 
     cfg = cfgmod.config_from_dict(raw)

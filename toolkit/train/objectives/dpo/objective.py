@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from toolkit.adapters.spec import ModelSpec
 from toolkit.errors import ConfigError
-from toolkit.train.dpo import reference as ref
-from toolkit.train.dpo.loss import DpoLoss
-from toolkit.train.dpo.spec import architecture_difference
-from toolkit.train.objective import Objective
+from toolkit.train.objectives.base import Objective
+from toolkit.train.objectives.dpo import reference as ref
+from toolkit.train.objectives.dpo.loss import DpoLoss
+from toolkit.train.objectives.dpo.spec import architecture_difference
 
 
 class DpoObjective(Objective):
@@ -48,7 +48,7 @@ def build_model_reference(cfg, layout, mpu, ds_config: dict[str, Any],
     ``dpo.reference`` the reference is the policy's starting checkpoint: its model description
     (``policy``) and mapping serve both."""
     from toolkit.adapters import live
-    from toolkit.train.engine import mask_vocab_padding
+    from toolkit.train.loop.engine import mask_vocab_padding
     from toolkit.train.model import DTYPES
 
     model = policy if not cfg.dpo.reference else ModelSpec.of(
