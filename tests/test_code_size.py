@@ -1,6 +1,7 @@
 """The size rules of the project's style (COMMON.md, docs/architecture.md): no module under
 toolkit/, model_adapters/ or scripts/ over 500 lines, no function (or method) there over 80
-lines, no family file in model_adapters/ over 80 lines. Every offender is listed, not only the first."""
+lines, no family file in model_adapters/ over 80 lines. Every offender is listed, not only
+the first."""
 
 from __future__ import annotations
 
