@@ -15,13 +15,14 @@ with end-of-sequence off, so both produce the same number of tokens. Prints medi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_measure import report  # beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                  ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
     result = measure(args)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
+    report(result, args.json)
     return 0
 
 

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from bench_measure import report  # beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, BATCH, HIDDEN, FFN, VOCAB = 4096, 2, 2048, 8192, 128256
 
@@ -202,10 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.set_device(0)
     ps.initialize_model_parallel()
     result = measure(args.rounds)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
+    report(result, args.json)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return 0

@@ -1,9 +1,10 @@
-"""What the converter benchmarks measure, shared by ``bench_convert.py`` and
-``bench_convert_dsv3.py``: a command's wall time, CPU seconds and peak RSS, folder sizes, the
-page-cache state before a timed step, and the median / spread of repeated rounds."""
+"""What the benchmarks share: a command's wall time, CPU seconds and peak RSS, folder sizes, the
+page-cache state before a timed step (the converter benchmarks), the median / spread of repeated
+rounds, and a result printed and written as JSON (``report``)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import resource
@@ -94,3 +95,12 @@ def stats(xs: list[float]) -> dict:
 
 def fmt(st: dict) -> str:
     return f"{st['median']:6.2f} s (min {st['min']:.2f}, max {st['max']:.2f})"
+
+
+def report(result: dict, path: Path | None) -> None:
+    """``result`` printed as JSON, and written to ``path`` too when given (the GPU check reads
+    it there)."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if path:
+        path.write_text(text)

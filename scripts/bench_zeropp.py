@@ -21,11 +21,12 @@ timed: mdtk refuses qwZ/qgZ there with that reason.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench_measure import report  # beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -139,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     result = run(args.rows, args.cols, args.rounds)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
+    report(result, args.json)
     return 0
 
 

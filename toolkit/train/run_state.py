@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -15,12 +15,12 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from toolkit.adapters import Adapter
     from toolkit.train.checkpoints.folders import CheckpointManager
+    from toolkit.train.checkpoints.saver import Saver
     from toolkit.train.checkpoints.state import TrainingState
     from toolkit.train.config import RunPlan, TrainConfig
     from toolkit.train.data import GlobalBatchSampler, PreparedData
     from toolkit.train.model import RunModel
     from toolkit.train.objectives.base import Objective
-    from toolkit.train.variants import Variant
 
 
 @dataclass
@@ -97,6 +97,30 @@ class RunState:
         check_resume(saved, layout=self.plan.layout, global_batch=self.plan.global_batch,
                      seed=self.cfg.train.seed, data_fingerprint=self.data.key,
                      dp_change_ok=self.sampler.supports_dp_change, reshard_ok=True)
+
+
+class Variant(Protocol):
+    """What a run trains: how it is prepared on the loaded model, saved, resumed, exported."""
+
+    #: its checkpoints go through the run's ``Saver`` (which may write them in the background)
+    uses_saver: bool
+
+    def attach(self, cfg: TrainConfig, chunks: list[Any], adapter: Adapter) -> Variant:
+        """Prepare the loaded chunks (e.g. add adapters); the variant as the run uses it."""
+        ...
+
+    def save(self, state: RunState, engine: Any, saver: Saver, step: int) -> Path | None:
+        """Save step ``step`` (the published folder, or None while it is written)."""
+        ...
+
+    def resume(self, state: RunState, engine: Any, path: Path, saved: TrainingState) -> str:
+        """Fill the engine from checkpoint ``path`` (already checked to be this run's); the
+        log line."""
+        ...
+
+    def export(self, state: RunState, engine: Any, result: TrainResult) -> None:
+        """Write what ``export`` asks for, filling ``result``."""
+        ...
 
 
 def _absolute_model_paths(config: dict) -> dict:

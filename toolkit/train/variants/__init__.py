@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import ConfigError
 from toolkit.train.run_state import (
     RunState,
     TrainResult,
+    Variant,
     describe_layout,
     log,
     reseed_unless_restored,
@@ -33,29 +34,7 @@ if TYPE_CHECKING:
     from toolkit.train.checkpoints.state import TrainingState
     from toolkit.train.config import TrainConfig
 
-
-class Variant(Protocol):
-    """What a run trains: how it is prepared on the loaded model, saved, resumed, exported."""
-
-    #: its checkpoints go through the run's ``Saver`` (which may write them in the background)
-    uses_saver: bool
-
-    def attach(self, cfg: TrainConfig, chunks: list[Any], adapter: Adapter) -> Variant:
-        """Prepare the loaded chunks (e.g. add adapters); the variant as the run uses it."""
-        ...
-
-    def save(self, state: RunState, engine: Any, saver: Saver, step: int) -> Path | None:
-        """Save step ``step`` (the published folder, or None while it is written)."""
-        ...
-
-    def resume(self, state: RunState, engine: Any, path: Path, saved: TrainingState) -> str:
-        """Fill the engine from checkpoint ``path`` (already checked to be this run's); the
-        log line."""
-        ...
-
-    def export(self, state: RunState, engine: Any, result: TrainResult) -> None:
-        """Write what ``export`` asks for, filling ``result``."""
-        ...
+__all__ = ["FullWeights", "LoraWeights", "Variant", "variant_for"]
 
 
 def variant_for(cfg: TrainConfig) -> Variant:
