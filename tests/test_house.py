@@ -43,3 +43,9 @@ def test_the_run_state_is_typed():
     assert "variant" in annotations and "objective" in annotations
     loose = [name for name, tp in annotations.items() if tp in ("Any", "typing.Any")]
     assert not loose, loose
+
+
+def test_the_test_map_names_every_test_file():
+    text = (ROOT / "tests" / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name not in text]
+    assert not missing, f"tests/README.md does not name {missing}: add them to its table"
