@@ -152,6 +152,13 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_dpo.py", "--steps", "8", "--rounds", "1", "--json",
                        str(j)),
          _py("scripts/bench_dpo.py", "--help")),
+    Part("generate", "mdtk generate's engine (megatron-core static batch, KV cache) vs "
+         "transformers.generate, greedy, bf16, a 0.4B Llama (hidden 2048, 8 layers, vocab 32k), "
+         "batch 8 x 128 prompt tokens + 64 new; decode ms/token at context 64 vs 1024", 40,
+         lambda j: _py("scripts/bench_generate.py", "--hidden", "2048", "--layers", "8",
+                       "--vocab", "32000", "--batch", "8", "--prompt-len", "128", "--new", "64",
+                       "--rounds", "3", "--json", str(j)),
+         _py("scripts/bench_generate.py", "--help"), default=False),
     Part("train_mfu_zero0", "train_mfu at ZeRO-0 (DeepSpeed's bf16 optimizer, no partitions: "
          "what ZeRO-1 is at dp=1 without its flat-partition machinery)", 55,
          _train("--zero", "0"), _py("scripts/bench_train.py", "--help"), default=False),

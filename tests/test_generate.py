@@ -95,7 +95,8 @@ def test_lm_eval_at_tp2_scores_as_lm_evals_hf_model(demo_model, rank_pool_2):
 
     ref = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={demo_model},dtype=float32",
                                   tasks=TASKS, device="cpu", log_samples=True,
-                                  task_manager=TaskManager(include_path=INCLUDE))
+                                  task_manager=TaskManager(include_path=INCLUDE,
+                                                           include_defaults=False))
     mine, other = rank_pool_2.run(gc.evaluate_tasks, str(demo_model.parent), demo_model.name,
                                   {"tp": 2}, TASKS, INCLUDE, timeout=600)
     assert other is None  # lm-eval returns results on rank 0 only
@@ -111,3 +112,68 @@ def test_lm_eval_at_tp2_scores_as_lm_evals_hf_model(demo_model, rank_pool_2):
             va = [float(x[0][0] if isinstance(x[0], (list, tuple)) else x[0]) for x in a]
             vb = [float(x[0][0] if isinstance(x[0], (list, tuple)) else x[0]) for x in b]
             assert va == pytest.approx(vb, abs=1e-4), task
+
+
+@pytest.fixture(scope="module")
+def cli_runs(trainer_assets, one_rank, rank_pool_2):
+    assets, root = trainer_assets
+    work = str(root / "generate_cli")
+    (single,) = one_rank.run(gc.cli_sources, assets, work, timeout=600)
+    single["ep2"] = rank_pool_2.run(gc.cli_layout_refusal, assets, work, timeout=300)
+    return assets, root / "generate_cli", single
+
+
+def _hf_rows(model, tokenizer_path: str) -> list[tuple[list[int], str]]:
+    """transformers' greedy completions of gc.PROMPT_ROWS (chats through the tokenizer's
+    template), with the model's own generation config (its eos)."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(tokenizer_path)
+    out = []
+    for row in gc.PROMPT_ROWS:
+        ids = (tok(row["prompt"]).input_ids if "prompt" in row else tok.apply_chat_template(
+            row["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
+        new = model.generate(torch.tensor([ids]), max_new_tokens=gc.CLI_NEW, do_sample=False,
+                             pad_token_id=model.config.eos_token_id)[0, len(ids):].tolist()
+        eos = model.generation_config.eos_token_id
+        out.append((new, "eos" if new and new[-1] == eos else "length"))
+    return out
+
+
+def test_cli_generate_from_every_source_equals_transformers(cli_runs):
+    """An HF folder, a converted megatron-core checkpoint, a full run's checkpoint root, a LoRA
+    run's step folder (adapters applied on the base) and its PEFT folder: each greedy output
+    equals transformers' generate on the matching HF model (PEFT's loader for the adapters)."""
+    import transformers as tf
+    from peft import PeftModel
+
+    assets, work, single = cli_runs
+    rows = single["rows"]
+
+    def load(path):
+        return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    base = _hf_rows(load(assets["dense"]), assets["tokenizer"])
+    peft = PeftModel.from_pretrained(load(assets["dense"]), str(work / "lora_peft")).eval()
+    tok = assets["tokenizer"]
+    refs = {"hf": base, "mcore": base, "full": _hf_rows(load(work / "full_hf"), tok),
+            "lora": _hf_rows(load(work / "lora_hf"), tok), "peft": _hf_rows(peft, tok)}
+    assert refs["full"] != base and refs["lora"] != base  # the runs changed the model
+    for name, ref in refs.items():
+        got = [(r["completion_ids"], r["finish_reason"]) for r in rows[name]]
+        assert got == ref, (name, got, ref)
+        assert [r["prompt"][:10] for r in rows[name]][:2] == ["the cat sa", "a"]
+        assert all(isinstance(r["completion"], str) for r in rows[name])
+
+
+def test_cli_refuses_bad_input_with_one_error_and_writes_nothing(cli_runs):
+    _, work, single = cli_runs
+    r = single["refusals"]
+    assert all(not written for _, written in r.values()), r
+    assert f"{work / 'bad.jsonl'}:2: not JSON" in r["bad_line"][0]
+    assert "max_position_embeddings" in r["too_long"][0] and "long.jsonl:1" in r["too_long"][0]
+    assert "unknown lm-eval task(s) no_such_task" in r["unknown_task"][0]
+    assert "mdtk launch -n 2" in r["layout"][0]
+    for err, written in single["ep2"]:  # every rank raises the same error
+        assert not written and err == single["ep2"][0][0]
+        assert "expert" in err.lower() and "ep" in err, err

@@ -54,7 +54,8 @@ def test_bundled_names_resolve_to_files_shipped_in_the_package():
         "bundled:examples/data/pretrain.jsonl", "bundled:examples/data/sft.jsonl",
         "bundled:examples/dpo_tiny.yaml", "bundled:examples/eval/arithmetic.jsonl",
         "bundled:examples/eval/data.py", "bundled:examples/eval/mdtk_arithmetic.yaml",
-        "bundled:examples/eval/mdtk_sentences.yaml", "bundled:examples/eval/sentences.jsonl",
+        "bundled:examples/eval/mdtk_sentences.yaml", "bundled:examples/eval/prompts.jsonl",
+        "bundled:examples/eval/sentences.jsonl",
         "bundled:examples/lora_tiny.yaml",
         "bundled:examples/pretrain_tiny.yaml",
         "bundled:examples/sft_tiny.yaml", "bundled:examples/tiny_llama_config.json"]

@@ -92,6 +92,24 @@ def test_wheel_install_runs_the_demo_from_any_folder(tmp_path):
     assert (work / resolved["output_dir"]).resolve() == (out / "sft").resolve()
     assert _files(package) == before  # nothing written into the installed package
     _assert_story_on_one_screen(stdout + stderr)
+    _assert_evals_at_the_interval(out / "sft", resolved, summary["steps"], stdout + stderr)
+
+
+def _assert_evals_at_the_interval(run: Path, resolved: dict, steps: int, text: str) -> None:
+    """The example's eval: section ran lm-eval on the live model at its interval and at the end:
+    metrics.jsonl and the log hold its metrics, samples.jsonl its completions."""
+    every, (task,) = resolved["eval"]["interval"], resolved["eval"]["tasks"]
+    due = sorted({s for s in range(1, steps + 1) if s % every == 0} | {steps})
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    acc = {r["step"]: r[f"eval/{task}/acc"] for r in rows if f"eval/{task}/acc" in r}
+    assert sorted(acc) == due and len(due) >= 2, (acc, due)
+    assert all(0.0 <= v <= 1.0 for v in acc.values()), acc
+    assert all("extra" not in r for r in rows)  # flattened into the line, not nested
+    for step in due:
+        assert f"step {step} eval: {task}/acc " in text, text
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in samples}) == due
+    assert all(r["finish_reason"] in ("eos", "length") and r["completion_ids"] for r in samples)
 
 
 def _assert_story_on_one_screen(text: str) -> None:

@@ -55,6 +55,7 @@ COMMAND_MODULES: list[str] = [
     "toolkit.commands.dsconfig",
     "toolkit.commands.plan",
     "toolkit.commands.verify",
+    "toolkit.commands.generate",
     "toolkit.commands.convert",
     "toolkit.commands.train",
     "toolkit.commands.demo",

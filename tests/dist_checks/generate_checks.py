@@ -75,9 +75,106 @@ def evaluate_tasks(root: str, model: str, layout: dict[str, Any], tasks: list[st
     lm = ShardedLM(chunks, tf.AutoTokenizer.from_pretrained(path), adapter.hf_config,
                    vocab_size=adapter.dims.vocab)
     res = lm_eval.simple_evaluate(model=lm, tasks=tasks, log_samples=True,
-                                  task_manager=TaskManager(include_path=include))
+                                  task_manager=TaskManager(include_path=include,
+                                                           include_defaults=False))
     parallel.destroy()
     if res is None:
         return None
     return {"results": res["results"],
             "samples": {t: [s["resps"] for s in res["samples"][t]] for t in tasks}}
+
+
+# -- the commands, through the CLI ---------------------------------------------------------------
+
+PROMPT_ROWS = [{"prompt": "the cat sat on the mat"}, {"prompt": "a"},
+               {"messages": [{"role": "user", "content": "tell me a story about the sea"}]}]
+CLI_NEW = 8
+
+
+def _cli(*args: str) -> str | None:
+    """``mdtk ARGS`` in this process (typer's parsing, errors raised): the UserError's text,
+    or None when the command succeeded."""
+    from toolkit.cli import app
+    from toolkit.errors import UserError
+
+    try:
+        app(list(args), standalone_mode=False)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def _generate(model: str, out: Path, prompts: Path, tokenizer: str, *more: str) -> list[dict]:
+    err = _cli("generate", model, "--prompts", str(prompts), "--out", str(out),
+               "--max-new-tokens", str(CLI_NEW), "--tokenizer", tokenizer, "--batch-size", "2",
+               *more)
+    assert err is None, err
+    import json
+
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def cli_sources(assets: dict[str, str], work: str) -> dict[str, Any]:
+    """One rank: a 2-step full run and a 2-step LoRA run (each saving its checkpoint and
+    exporting HF), ``mdtk convert`` of the base to megatron-core, then ``mdtk generate`` from
+    the HF folder, the converted checkpoint, both runs' checkpoints and the LoRA run's PEFT
+    folder; and the refusals of bad input (the error, and whether --out was written)."""
+    import json
+
+    from dist_checks import trainer_checks as tc
+
+    root = Path(work)
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPT_ROWS))
+    keep = ("checkpoint.interval=2", "checkpoint.keep_last=1")
+    tc.run_case(tc.Case("gen_full", steps=2, overrides=(*keep, f"export.hf_dir={root}/full_hf")),
+                assets, work)
+    tc.run_case(tc.Case("gen_lora", steps=2, overrides=(
+        *keep, "peft.method=lora", "peft.r=4", "peft.alpha=8", f"export.hf_dir={root}/lora_hf",
+        f"export.adapter_dir={root}/lora_peft")), assets, work)
+    assert _cli("convert", assets["dense"], str(root / "mcore"), "--to", "mcore") is None
+    tok = assets["tokenizer"]
+    sources = {"hf": assets["dense"], "mcore": str(root / "mcore"),
+               "full": str(root / "gen_full" / "checkpoints"),
+               "lora": str(root / "gen_lora" / "checkpoints" / "step_0000002"),
+               "peft": str(root / "lora_peft")}
+    out: dict[str, Any] = {"rows": {k: _generate(v, root / f"{k}.jsonl", prompts, tok)
+                                    for k, v in sources.items()},
+                           "refusals": _refusals(assets, root, prompts)}
+    return out
+
+
+def _refusals(assets: dict[str, str], root: Path, prompts: Path) -> dict[str, tuple]:
+    bad = root / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": "cut\n')
+    long = root / "long.jsonl"
+    long.write_text('{"prompt": "' + "the cat " * 200 + '"}\n')
+    tok, dense = assets["tokenizer"], assets["dense"]
+    runs = {
+        "bad_line": ("generate", dense, "--prompts", str(bad)),
+        "too_long": ("generate", dense, "--prompts", str(long)),
+        "unknown_task": ("eval", dense, "--tasks", "mdtk_arithmetic,no_such_task",
+                         "--include-path", "bundled:examples/eval"),
+        "layout": ("generate", dense, "--prompts", str(prompts), "--tp", "2"),
+    }
+    out = {}
+    for name, args in runs.items():
+        dst = root / f"refused_{name}.out"
+        out[name] = (_cli(*args, "--out", str(dst), "--tokenizer", tok), dst.exists())
+    return out
+
+
+def cli_layout_refusal(assets: dict[str, str], work: str) -> tuple[str | None, bool]:
+    """On 2 ranks: ``--ep 2`` for a dense model (a layout the model cannot take)."""
+    import torch.distributed as dist
+
+    root = Path(work)
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "one.jsonl").write_text('{"prompt": "the cat"}\n')
+    dist.barrier()
+    dst = root / "refused_ep2.jsonl"
+    err = _cli("generate", assets["dense"], "--prompts", str(root / "one.jsonl"), "--out",
+               str(dst), "--tokenizer", assets["tokenizer"], "--ep", "2")
+    return err, dst.exists()

@@ -56,7 +56,7 @@ def current_coord() -> Coord:
     )
 
 
-def _layout_in_use(layout: ParallelLayout | None) -> ParallelLayout:
+def layout_in_use(layout: ParallelLayout | None) -> ParallelLayout:
     """Initialise megatron-core's groups for ``layout``, or check it matches the ones in place."""
     from megatron.core import parallel_state as ps
 
@@ -113,7 +113,7 @@ def load_hf(
     # fp8 weights: dequantized into the parameters' dtype
     with open_reader(spec.source, spec.config, adapter.params_dtype) as reader:
         names = adapter.match_checkpoint({n: reader.shape(n) for n in reader.names})
-        active = _layout_in_use(layout)
+        active = layout_in_use(layout)
         adapter.validate(active)
         chunks = build_model(adapter, active, **config_overrides)
         fill_chunks(chunks, adapter, reader, names=names)

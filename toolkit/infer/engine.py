@@ -14,6 +14,7 @@ on every rank (the same tokens at any layout when the logits agree).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,8 +137,10 @@ class Generator:
         self.controller = _controller(TextGenerationController)(
             wrapped, _Tokens(self.eos_ids[0], decode))
         self.controller.real_vocab = vocab_size
-        self.engine = StaticInferenceEngine(self.controller, max_batch_size=max_batch,
-                                            legacy=True)
+        with warnings.catch_warnings():  # the static engine's deprecation note, on every call
+            warnings.filterwarnings("ignore", "The static engine will be deprecated")
+            self.engine = StaticInferenceEngine(self.controller, max_batch_size=max_batch,
+                                                legacy=True)
         self._next_id = 0
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -106,3 +107,19 @@ def fill(branch: LoraBranch, source: FullSource, weight: torch.Tensor) -> None:
 
 def trainable(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
     return [p for _, _, b in branches(chunks) for p in b.parameters()]
+
+
+def folder_source(folder: str | Path, adapter: Any, spec: LoraSpec) -> Any:
+    """The adapter tensors of an HF PEFT folder, checked against this model (the base it names,
+    the targets and their shapes): a source for ``attach``. LoraError naming what differs."""
+    from safetensors.torch import load_file
+
+    from toolkit.lora.peft_io import WEIGHTS, check_base, read_config
+    from toolkit.lora.state import FullTensors
+    from toolkit.lora.targets import check_adapter
+
+    _, raw = read_config(folder)
+    check_base(raw, adapter.dims, str(folder))
+    source = FullTensors(load_file(str(Path(folder) / WEIGHTS)))
+    check_adapter(adapter, spec, source.shapes(), where=str(folder))
+    return source

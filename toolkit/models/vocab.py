@@ -25,7 +25,9 @@ def mask_vocab_padding(chunks: Sequence[torch.nn.Module], vocab_size: int) -> in
         if padded <= vocab_size:
             continue
         masked = padded - vocab_size
-        chunk.output_layer.register_forward_hook(_vocab_mask_hook(vocab_size, padded))
+        if getattr(chunk, "_mdtk_vocab_masked", None) != vocab_size:  # once per chunk
+            chunk.output_layer.register_forward_hook(_vocab_mask_hook(vocab_size, padded))
+            chunk._mdtk_vocab_masked = vocab_size
     return masked
 
 

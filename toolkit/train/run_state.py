@@ -33,6 +33,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     metrics: list[dict[str, float]] = field(default_factory=list)  # per step, besides the loss
     val_metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # (DPO: TRL's)
+    eval_metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # eval: tasks
     export_dir: str | None = None
     export_max_abs_diff: float | None = None  # HF export vs the trained model's logits
     adapter_dir: str | None = None  # peft: the HF PEFT folder (export.adapter_dir)

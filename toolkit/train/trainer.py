@@ -43,6 +43,7 @@ from toolkit.train.loop.engine import (
     mask_vocab_padding,
     run_step,
 )
+from toolkit.train.loop.evals import Evals
 from toolkit.train.loop.metrics import (
     MetricsWriter,
     device_name,
@@ -197,7 +198,8 @@ def _train(state: RunState, engine) -> TrainResult:
         if start < total and state.variant.uses_saver:
             saver.prepare(engine)
         with stop, heartbeat:
-            _loop(state, engine, result, start, stop, heartbeat, saver, writer, progress)
+            _loop(state, engine, result, start, stop, heartbeat, saver, writer, progress,
+                  Evals.of(state))
     finally:
         saver.close()
         if writer is not None:
@@ -213,7 +215,8 @@ def _train(state: RunState, engine) -> TrainResult:
 
 
 def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGuard,
-          heartbeat: Heartbeat, saver: Saver, writer: MetricsWriter | None, progress) -> None:
+          heartbeat: Heartbeat, saver: Saver, writer: MetricsWriter | None, progress,
+          evals: Evals | None) -> None:
     """The steps from ``start``; at each boundary the save in flight is published when written
     (``saver.poll``) and a requested stop (``faults``) saves, waits for the save and raises
     ``faults.TrainingStopped`` on every rank. The run's end waits for the last save."""
@@ -242,9 +245,13 @@ def _loop(state: RunState, engine, result: TrainResult, start: int, stop: StopGu
                 done % cfg.train.eval_interval == 0 or done == total):
             with log.paused():
                 val = _validate(state, result, done)
+        tasks = evals is not None and evals.due(done, total)
+        if tasks:
+            with log.paused():
+                result.eval_metrics[done] = evals.run(done, _log)
         save = bool(cfg.checkpoint.interval) and (
             done % cfg.checkpoint.interval == 0 or done == total)
-        line = done % cfg.logging.interval == 0 or done == total or val is not None
+        line = done % cfg.logging.interval == 0 or done == total or val is not None or tasks
         log.add(pending, done, due=save)  # a checkpoint never holds a non-finite step
         if line:
             log.line(done, val, sampler.consumed_samples(done))
@@ -277,7 +284,7 @@ def _step_log(state: RunState, result: TrainResult, writer: MetricsWriter | None
     def extra(done: int, res: StepResult) -> dict[str, Any]:
         val = {f"val_{k}": v for k, v in result.val_metrics.get(done, {}).items()}
         return {"tokens_by_source": fed.totals() if fed is not None else None,
-                "extra": {**res.metrics, **val}}
+                "extra": {**res.metrics, **val, **result.eval_metrics.get(done, {})}}
 
     return StepLog(
         interval=cfg.logging.interval,

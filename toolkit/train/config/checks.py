@@ -192,9 +192,26 @@ def check_logging(cfg: TrainConfig) -> None:
                           "tensorboard` or set logging.tensorboard=false.")
 
 
+def check_eval(cfg: TrainConfig) -> None:
+    """The eval section's files exist and its tasks are lm-eval's (or under include_path)."""
+    e = cfg.eval
+    if e.samples and not Path(e.samples).is_file():
+        raise ConfigError(f"eval.samples={e.samples}: no such prompts file (JSON lines with "
+                          "'prompt' or 'messages').")
+    if e.tasks:
+        from toolkit.infer.run import check_tasks
+
+        try:
+            check_tasks(list(e.tasks), e.include_path)
+        except UserError as err:
+            raise ConfigError(f"eval.tasks: {err}") from None
+    elif e.include_path:
+        raise ConfigError("eval.include_path without eval.tasks: name the tasks to run.")
+
+
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_dpo,
-    check_train, check_optim, check_checkpoint, check_peft, check_logging,
+    check_train, check_optim, check_checkpoint, check_peft, check_logging, check_eval,
 )
 
 

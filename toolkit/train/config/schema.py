@@ -207,6 +207,28 @@ class ExportSection:
 
 
 @dataclass
+class EvalSection:
+    """lm-evaluation-harness tasks on the live model during training (docs/generation.md), at
+    every ``interval`` steps (0: only at the end) and at the end: ``tasks`` from lm-eval's
+    registry or YAMLs under ``include_path`` (e.g. ``bundled:examples/eval``), at most ``limit``
+    documents each; their metrics go to metrics.jsonl (``eval/TASK/METRIC``), TensorBoard/W&B
+    and the progress line. ``samples``: a prompts file (``mdtk generate``'s format) whose
+    greedy completions (``max_new_tokens``) are printed and appended to samples.jsonl."""
+
+    tasks: list[str] = field(default_factory=list)
+    include_path: str | None = None
+    interval: int = opt(0, minimum=0)
+    limit: int | None = opt(None, minimum=1)
+    num_fewshot: int | None = opt(None, minimum=0)
+    samples: str | None = None
+    max_new_tokens: int = opt(32, minimum=1)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tasks or self.samples)
+
+
+@dataclass
 class LoggingSection:
     """``peak_tflops`` overrides the per-device peak used for MFU (the table in metrics.py)."""
 
@@ -239,6 +261,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     peft: PeftSection = field(default_factory=PeftSection)
     export: ExportSection = field(default_factory=ExportSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
 

@@ -96,7 +96,8 @@ class StepMetrics:
     def flat(self) -> dict[str, Any]:
         """The record's keys with ``extra``'s among them (``rewards/chosen``, ...)."""
         d = dataclasses.asdict(self)
-        return {**d, **d.pop("extra")}
+        extra = d.pop("extra")
+        return {**d, **extra}
 
     def to_json(self) -> str:
         return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)

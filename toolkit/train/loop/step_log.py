@@ -75,14 +75,16 @@ class StepLog:
         mem = gather_memory()
         res = self.last
         assert res is not None, "a metrics line before any step"
+        extra = self.extra(done, res)
         if self.writer is not None:
             self.writer.log(StepMetrics(
                 step=done, loss=res.loss, lr=res.lr, grad_norm=res.grad_norm,
                 tokens_per_s=tp.tokens_per_s, tflops_per_device=tp.tflops_per_device,
                 mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds, consumed_samples=consumed,
-                val_loss=val, **self.extra(done, res)))
+                val_loss=val, **extra))
         if self.progress is not None:
-            self.progress.update(done, res.loss, val)
+            self.progress.update(done, res.loss, val, {
+                k[5:]: v for k, v in extra.get("extra", {}).items() if k.startswith("eval/")})
         self._since, self._paused, self._steps = time.perf_counter(), 0.0, 0
 
 
@@ -96,12 +98,17 @@ class Progress:
                             "{task.total}"), TextColumn("{task.fields[info]}"),
                             TimeRemainingColumn(), transient=False)
         self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self._evals: dict[str, float] = {}
         self.bar.start()
 
-    def update(self, done: int, loss: float | None, val: float | None) -> None:
-        """``loss``: the latest step's that was read (None before the first)."""
+    def update(self, done: int, loss: float | None, val: float | None,
+               evals: dict[str, float] | None = None) -> None:
+        """``loss``: the latest step's that was read (None before the first); ``evals``: the
+        eval section's metrics of this step, shown until the next ones."""
+        self._evals = evals or self._evals
         info = ("" if loss is None else f"loss {loss:.4f}") + (
-            f" val {val:.4f}" if val is not None else "")
+            f" val {val:.4f}" if val is not None else "") + "".join(
+            f" {k} {v:.3g}" for k, v in self._evals.items())
         self.bar.update(self.task, completed=done, info=info)
 
     def close(self) -> None:

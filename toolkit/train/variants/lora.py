@@ -26,7 +26,7 @@ from toolkit.checkpoint.deepspeed import MOMENTS
 from toolkit.errors import ConfigError
 from toolkit.lora import LoraError, LoraSpec
 from toolkit.lora.peft_io import CHECKPOINT_ADAPTER as ADAPTER_DIR
-from toolkit.lora.peft_io import CONFIG, WEIGHTS, check_base, config_dict, read_config
+from toolkit.lora.peft_io import CONFIG, WEIGHTS, config_dict, read_config
 
 OPTIMIZER_FILE = "adapter_optimizer.safetensors"
 
@@ -51,8 +51,8 @@ def attach_adapters(cfg: Any, chunks: list[Any], adapter: Any) -> LoraSpec:
     from megatron.core import parallel_state as ps
 
     from toolkit.adapters.live import current_coord
-    from toolkit.lora.attach import SeededAdapters, attach
-    from toolkit.lora.targets import check_adapter, projections, resolve_targets
+    from toolkit.lora.attach import SeededAdapters, attach, folder_source
+    from toolkit.lora.targets import projections, resolve_targets
 
     spec = spec_of(cfg)
     table = adapter.table(1)
@@ -60,10 +60,7 @@ def attach_adapters(cfg: Any, chunks: list[Any], adapter: Any) -> LoraSpec:
         spec = spec.with_targets(resolve_targets(table, spec.targets or None,
                                                  adapter.architecture))
         if cfg.peft.adapter:
-            _, raw = read_config(cfg.peft.adapter)
-            check_base(raw, adapter.dims, cfg.peft.adapter)
-            source = _folder_source(cfg.peft.adapter)
-            check_adapter(adapter, spec, source.shapes(), where=cfg.peft.adapter)
+            source = folder_source(cfg.peft.adapter, adapter, spec)
         else:
             shapes = {p.module: (p.out_features, p.in_features) for p in projections(table)}
             source = SeededAdapters(cfg.train.seed, spec.r, shapes)
@@ -72,14 +69,6 @@ def attach_adapters(cfg: Any, chunks: list[Any], adapter: Any) -> LoraSpec:
     attach(chunks, adapter, spec, current_coord(), source,
            tp_group=ps.get_tensor_model_parallel_group())
     return spec
-
-
-def _folder_source(folder: str) -> Any:
-    from safetensors.torch import load_file
-
-    from toolkit.lora.state import FullTensors
-
-    return FullTensors(load_file(str(Path(folder) / WEIGHTS)))
 
 
 # -- reading and writing the engine's adapter state ----------------------------------------------
