@@ -119,7 +119,7 @@ def cli_runs(trainer_assets, one_rank, rank_pool_2):
     assets, root = trainer_assets
     work = str(root / "generate_cli")
     (single,) = one_rank.run(gc.cli_sources, assets, work, timeout=600)
-    single["ep2"] = rank_pool_2.run(gc.cli_layout_refusal, assets, work, timeout=300)
+    single["two"] = rank_pool_2.run(gc.cli_two_ranks, assets, work, timeout=300)
     return assets, root / "generate_cli", single
 
 
@@ -155,6 +155,8 @@ def test_cli_generate_from_every_source_equals_transformers(cli_runs):
 
     base = _hf_rows(load(assets["dense"]), assets["tokenizer"])
     peft = PeftModel.from_pretrained(load(assets["dense"]), str(work / "lora_peft")).eval()
+    two = single["two"]  # `mdtk generate --tp 2` on 2 ranks: the 1-rank rows
+    assert two[0]["tp2"] == two[1]["tp2"] == rows["hf"]
     tok = assets["tokenizer"]
     refs = {"hf": base, "mcore": base, "full": _hf_rows(load(work / "full_hf"), tok),
             "lora": _hf_rows(load(work / "lora_hf"), tok), "peft": _hf_rows(peft, tok)}
@@ -174,6 +176,7 @@ def test_cli_refuses_bad_input_with_one_error_and_writes_nothing(cli_runs):
     assert "max_position_embeddings" in r["too_long"][0] and "long.jsonl:1" in r["too_long"][0]
     assert "unknown lm-eval task(s) no_such_task" in r["unknown_task"][0]
     assert "mdtk launch -n 2" in r["layout"][0]
-    for err, written in single["ep2"]:  # every rank raises the same error
-        assert not written and err == single["ep2"][0][0]
+    first = single["two"][0]["ep2"][0]
+    for err, written in (r["ep2"] for r in single["two"]):  # every rank: the same error
+        assert not written and err == first
         assert "expert" in err.lower() and "ep" in err, err

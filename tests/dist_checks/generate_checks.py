@@ -165,16 +165,16 @@ def _refusals(assets: dict[str, str], root: Path, prompts: Path) -> dict[str, tu
     return out
 
 
-def cli_layout_refusal(assets: dict[str, str], work: str) -> tuple[str | None, bool]:
-    """On 2 ranks: ``--ep 2`` for a dense model (a layout the model cannot take)."""
-    import torch.distributed as dist
+def cli_two_ranks(assets: dict[str, str], work: str) -> dict[str, Any]:
+    """On 2 ranks, after ``cli_sources``: ``mdtk generate --tp 2`` of its prompts (rank 0 writes
+    the rows), and ``--ep 2`` for a dense model (a layout the model cannot take: the error, and
+    whether --out was written)."""
+    import json
 
-    root = Path(work)
-    if dist.get_rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "one.jsonl").write_text('{"prompt": "the cat"}\n')
-    dist.barrier()
+    root, tok = Path(work), assets["tokenizer"]
+    _generate(assets["dense"], root / "tp2.jsonl", root / "prompts.jsonl", tok, "--tp", "2")
+    rows = [json.loads(x) for x in (root / "tp2.jsonl").read_text().splitlines()]
     dst = root / "refused_ep2.jsonl"
-    err = _cli("generate", assets["dense"], "--prompts", str(root / "one.jsonl"), "--out",
-               str(dst), "--tokenizer", assets["tokenizer"], "--ep", "2")
-    return err, dst.exists()
+    err = _cli("generate", assets["dense"], "--prompts", str(root / "prompts.jsonl"), "--out",
+               str(dst), "--tokenizer", tok, "--ep", "2")
+    return {"tp2": rows, "ep2": (err, dst.exists())}

@@ -104,8 +104,9 @@ class Progress:
     def update(self, done: int, loss: float | None, val: float | None,
                evals: dict[str, float] | None = None) -> None:
         """``loss``: the latest step's that was read (None before the first); ``evals``: the
-        eval section's metrics of this step, shown until the next ones."""
-        self._evals = evals or self._evals
+        eval section's metrics of this step, the first shown until the next ones (the line
+        must fit a terminal: all of them are in the log line and metrics.jsonl)."""
+        self._evals = dict(list((evals or {}).items())[:1]) or self._evals
         info = ("" if loss is None else f"loss {loss:.4f}") + (
             f" val {val:.4f}" if val is not None else "") + "".join(
             f" {k} {v:.3g}" for k, v in self._evals.items())
