@@ -15,7 +15,8 @@ on every rank (the same tokens at any layout when the logits agree).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,16 @@ def _controller(base: type) -> type:
     return Controller
 
 
+@contextmanager
+def megatron_quiet() -> Iterator[None]:
+    """megatron-core's notes that do not apply here, on every call and rank: the static
+    engine's deprecation, and CUDA_DEVICE_MAX_CONNECTIONS (an overlap hint for training)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The static engine will be deprecated")
+        warnings.filterwarnings("ignore", "When using async grad allreduce")
+        yield
+
+
 class Generator:
     """Generation on ``chunks`` (this rank's GPTModel; one chunk: no virtual pipeline).
     ``eos_ids``: the tokens that end a completion (the first is megatron-core's termination
@@ -137,8 +148,7 @@ class Generator:
         self.controller = _controller(TextGenerationController)(
             wrapped, _Tokens(self.eos_ids[0], decode))
         self.controller.real_vocab = vocab_size
-        with warnings.catch_warnings():  # the static engine's deprecation note, on every call
-            warnings.filterwarnings("ignore", "The static engine will be deprecated")
+        with megatron_quiet():
             self.engine = StaticInferenceEngine(self.controller, max_batch_size=max_batch,
                                                 legacy=True)
         self._next_id = 0
@@ -174,7 +184,8 @@ class Generator:
             requests.append(InferenceRequest(request_id=self._next_id, prompt="",
                                              prompt_tokens=list(prompt), sampling_params=params))
             self._next_id += 1
-        done = self.engine.generate(inference_requests=requests)
+        with megatron_quiet():
+            done = self.engine.generate(inference_requests=requests)
         return [self._completion(r, sampling.max_new_tokens, logprobs) for r in done]
 
     def _completion(self, request: Any, limit: int, logprobs: bool) -> Completion:

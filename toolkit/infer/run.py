@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,18 +89,36 @@ def generate(req: Request, prompts_file: str, sampling: Sampling) -> int:
             gen = Generator(loaded.chunks, eos_ids=loaded.eos_ids,
                             vocab_size=loaded.adapter.dims.vocab, max_seq_len=longest,
                             max_batch=req.batch_size, decode=loaded.tokenizer.decode)
-            rows = []
-            for start in range(0, len(prompts), req.batch_size):
-                batch = prompts[start:start + req.batch_size]
-                done = gen.generate([p.ids for p in batch], sampling)
-                rows += [output_row(p, c.completion_ids, c.finish_reason, loaded.tokenizer)
-                         for p, c in zip(batch, done, strict=True)]
+            rows: list[dict] = []
+            with _bar(len(prompts), dist.get_rank() == 0) as advance, no_progress_bars():
+                for start in range(0, len(prompts), req.batch_size):
+                    batch = prompts[start:start + req.batch_size]
+                    done = gen.generate([p.ids for p in batch], sampling)
+                    rows += [output_row(p, c.completion_ids, c.finish_reason, loaded.tokenizer)
+                             for p, c in zip(batch, done, strict=True)]
+                    advance(len(batch))
             if dist.get_rank() == 0:
                 write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
             dist.barrier()
             return len(rows)
         finally:
             parallel.destroy()
+
+
+@contextmanager
+def _bar(total: int, shown: bool) -> Iterator[Any]:
+    """One titled bar over the prompts on rank 0 (megatron-core's own, one per batch and rank,
+    are off): yields ``advance(n)``."""
+    if not shown:
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("prompts"), transient=False)
+    task = bar.add_task("generate", total=total)
+    with bar:
+        yield lambda n: bar.advance(task, n)
 
 
 def _check_lengths(prompts: list, sampling: Sampling, limit: int, where: str) -> None:
@@ -155,8 +173,10 @@ def evaluate(req: Request, tasks: list[str], *, include_path: str | None = None,
         try:
             with runtime.failing_together():
                 loaded = _load(req)
-            results = run_tasks(loaded, tasks, manager, num_fewshot=num_fewshot, limit=limit,
-                                batch_size=req.batch_size)
+            # lm-eval's bars on rank 0 only (every rank runs every request)
+            with nullcontext() if dist.get_rank() == 0 else no_progress_bars():
+                results = run_tasks(loaded, tasks, manager, num_fewshot=num_fewshot,
+                                    limit=limit, batch_size=req.batch_size)
             if dist.get_rank() == 0:
                 write_text(out, json.dumps(results, indent=1, default=str))
             dist.barrier()
@@ -173,7 +193,7 @@ def run_tasks(loaded: Any, tasks: list[str], manager: Any, *, num_fewshot: int |
 
     import lm_eval
 
-    from toolkit.infer.engine import Generator
+    from toolkit.infer.engine import Generator, megatron_quiet
     from toolkit.infer.lm import ShardedLM
 
     spec = loaded.spec
@@ -186,12 +206,28 @@ def run_tasks(loaded: Any, tasks: list[str], manager: Any, *, num_fewshot: int |
                    batch_size=batch_size)
     for name in ("lm_eval", "lm-eval"):  # its per-run INFO/WARNING lines drown the run's log
         logging.getLogger(name).setLevel(logging.ERROR)
-    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                  task_manager=manager)
+    with megatron_quiet(), _no_git_hash():
+        res = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot,
+                                      limit=limit, task_manager=manager)
     if res is None:
         return None
     return {k: res[k] for k in ("results", "configs", "versions", "n-shot", "higher_is_better")
             if k in res}
+
+
+@contextmanager
+def _no_git_hash() -> Iterator[None]:
+    """lm-eval records the git hash of the current folder by running ``git describe``, whose
+    "fatal: not a git repository" reaches the terminal outside a checkout; the hash says nothing
+    about an mdtk model, so the results hold None."""
+    import lm_eval.evaluator as evaluator
+
+    lookup = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = lookup
 
 
 def metric_names(results: dict, task: str) -> list[str]:
