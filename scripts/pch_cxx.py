@@ -111,12 +111,31 @@ def use_in(env) -> None:
     """Point the DeepSpeed op builds of ``env`` (a mutable mapping: ``os.environ`` or a child's
     environment) at what `make install` uses (Makefile): this checkout's op cache unless one is
     set, and this wrapper as ``CXX``. The compiler's path is part of torch's build command, so a
-    process with another ``CXX`` would build every op again instead of loading it."""
+    process with another ``CXX`` would build every op again instead of loading it: a cache set
+    from outside (shared by several checkouts) gets the wrapper's copy kept in it
+    (``shared_copy``), the same path from every checkout."""
     here = Path(__file__).resolve()
+    shared = "TORCH_EXTENSIONS_DIR" in env
     env.setdefault("TORCH_EXTENSIONS_DIR", str(here.parent.parent / "build" / "torch_extensions"))
     if not env.get("CXX", "").endswith("pch_cxx.py"):
         env.setdefault("MDTK_REAL_CXX", env.get("CXX", "c++"))
-        env["CXX"] = str(here)
+        env["CXX"] = str(shared_copy(Path(env["TORCH_EXTENSIONS_DIR"])) if shared else here)
+
+
+def shared_copy(cache: Path) -> Path:
+    """This wrapper copied into an op cache, named by its content's hash. Checkouts (git
+    worktrees) sharing one cache otherwise each give torch their own wrapper's path, and every
+    op is built again whenever another checkout built it last (async_io ~120 CPU-s, CPU Adam
+    ~55, inside whichever test loads it first)."""
+    text = Path(__file__).read_bytes()
+    target = cache / "pch_cxx" / hashlib.sha1(text).hexdigest()[:12] / "pch_cxx.py"
+    if not (target.is_file() and target.read_bytes() == text):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".pch_cxx.{os.getpid()}.tmp")
+        tmp.write_bytes(text)
+        tmp.chmod(0o755)
+        os.replace(tmp, target)  # whole or absent: a concurrent checkout may read it
+    return target
 
 
 def main(args: list[str]) -> int:

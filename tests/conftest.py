@@ -103,6 +103,16 @@ class _LazyPool:
 
 
 @pytest.fixture(scope="session")
+def rank_pool_1():
+    """One rank (world size 1) for the single-rank references of every file: one process
+    start for the session instead of one per file (each start imports torch, megatron-core,
+    DeepSpeed and transformers again: ~4.5 s)."""
+    pool = _LazyPool(1)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def rank_pool_2():
     pool = _LazyPool(2)
     yield pool

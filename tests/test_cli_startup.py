@@ -4,10 +4,10 @@
 the mapping, so neither transformers nor megatron-core is imported unless the command needs
 them (an HF target writes config.json as JSON and copies generation_config.json); torch_dist's
 ``.metadata`` is read and written without ``torch.distributed.checkpoint`` (``dcp_pickle``:
-DTensor, sympy); `mdtk --help` and `mdtk inspect` import no torch, nor does a conversion
-between HF safetensors and torch_dist that copies bytes file to file (no ``--dtype`` cast):
-dtypes go by name and ``torch.save``'s files are written by ``torch_record`` (both in
-``toolkit.checkpoint.torchfree``).
+DTensor, sympy); `mdtk --help`, `mdtk inspect` and `mdtk launch` (its config read) import
+no torch, nor does a conversion between HF safetensors and torch_dist that copies bytes file
+to file (no ``--dtype`` cast): dtypes go by name and ``torch.save``'s files are written by
+``torch_record`` (both in ``toolkit.checkpoint.torchfree``).
 scripts/bench_startup.py measures the times (docs/benchmarks.md).
 """
 
@@ -46,6 +46,14 @@ def _loaded(*args: str) -> list[str]:
 
 def test_help_imports_no_torch():
     assert _loaded("--help") == []
+
+
+def test_launch_reads_its_config_without_torch():
+    """A launch agent reads the run's config (its schema names DPO's losses from the torch-free
+    ``objectives.dpo.spec``) without megatron-core: ~3 CPU-s less in every agent, and
+    `mdtk train --check` of a missing file says so in 0.4 s instead of 4.7 s."""
+    assert _loaded("launch", "bundled:examples/pretrain_tiny.yaml", "--nodes", "1",
+                   "--gpus-per-node", "2", "--dry-run") == []
 
 
 def test_inspect_and_convert_import_neither_transformers_nor_megatron(tiny_root, tmp_path):

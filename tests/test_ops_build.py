@@ -129,6 +129,22 @@ def test_compiler_wrapper_settings_are_make_installs():
     assert bare["MDTK_REAL_CXX"] == "c++"
 
 
+def test_checkouts_sharing_an_op_cache_give_torch_one_compiler_path(tmp_path):
+    """A cache set from outside (git worktrees sharing TORCH_EXTENSIONS_DIR) gets the wrapper's
+    copy, named by its content: every checkout's build command is then the same, and an op one
+    built is loaded by the others instead of built again."""
+    w = _wrapper()
+    first, second = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}, {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    w.use_in(first)
+    w.use_in(second)
+    cxx = Path(first["CXX"])
+    assert second["CXX"] == first["CXX"] and cxx.parent.parent == tmp_path / "pch_cxx"
+    assert cxx.read_bytes() == (ROOT / "scripts" / "pch_cxx.py").read_bytes()
+    theirs = subprocess.run(["c++", "--version"], capture_output=True, text=True)
+    mine = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+    assert mine.returncode == 0 and mine.stdout == theirs.stdout  # it runs where it was copied
+
+
 def test_compiler_wrapper_precompiles_only_for_files_that_include_torch(tmp_path):
     """Pre-included into a file without torch, the header costs ~7 CPU-s of template work
     (async_io's deepspeed_aio_types.cpp: 0.6 s -> 7.5 s): such files are compiled as they are.
