@@ -107,10 +107,10 @@ def test_lm_eval_at_tp2_scores_as_lm_evals_hf_model(demo_model, rank_pool_2):
 
 
 @pytest.fixture(scope="module")
-def cli_runs(trainer_assets, one_rank, rank_pool_2):
+def cli_runs(trainer_assets, rank_pool_1, rank_pool_2):
     assets, root = trainer_assets
     work = str(root / "generate_cli")
-    (single,) = one_rank.run(gc.cli_sources, assets, work, timeout=600)
+    (single,) = rank_pool_1.run(gc.cli_sources, assets, work, timeout=600)
     single["two"] = rank_pool_2.run(gc.cli_two_ranks, assets, work, timeout=300)
     return assets, root / "generate_cli", single
 
