@@ -103,6 +103,14 @@ class _LazyPool:
 
 
 @pytest.fixture(scope="session")
+def rank_pool_1():
+    """One rank (a world of one), for the single-rank references of several modules."""
+    pool = _LazyPool(1)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def rank_pool_2():
     pool = _LazyPool(2)
     yield pool

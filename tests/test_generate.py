@@ -10,8 +10,6 @@ import pytest
 import torch
 from dist_checks import generate_checks as gc
 
-from toolkit.runtime.rankpool import RankPool
-
 INCLUDE = "toolkit/bundled/examples/eval"  # the bundled tasks (local data, offline)
 TASKS = ["mdtk_arithmetic", "mdtk_sentences"]
 
@@ -36,15 +34,9 @@ def references(tiny_root):
 
 
 @pytest.fixture(scope="module")
-def one_rank():
-    with RankPool(1) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def generated(tiny_root, one_rank, rank_pool_2, rank_pool_4):
+def generated(tiny_root, rank_pool_1, rank_pool_2, rank_pool_4):
     root = str(tiny_root)
-    single = one_rank.run(gc.generate_families, root, [("llama", {})], (5,), timeout=300)
+    single = rank_pool_1.run(gc.generate_families, root, [("llama", {})], (5,), timeout=300)
     two = rank_pool_2.run(gc.generate_families, root, [
         ("llama", {"tp": 2}), ("llama", {"pp": 2}), ("gemma3", {"tp": 2}), ("phi3", {"pp": 2}),
         ("mixtral", {"ep": 2})], (5,), timeout=600)

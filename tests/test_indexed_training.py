@@ -10,7 +10,6 @@ from dist_checks import indexed_checks as ic
 from dist_checks import trainer_checks as tc
 
 from toolkit import bundled
-from toolkit.runtime.rankpool import RankPool
 
 LOSS_RTOL = 1e-5
 
@@ -31,11 +30,10 @@ def two(rank_pool_2, setup):
 
 
 @pytest.fixture(scope="module")
-def one(setup, two):
+def one(rank_pool_1, setup, two):
     assets, work, prefixes = setup
-    with RankPool(1) as pool:
-        (out,) = pool.run(ic.one_rank_resume, assets, work, prefixes, two[0]["checkpoint"],
-                          timeout=300)
+    (out,) = rank_pool_1.run(ic.one_rank_resume, assets, work, prefixes, two[0]["checkpoint"],
+                             timeout=300)
     return out
 
 

@@ -12,8 +12,6 @@ import pytest
 from dist_checks import lora_checks as lc
 from dist_checks import trainer_checks as tc
 
-from toolkit.testing.distributed import RankPool
-
 RTOL = 1e-5
 EXPORT = ("export.adapter_dir={work}/lora_tp2_sp/adapter",
           "export.hf_dir={work}/lora_tp2_sp/merged")
@@ -63,10 +61,9 @@ def peft_folder(assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def refs(assets, peft_folder):
-    with RankPool(1) as pool:
-        (out,) = pool.run(lc.run_cases, _refs(peft_folder), assets, assets["work"],
-                          timeout=600)
+def refs(rank_pool_1, assets, peft_folder):
+    (out,) = rank_pool_1.run(lc.run_cases, _refs(peft_folder), assets, assets["work"],
+                             timeout=600)
     return {r["case"]: r for r in out}
 
 

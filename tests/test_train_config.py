@@ -51,12 +51,15 @@ def test_bundled_names_resolve_to_files_shipped_in_the_package():
     assert all(Path(p).is_file() for p in (cfg.model.config, *cfg.data.sources))
     assert bundled.shipped() == [
         "bundled:examples/data/dpo.jsonl", "bundled:examples/data/dpo_text.jsonl",
+        "bundled:examples/data/kto.jsonl",
         "bundled:examples/data/pretrain.jsonl", "bundled:examples/data/sft.jsonl",
+        "bundled:examples/distill_tiny.yaml",
         "bundled:examples/dpo_tiny.yaml", "bundled:examples/eval/arithmetic.jsonl",
         "bundled:examples/eval/data.py", "bundled:examples/eval/mdtk_arithmetic.yaml",
         "bundled:examples/eval/mdtk_sentences.yaml", "bundled:examples/eval/sentences.jsonl",
-        "bundled:examples/lora_tiny.yaml",
-        "bundled:examples/pretrain_tiny.yaml",
+        "bundled:examples/kto_tiny.yaml", "bundled:examples/lora_tiny.yaml",
+        "bundled:examples/orpo_tiny.yaml", "bundled:examples/pretrain_tiny.yaml",
+        "bundled:examples/reward_tiny.yaml",
         "bundled:examples/sft_tiny.yaml", "bundled:examples/tiny_llama_config.json"]
     with pytest.raises(ConfigError, match=r"data.sources: bundled:examples/nope.jsonl: mdtk "
                                           r"ships no such file; bundled files: .*sft.jsonl"):

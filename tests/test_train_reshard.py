@@ -19,8 +19,6 @@ import pytest
 from dist_checks import reshard_checks as rc
 from dist_checks.trainer_checks import Case
 
-from toolkit.runtime.rankpool import RankPool
-
 LOSS_RTOL = 1e-5
 LONG = rc.FULL + 2  # the offline conversion of the step-6 checkpoint continues to here
 
@@ -75,7 +73,7 @@ def _by_case(per_rank) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def results(rank_pool_2, rank_pool_4, assets):
+def results(rank_pool_1, rank_pool_2, rank_pool_4, assets):
     from toolkit.train.checkpoints.relayout import convert_checkpoint
 
     work = assets["work"]
@@ -83,8 +81,7 @@ def results(rank_pool_2, rank_pool_4, assets):
     out["converted"] = convert_checkpoint(rc.ckpt(work, "r_tp2_pp2_zero1_to_dp4_zero3", rc.FULL),
                                           Path(work) / "converted", tp=2, dp=1, zero=2)
     out.update(_by_case(rank_pool_2.run(rc.runs, cases_2(work), assets, work, timeout=900)))
-    with RankPool(1) as pool:
-        out.update(_by_case(pool.run(rc.runs, cases_1(work), assets, work, timeout=600)))
+    out.update(_by_case(rank_pool_1.run(rc.runs, cases_1(work), assets, work, timeout=600)))
     return out
 
 

@@ -16,8 +16,6 @@ import pytest
 from dist_checks import trainer_checks as tc
 from dist_checks.trainer_checks import Case
 
-from toolkit.runtime.rankpool import RankPool
-
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-5
 
@@ -94,11 +92,10 @@ def results_4(rank_pool_4, assets):
 
 
 @pytest.fixture(scope="module")
-def results_1(assets, results_2):
+def results_1(rank_pool_1, assets, results_2):
     """One rank: the references, a resume at another dp, the SFT loss by hand."""
-    with RankPool(1) as pool:
-        (out,) = pool.run(tc.single_rank_checks, assets, assets["work"], REFS,
-                          results_2["resume"][0]["checkpoint"], timeout=600)
+    (out,) = rank_pool_1.run(tc.single_rank_checks, assets, assets["work"], REFS,
+                             results_2["resume"][0]["checkpoint"], timeout=600)
     out["refs"] = {r["case"]: r for r in out["refs"]}
     return out
 

@@ -27,7 +27,6 @@ from dist_checks.dpo_checks import DpoCase
 from toolkit import bundled
 from toolkit.memory import TrainShape, ZeroOptions, estimate, model_shape_from_hf
 from toolkit.parallel.layout import ParallelLayout
-from toolkit.runtime.rankpool import RankPool
 from toolkit.train.objectives.dpo.spec import METRICS
 
 LOSS_RTOL = 1e-5
@@ -59,12 +58,11 @@ def assets(trainer_assets) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def results_1(assets):
+def results_1(rank_pool_1, assets):
     """One rank: the layout reference, validation at step 0 per row form, SFT -> DPO."""
-    with RankPool(1) as pool:
-        (out,) = pool.run(dc.single_rank_checks, assets, assets["work"], [DpoCase("ref")],
-                          {f: assets[f"val_{f}"] for f in ("strings", "conversational")},
-                          VAL_SEQ, SFT_STEPS, DPO_STEPS, timeout=600)
+    (out,) = rank_pool_1.run(dc.single_rank_checks, assets, assets["work"], [DpoCase("ref")],
+                             {f: assets[f"val_{f}"] for f in ("strings", "conversational")},
+                             VAL_SEQ, SFT_STEPS, DPO_STEPS, timeout=600)
     return out
 
 

@@ -37,11 +37,15 @@ from toolkit.train.objectives.dpo.reference import ModelReference
 TEACHER = "local_teacher_logits"  # already this CP rank's share (``context_parallel_share``)
 
 
+def _tp() -> int:
+    """The tensor-parallel size (1 outside a run: the loss on one process's full vocabulary)."""
+    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
 def _real_columns(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """This tp rank's columns that are real tokens (the padding of the last rank dropped)."""
     width = logits.shape[-1]
-    first = ps.get_tensor_model_parallel_rank() * width if \
-        ps.get_tensor_model_parallel_world_size() > 1 else 0
+    first = ps.get_tensor_model_parallel_rank() * width if _tp() > 1 else 0
     return logits[..., : max(0, min(width, vocab - first))]
 
 
@@ -50,7 +54,7 @@ def _tp_sum(x: torch.Tensor, partial_grads: bool = False) -> torch.Tensor:
     the sum is already whole (the loss is computed from it alike on every rank); summed too
     when each rank's is a part (``partial_grads``: the softmax normaliser, whose gradient comes
     from this rank's columns only)."""
-    if ps.get_tensor_model_parallel_world_size() == 1:
+    if _tp() == 1:
         return x
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
@@ -66,7 +70,7 @@ def vocab_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """log_softmax over the vocabulary split across the tp ranks (this rank's columns)."""
     x = logits.float()
     top = x.detach().max(dim=-1, keepdim=True).values
-    if ps.get_tensor_model_parallel_world_size() > 1:
+    if _tp() > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
     shifted = x - top
     normaliser = _tp_sum(shifted.exp().sum(dim=-1, keepdim=True), partial_grads=True)

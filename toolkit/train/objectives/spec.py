@@ -56,6 +56,11 @@ def check_kto(cfg: Any) -> None:
     if cfg.model.config:
         raise ConfigError("data.mode=kto tunes a trained model: set model.path (the policy and, "
                           "frozen, the reference) instead of model.config.")
+    batch = cfg.train.global_batch or cfg.train.micro_batch
+    if batch < 2 and cfg.train.global_batch is not None:
+        raise ConfigError(f"data.mode=kto with train.global_batch={batch}: its KL term pairs a "
+                          "prompt with another sample's completion of the same batch (TRL "
+                          "requires a batch > 1); set train.global_batch >= 2.")
     if cfg.data.shuffle:
         raise ConfigError("data.mode=kto pairs each prompt with its neighbour's completion to "
                           "estimate its KL term, in a fixed-order batch (TRL requires "
