@@ -71,12 +71,11 @@ def test_model_commands_name_a_wrong_type(damaged, tmp_path, command):
 # -- `mdtk train` as one plain process -------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def one_process(demo_model, damaged, tmp_path_factory):
+def one_process(rank_pool_1, demo_model, damaged, tmp_path_factory):
     """One process without a launcher's environment runs `mdtk train` on each damaged model
     (refused), on a layout that needs 2 ranks (refused), then on the valid model (trains);
-    meanwhile a 1-rank pool (the launcher's environment) trains the same valid config."""
-    from toolkit.runtime.rankpool import RankPool
-
+    meanwhile the session's 1-rank pool (the launcher's environment) trains the same valid
+    config."""
     root = tmp_path_factory.mktemp("one_process")
     cases = [{"name": how, "argv": bic.train_argv(folder, root / f"run_{how}")}
              for how, folder in damaged.items()]
@@ -92,9 +91,9 @@ def one_process(demo_model, damaged, tmp_path_factory):
                             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        with RankPool(1) as pool:  # the same run in the launcher's environment, meanwhile
-            (reference,) = pool.run(bic.train_reference,
-                                    bic.train_argv(demo_model, root / "launched"), timeout=600)
+        # the same run in the launcher's environment, meanwhile
+        (reference,) = rank_pool_1.run(bic.train_reference,
+                                       bic.train_argv(demo_model, root / "launched"), timeout=600)
         log, _ = proc.communicate(timeout=600)
     finally:
         proc.kill()

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_checks import memory_checks
 from dist_checks import post_checks as pc
 from dist_checks.post_checks import PostCase
 
-from toolkit.memory import TrainShape, ZeroOptions, estimate, model_shape_from_hf
+from toolkit.memory import TrainShape, estimate, model_shape_from_hf
 from toolkit.parallel.layout import ParallelLayout
 
 RTOL = 1e-5
@@ -231,9 +232,7 @@ def test_distillation_memory_with_a_teacher_twice_the_student(layouts, assets):
     assert 1.8 < teacher.num_params() / student.num_params() < 2.2
     report = []
     for rank, r in enumerate(layouts["distill_dp2_zero3"]):
-        z, d = r["ds_config"]["zero_optimization"], ZeroOptions()
-        zero = ZeroOptions(stage=z["stage"], param_persistence_threshold=z.get(
-            "stage3_param_persistence_threshold", d.param_persistence_threshold))
+        zero = memory_checks.zero_options(r["ds_config"])
         shape = TrainShape(seq_len=pc.SEQ, micro_batch=pc.MICRO, dtype="fp32", teacher=teacher)
         predicted = estimate(student, shape, ParallelLayout().resolve(2), zero).model_states()
         measured = r["held"] + r["frozen_held"]
