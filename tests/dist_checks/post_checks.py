@@ -113,61 +113,25 @@ def config(case: PostCase, assets: dict[str, str], out: Path):
 def run_case(case: PostCase, assets: dict[str, str], workdir: str) -> dict[str, Any]:
     """Train ``case``: its losses, metrics and validations, metrics.jsonl (rank 0), the export,
     and (``memory``) the bytes this rank's engine and frozen model hold."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
+    from dist_checks.dpo_checks import run_spied, spy_engine
     from toolkit.train import trainer
 
     out = Path(workdir) / case.label
     seen: dict[str, Any] = {}
-    build_engine, make_objective = trainer.build_engine, trainer.objective_for
-
-    def engine_spy(chunks, mpu, ds_config, **kwargs):
-        seen.update(tp=ps.get_tensor_model_parallel_world_size(),
-                    pp=ps.get_pipeline_model_parallel_world_size(),
-                    dp=ps.get_data_parallel_world_size())
-        engine = build_engine(chunks, mpu, ds_config, **kwargs)
-        if case.memory:
-            _measure_before_first_step(engine, seen)
-        return engine
+    make_objective = trainer.objective_for
+    engine_spy = spy_engine(seen, "frozen_held" if case.memory else None)
 
     def objective_spy(setup):
         seen["objective"] = make_objective(setup)
         return seen["objective"]
 
-    trainer.build_engine, trainer.objective_for = engine_spy, objective_spy
-    try:
-        result = trainer.run(config(case, assets, out))
-    finally:
-        trainer.build_engine, trainer.objective_for = build_engine, make_objective
+    result, records = run_spied(config(case, assets, out), [
+        (trainer, "build_engine", engine_spy), (trainer, "objective_for", objective_spy)])
     seen.pop("objective", None)
-    records = []
-    if dist.get_rank() == 0:
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"case": case.label, "losses": result.losses, "metrics": result.metrics,
             "val_losses": result.val_losses, "val_metrics": result.val_metrics,
             "records": records, "ds_config": result.ds_config,
             "export_dir": result.export_dir, "export_diff": result.export_max_abs_diff, **seen}
-
-
-def _measure_before_first_step(engine, seen: dict[str, Any]) -> None:
-    """Before the first update: the engine's bytes (``memory_checks.held_bytes``) and the frozen
-    model's (the teacher's, ZeRO-3 shards included)."""
-    from dist_checks.dpo_checks import _param_bytes
-    from dist_checks.memory_checks import held_bytes
-
-    step = engine.step
-
-    def measuring_step(*args, **kwargs):
-        if "held" not in seen:
-            seen["held"] = held_bytes(engine)
-            objective = seen.get("objective")
-            frozen = getattr(objective, "teacher", None) or getattr(objective, "reference", None)
-            chunks = getattr(frozen, "chunks", [])
-            seen["frozen_held"] = _param_bytes([p for c in chunks for p in c.parameters()])
-        return step(*args, **kwargs)
-
-    engine.step = measuring_step
 
 
 def run_cases(cases: list[PostCase], assets: dict[str, str], workdir: str) -> list[dict]:
