@@ -51,13 +51,16 @@ def test_bundled_names_resolve_to_files_shipped_in_the_package():
     assert all(Path(p).is_file() for p in (cfg.model.config, *cfg.data.sources))
     assert bundled.shipped() == [
         "bundled:examples/data/dpo.jsonl", "bundled:examples/data/dpo_text.jsonl",
+        "bundled:examples/data/kto.jsonl",
         "bundled:examples/data/pretrain.jsonl", "bundled:examples/data/sft.jsonl",
+        "bundled:examples/distill_tiny.yaml",
         "bundled:examples/dpo_tiny.yaml", "bundled:examples/eval/arithmetic.jsonl",
         "bundled:examples/eval/data.py", "bundled:examples/eval/mdtk_arithmetic.yaml",
         "bundled:examples/eval/mdtk_sentences.yaml", "bundled:examples/eval/prompts.jsonl",
         "bundled:examples/eval/sentences.jsonl",
-        "bundled:examples/lora_tiny.yaml",
-        "bundled:examples/pretrain_tiny.yaml",
+        "bundled:examples/kto_tiny.yaml", "bundled:examples/lora_tiny.yaml",
+        "bundled:examples/orpo_tiny.yaml", "bundled:examples/pretrain_tiny.yaml",
+        "bundled:examples/reward_tiny.yaml",
         "bundled:examples/sft_tiny.yaml", "bundled:examples/tiny_llama_config.json"]
     with pytest.raises(ConfigError, match=r"data.sources: bundled:examples/nope.jsonl: mdtk "
                                           r"ships no such file; bundled files: .*sft.jsonl"):
@@ -140,9 +143,11 @@ def test_unknown_yaml_key_and_bad_file(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown key 'optim.learning_rat' in section 'optim'"):
         load_config(bad)
     with pytest.raises(ConfigError, match=r"does not exist \(the examples that ship with mdtk: "
-                                          r"bundled:examples/dpo_tiny.yaml, bundled:examples/"
-                                          r"lora_tiny.yaml, bundled:examples/"
-                                          r"pretrain_tiny.yaml, bundled:"):
+                                          r"bundled:examples/distill_tiny.yaml, bundled:examples/"
+                                          r"dpo_tiny.yaml, bundled:examples/kto_tiny.yaml, "
+                                          r"bundled:examples/lora_tiny.yaml, bundled:examples/"
+                                          r"orpo_tiny.yaml, bundled:examples/pretrain_tiny.yaml, "
+                                          r"bundled:examples/reward_tiny.yaml, bundled:"):
         load_config(tmp_path / "missing.yaml")
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):

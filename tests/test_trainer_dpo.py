@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 from dist_checks import dpo_checks as dc
+from dist_checks import memory_checks
 from dist_checks.dpo_checks import DpoCase
 
 from toolkit import bundled
-from toolkit.memory import TrainShape, ZeroOptions, estimate, model_shape_from_hf
+from toolkit.memory import TrainShape, estimate, model_shape_from_hf
 from toolkit.parallel.layout import ParallelLayout
 from toolkit.train.objectives.dpo.spec import METRICS
 
@@ -127,13 +128,7 @@ def test_layout_matches_single_rank(results_n, results_1, case):
 def _predicted(model_dir: str, ds_config: dict, reference: bool) -> int:
     """The memory model's model states (parameters, gradients, optimizer, buffers, reference)
     for the run's DeepSpeed config: what a rank holds between backward and the update."""
-    z, d = ds_config["zero_optimization"], ZeroOptions()
-    zero = ZeroOptions(
-        stage=z["stage"], reduce_bucket_size=z.get("reduce_bucket_size", d.reduce_bucket_size),
-        allgather_bucket_size=z.get("allgather_bucket_size", d.allgather_bucket_size),
-        prefetch_bucket_size=z.get("stage3_prefetch_bucket_size", d.prefetch_bucket_size),
-        param_persistence_threshold=z.get("stage3_param_persistence_threshold",
-                                          d.param_persistence_threshold))
+    zero = memory_checks.zero_options(ds_config)
     model = model_shape_from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
     shape = TrainShape(seq_len=dc.SEQ, micro_batch=dc.MICRO, dtype="fp32", pairs=True,
                        reference_model=reference)

@@ -72,27 +72,13 @@ def config(case: DpoCase, assets: dict[str, str], out: str | Path):
 def run_case(case: DpoCase, assets: dict[str, str], workdir: str) -> dict[str, Any]:
     """Train ``case``; its per-step losses and metrics, what metrics.jsonl holds, and (with
     ``case.memory``) the bytes this rank holds."""
-    from megatron.core import parallel_state as ps
-
     from toolkit.train import trainer
     from toolkit.train.objectives.dpo import objective as dpo_objective
 
     out = Path(workdir) / case.name
     seen: dict[str, Any] = {}
-    build_engine, make_objective = trainer.build_engine, dpo_objective.dpo_objective
-
-    def engine_spy(chunks, mpu, ds_config, **kwargs):
-        seen.update(tp=ps.get_tensor_model_parallel_world_size(),
-                    pp=ps.get_pipeline_model_parallel_world_size(),
-                    cp=ps.get_context_parallel_world_size(), dp=ps.get_data_parallel_world_size())
-        engine = build_engine(chunks, mpu, ds_config, **kwargs)
-        if case.memory:
-            _measure_before_first_step(engine, seen)
-        if case.grads:
-            from dist_checks.trainer_checks import _record_first_grads
-
-            _record_first_grads(engine, seen)
-        return engine
+    make_objective = dpo_objective.dpo_objective
+    engine_spy = spy_engine(seen, "reference_held" if case.memory else None, case.grads)
 
     def objective_spy(*args, **kwargs):
         objective = make_objective(*args, **kwargs)
@@ -102,23 +88,64 @@ def run_case(case: DpoCase, assets: dict[str, str], workdir: str) -> dict[str, A
             a is b for a, b in zip(mine, policy, strict=True))
         return objective
 
-    trainer.build_engine, dpo_objective.dpo_objective = engine_spy, objective_spy
-    try:
-        result = trainer.run(config(case, assets, out))
-    finally:
-        trainer.build_engine, dpo_objective.dpo_objective = build_engine, make_objective
+    result, records = run_spied(config(case, assets, out), [
+        (trainer, "build_engine", engine_spy), (dpo_objective, "dpo_objective", objective_spy)])
     seen.pop("objective", None)
-    records = []
-    if dist.get_rank() == 0:
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"case": case.name, "losses": result.losses, "metrics": result.metrics,
             "records": records, "ds_config": result.ds_config, **seen}
 
 
-def _measure_before_first_step(engine, seen: dict[str, Any]) -> None:
+def spy_engine(seen: dict[str, Any], memory_key: str | None = None, grads: bool = False):
+    """A stand-in for ``trainer.build_engine`` that records the layout in ``seen`` and, with
+    ``memory_key``, the bytes held before the first step (``measure_before_first_step``);
+    ``grads``: the first step's gradients."""
+    from megatron.core import parallel_state as ps
+
+    from toolkit.train import trainer
+
+    build_engine = trainer.build_engine
+
+    def engine_spy(chunks, mpu, ds_config, **kwargs):
+        seen.update(tp=ps.get_tensor_model_parallel_world_size(),
+                    pp=ps.get_pipeline_model_parallel_world_size(),
+                    cp=ps.get_context_parallel_world_size(), dp=ps.get_data_parallel_world_size())
+        engine = build_engine(chunks, mpu, ds_config, **kwargs)
+        if memory_key:
+            measure_before_first_step(engine, seen, memory_key)
+        if grads:
+            from dist_checks.trainer_checks import _record_first_grads
+
+            _record_first_grads(engine, seen)
+        return engine
+
+    return engine_spy
+
+
+def run_spied(cfg, spies: list[tuple[Any, str, Any]]) -> tuple[Any, list[dict]]:
+    """``trainer.run(cfg)`` with each ``(owner, name, spy)`` in place of ``owner.name`` (put
+    back after); its result and, on rank 0, the records of its metrics.jsonl."""
+    from toolkit.train import trainer
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in spies]
+    for owner, name, spy in spies:
+        setattr(owner, name, spy)
+    try:
+        result = trainer.run(cfg)
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    records = []
+    if dist.get_rank() == 0:
+        path = Path(cfg.output_dir) / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+    return result, records
+
+
+def measure_before_first_step(engine, seen: dict[str, Any], key: str = "reference_held") -> None:
     """Before the first ``engine.step``: the engine's bytes (parameters, gradients, optimizer:
-    ``memory_checks.held_bytes``) and the reference model's (its parameters, ZeRO-3 shards
-    included), distinct storages."""
+    ``memory_checks.held_bytes``) and, under ``key``, the frozen model's beside it (a
+    distillation teacher or a reference model ``seen["objective"]`` holds: its parameters,
+    ZeRO-3 shards included), distinct storages."""
     from dist_checks.memory_checks import held_bytes
 
     step = engine.step
@@ -126,9 +153,10 @@ def _measure_before_first_step(engine, seen: dict[str, Any]) -> None:
     def measuring_step(*args, **kwargs):
         if "held" not in seen:
             seen["held"] = held_bytes(engine)
-            reference = getattr(seen.get("objective"), "reference", None)
-            chunks = getattr(reference, "chunks", [])
-            seen["reference_held"] = _param_bytes([p for c in chunks for p in c.parameters()])
+            objective = seen.get("objective")
+            frozen = getattr(objective, "teacher", None) or getattr(objective, "reference", None)
+            chunks = getattr(frozen, "chunks", [])
+            seen[key] = _param_bytes([p for c in chunks for p in c.parameters()])
         return step(*args, **kwargs)
 
     engine.step = measuring_step

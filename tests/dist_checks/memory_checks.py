@@ -34,6 +34,20 @@ def tiny_llama(**overrides):
     return AutoModelForCausalLM.from_config(cfg)
 
 
+def zero_options(ds_config: dict):
+    """The memory model's ZeroOptions of a run's DeepSpeed config (its stage and buckets; the
+    model's defaults where the config leaves a key out)."""
+    from toolkit.memory import ZeroOptions
+
+    z, d = ds_config["zero_optimization"], ZeroOptions()
+    return ZeroOptions(
+        stage=z["stage"], reduce_bucket_size=z.get("reduce_bucket_size", d.reduce_bucket_size),
+        allgather_bucket_size=z.get("allgather_bucket_size", d.allgather_bucket_size),
+        prefetch_bucket_size=z.get("stage3_prefetch_bucket_size", d.prefetch_bucket_size),
+        param_persistence_threshold=z.get("stage3_param_persistence_threshold",
+                                          d.param_persistence_threshold))
+
+
 def _add(out: dict[int, int], t: torch.Tensor) -> None:
     if t.device.type == "meta":
         return

@@ -12,6 +12,7 @@ which builds it (``bind``) once per dtype and vocab padding.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -20,12 +21,19 @@ from typing import Any
 
 from toolkit.adapters.family import Dims, Family
 from toolkit.adapters.hfconfig import UnsupportedModel, declared_dtype
-from toolkit.adapters.registry import family_of
+from toolkit.adapters.registry import SEQ_CLS, family_of
 from toolkit.checkpoint.torchfree import dtypes
 from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.errors import UserError
 from toolkit.lazy import torch
-from toolkit.mapping import Coord, Table, TensorPlan, padded_vocab_size, plan_rank
+from toolkit.mapping import (
+    Coord,
+    Replicated,
+    Table,
+    TensorPlan,
+    padded_vocab_size,
+    plan_rank,
+)
 from toolkit.parallel.layout import ParallelLayout
 
 
@@ -74,6 +82,10 @@ class Adapter:
     #: Pad the vocab to a multiple of ``vocab_multiple * tp`` (1 = the least padding; set 128
     #: for GPU-friendly sizes). Padded rows are zeros and are stripped on export.
     vocab_multiple: int = 1
+    #: ``lm``: the LM head; ``score``: a reward model's scalar head in its place (HF's
+    #: ``score.weight`` [1, hidden], replicated; ``toolkit.models.score_head``)
+    head: str = "lm"
+    pad_token_id: int | None = None  # a reward model's export: the tokenizer's, when it has one
     _tables: dict[int, Table] = field(default_factory=dict, repr=False)
 
     @cached_property
@@ -144,9 +156,17 @@ class Adapter:
         """The mapping with the vocab padded to ``padded_vocab`` rows (a checkpoint's own
         padding; ``dims.vocab``: none), made once per size."""
         if padded_vocab not in self._tables:
-            self._tables[padded_vocab] = self.family.table(self.hf_config, self.dims,
-                                                           padded_vocab)
+            table = self.family.table(self.hf_config, self.dims, padded_vocab)
+            self._tables[padded_vocab] = score_table(table, self.dims.hidden) \
+                if self.head == "score" else table
         return self._tables[padded_vocab]
+
+    @property
+    def seeds_score(self) -> bool:
+        """A reward model made from a causal LM: its checkpoint has no ``score.weight`` (the
+        head is drawn by ``score_head.seed_score``; an HF sequence-classification folder's is
+        read as it is)."""
+        return self.head == "score" and not self.architecture.endswith(SEQ_CLS)
 
     def plan(self, coord: Coord) -> list[TensorPlan]:
         return plan_rank(self.table(coord.tp), coord)
@@ -162,6 +182,9 @@ class Adapter:
         a stored ``lm_head.weight`` in a tied model (HF ties it to the embedding and ignores it).
         """
         expected = self.expected_tensors()
+        if self.seeds_score:  # a causal LM's head is dropped, the score head seeded
+            expected.pop(SCORE)
+            stored = {k: v for k, v in stored.items() if k != "lm_head.weight"}
         prefix = self.family.base_prefix
         resolved: dict[str, str] = {}
         missing = []
@@ -209,8 +232,30 @@ class Adapter:
         return [n for n in stored if self.family.kept_aside(self.hf_config, n)]
 
     def export_config(self, dtype: torch.dtype | None = None) -> Any:
-        """The HF config to write next to exported weights (dtype updated)."""
-        return export_config(self.hf_config, dtype or self.hf_dtype)
+        """The HF config to write next to exported weights (dtype updated; a reward model's:
+        HF's sequence-classification class of the family, one label)."""
+        cfg = export_config(self.hf_config, dtype or self.hf_dtype)
+        if self.head == "score":
+            base = self.architecture.removesuffix(SEQ_CLS).removesuffix("ForCausalLM")
+            cfg.architectures = [base + SEQ_CLS]
+            cfg.num_labels = 1
+            if self.pad_token_id is not None:  # where transformers reads each reward
+                cfg.pad_token_id = self.pad_token_id
+        return cfg
+
+    def with_score_head(self) -> Adapter:
+        """This mapping with a reward model's scalar head in place of the LM head."""
+        return dataclasses.replace(self, head="score", _tables={})
+
+
+SCORE = "score.weight"  # HF's reward-model head (``AutoModelForSequenceClassification``)
+
+
+def score_table(table: Table, hidden: int) -> Table:
+    """``table`` with the LM head replaced by HF's ``score.weight`` [1, hidden] (replicated)
+    and the embedding untied (a reward model has no LM head to share it with)."""
+    head = {**table.head, "output_layer.weight": Replicated(SCORE, (1, hidden))}
+    return dataclasses.replace(table, head=head, tied=False)
 
 
 def export_config(hf: Any, dtype: Any) -> Any:
@@ -241,6 +286,7 @@ def bind(hf: Any, source: Path | None, dtype: Any, vocab_multiple: int) -> Adapt
     family = family_for_config(hf)
     family.check(hf)
     check_activation(family.activation(hf))
-    adapter = Adapter(family, hf, source=source, vocab_multiple=vocab_multiple)
+    head = "score" if hf.architectures[0].endswith(SEQ_CLS) else "lm"  # a reward model's
+    adapter = Adapter(family, hf, source=source, vocab_multiple=vocab_multiple, head=head)
     adapter.params_dtype = dtypes.of(dtype) if dtype is not None else adapter.hf_dtype
     return adapter

@@ -84,7 +84,12 @@ def build_model(adapter: Adapter, layout: ParallelLayout, **config_overrides: An
     from toolkit.models import build_chunks
 
     config = adapter.transformer_config(layout, **config_overrides)
-    return build_chunks(config, adapter.layer_spec(), **adapter.gpt_kwargs(layout.tp))
+    chunks = build_chunks(config, adapter.layer_spec(), **adapter.gpt_kwargs(layout.tp))
+    if adapter.head == "score":
+        from toolkit.models.score_head import attach_score_heads
+
+        attach_score_heads(chunks)
+    return chunks
 
 
 def load_hf(
@@ -94,6 +99,7 @@ def load_hf(
     dtype: torch.dtype | str | None = None,
     vocab_multiple: int = 1,
     revision: str | None = None,
+    head: str = "lm",
     **config_overrides: Any,
 ) -> tuple[list[Any], Adapter]:
     """Build this rank's chunks and fill them from an HF folder or hub id, or from the folder
@@ -102,13 +108,15 @@ def load_hf(
     Initialises megatron-core's process groups for ``layout`` unless they already exist (then
     ``layout`` must match them). Everything that can be checked before building is checked
     first: architecture, config features, layout divisibility, tensor names and shapes.
+    ``head="score"``: a reward model (``Adapter.head``); a causal LM's LM head is dropped and
+    the score head left at zeros for the caller to seed (``Adapter.seeds_score``).
     """
     spec = source if isinstance(source, ModelSpec) else ModelSpec.of(
         resolve_source(source, revision=revision), live=True)
     if spec.source is None:
         raise CheckpointError("load_hf needs the model's folder (its weights): got a model "
                               "description without one.")
-    adapter = spec.adapter(dtype, vocab_multiple)
+    adapter = spec.adapter(dtype, vocab_multiple, head)
     adapter.validate(layout or ParallelLayout())
     # fp8 weights: dequantized into the parameters' dtype
     with open_reader(spec.source, spec.config, adapter.params_dtype) as reader:
@@ -170,6 +178,8 @@ def fill_chunks(chunks: list[Any], adapter: Adapter, reader: HFReader, *,
                 param.zero_()  # vocab padding rows
             by_source: dict[str, list[int]] = defaultdict(list)
             for i, piece in enumerate(t.pieces):
+                if piece.source not in names and adapter.seeds_score:
+                    continue  # a causal LM's reward head: seeded by the caller
                 by_source[piece.source].append(i)
             for source, idx in by_source.items():
                 for box, members in coalesce([t.pieces[i].src for i in idx]):

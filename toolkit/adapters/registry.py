@@ -16,6 +16,8 @@ from toolkit.adapters.family import Family
 from toolkit.adapters.hfconfig import IDENTITY, UnsupportedModel, check_fields
 
 PLUGINS = "model_adapters"
+#: the suffix of HF's reward-model classes (LlamaForSequenceClassification): a family's own
+SEQ_CLS = "ForSequenceClassification"
 FAMILIES: dict[str, Family] = {}  # by architecture (config.json ``architectures[0]``)
 MODEL_TYPES: dict[str, Family] = {}  # by config.json ``model_type``
 _discovered = False
@@ -66,6 +68,11 @@ def family_of(hf: Any) -> Family:
     """The family of an HF config: by ``architectures[0]``, else by ``model_type``."""
     check_fields(hf, IDENTITY, "mdtk")
     archs = getattr(hf, "architectures", None) or []
+    if archs and archs[0].endswith(SEQ_CLS):  # a reward model: the family of its causal LM
+        causal = archs[0].removesuffix(SEQ_CLS) + "ForCausalLM"
+        discover()
+        if causal in FAMILIES:
+            return FAMILIES[causal]
     if archs:
         return family_for(archs[0])
     discover()

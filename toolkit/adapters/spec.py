@@ -254,11 +254,18 @@ class ModelSpec:
             self._cache["transformers"] = made
         return self._cache["transformers"]
 
-    def adapter(self, dtype: Any = None, vocab_multiple: int = 1) -> Any:
+    def adapter(self, dtype: Any = None, vocab_multiple: int = 1, head: str = "lm") -> Any:
         """The mapping (``toolkit.adapters.Adapter``) with megatron-core parameters in ``dtype``
         (default: the declared one) and the vocab padded to ``vocab_multiple * tp``: built
-        on first use, then the same object for the same dtype and padding."""
+        on first use, then the same object for the same dtype and padding. ``head="score"``: a
+        reward model's (the same mapping with a scalar head in place of the LM head)."""
         key = ("adapter", dtypes.of(self.dtype if dtype is None else dtype).name, vocab_multiple)
+        if head != "lm":  # (an HF sequence-classification folder's own mapping has it)
+            scored = (*key, head)
+            if scored not in self._cache:
+                base = self.adapter(dtype, vocab_multiple)
+                self._cache[scored] = base if base.head == head else base.with_score_head()
+            return self._cache[scored]
         if key not in self._cache:
             from toolkit.adapters.adapter import bind, family_for_config
 

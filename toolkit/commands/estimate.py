@@ -26,6 +26,9 @@ def estimate_cmd(
     offload_param: str = typer.Option("none", "--offload-param", help="none/cpu/nvme"),
     dpo: bool = opt.DPO, precompute_reference: bool = opt.PRECOMPUTE_REF,
     peft: str = opt.PEFT, lora_r: int = opt.LORA_R, lora_targets: str | None = opt.LORA_TARGETS,
+    teacher: str | None = typer.Option(
+        None, "--teacher", help="distillation: the teacher (preset, config.json, folder or hub "
+        "id) at the student's layout: its frozen weights and one step's logits are counted"),
     as_json: bool = opt.AS_JSON,
 ) -> None:
     """Per-rank bytes (parameters, gradients, optimizer, DeepSpeed buffers, activations)."""
@@ -37,6 +40,7 @@ def estimate_cmd(
         cluster = opt.cluster_of(nodes, gpus_per_node, gpu_mem, cpu_mem)
         train = TrainShape(seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                            dtype=dtype, recompute=recompute, flash_attention=flash,
+                           teacher=load_model_shape(teacher) if teacher else None,
                            **dpo_fields(dpo, precompute_reference))
         zero = zero_options(shape, stage, offload_optimizer, offload_param)
         layout = opt.layout_of(tp, pp, cp, ep, vpp, sequence_parallel).resolve(cluster.world_size)

@@ -62,6 +62,8 @@ class TrainShape:
     pairs: bool = False  # DPO: each sample is a chosen and a rejected sequence (2 rows)
     reference_model: bool = False  # DPO: a frozen reference copy of the weights is held
     async_checkpoint: bool = False  # a host copy of the rank's checkpoint files, kept for the run
+    unpaired: bool = False  # KTO: one row a sample (its KL row runs forward only), a reference
+    teacher: ModelShape | None = None  # distillation: a frozen teacher (and its step's logits)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -71,8 +73,9 @@ class TrainShape:
         if self.seq_len < 1 or self.micro_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and micro_batch={self.micro_batch} must be "
                              ">= 1.")
-        if self.reference_model and not self.pairs:
-            raise ValueError("a reference model (reference_model=True) is DPO's: set pairs=True.")
+        if self.reference_model and not (self.pairs or self.unpaired):
+            raise ValueError("a reference model (reference_model=True) is DPO's: set pairs=True "
+                             "(or unpaired=True: KTO's).")
         if self.global_batch is not None and self.global_batch < self.micro_batch:
             raise ValueError(f"global_batch={self.global_batch} is smaller than "
                              f"micro_batch={self.micro_batch}.")

@@ -14,6 +14,7 @@ from toolkit.memory.activations import TrainShape, activation_bytes
 from toolkit.memory.model import ModelShape
 from toolkit.memory.states import (
     CPU,
+    DTYPE_BYTES,
     GPU,
     NVME,
     Item,
@@ -24,6 +25,7 @@ from toolkit.memory.states import (
     model_state_items,
     rank_params,
     reference_items,
+    uses_megatron,
 )
 from toolkit.parallel.layout import LayoutError, ResolvedLayout
 
@@ -134,6 +136,25 @@ def num_microbatches(train: TrainShape, dp: int) -> int:
     return train.global_batch // per_step
 
 
+def teacher_items(train: TrainShape, layout: ResolvedLayout, zero: ZeroOptions, stage: int,
+                  num_microbatches: int) -> list[Item]:
+    """Distillation's frozen teacher at the student's layout: its weights on this rank (as a
+    reference model's, ZeRO-3 partitioned like the student), and on the last stage its logits
+    of the step's micro-batches (this rank's vocab columns and sequence part, in the run's
+    dtype), held until the student's schedule has read them."""
+    teacher = train.teacher
+    assert teacher is not None
+    params = rank_params(teacher, layout, stage, zero.param_persistence_threshold
+                         if zero.stage == 3 else 0)
+    items = reference_items(params, zero, train.dtype, name="teacher model")
+    if stage == layout.pp - 1:
+        vocab = teacher.padded_vocab(layout.tp) if uses_megatron(layout) else teacher.vocab
+        logits = (num_microbatches * train.rows * (train.seq_len // layout.cp)
+                  * (vocab // layout.tp) * DTYPE_BYTES[train.dtype])
+        items.append(Item("teacher logits of one step", GPU, logits, transient=True))
+    return items
+
+
 def estimate(model: ModelShape, train: TrainShape, layout: ResolvedLayout, zero: ZeroOptions,
              pipeline_stage: int | None = None) -> Estimate:
     """The per-rank memory of ``pipeline_stage``, by default of the stage (first or last) that
@@ -158,6 +179,8 @@ def estimate(model: ModelShape, train: TrainShape, layout: ResolvedLayout, zero:
             params, zero, train.dtype)
         if train.reference_model and not params.frozen:  # LoRA: the policy, adapters off
             items += reference_items(params, zero, train.dtype)
+        if train.teacher is not None:
+            items += teacher_items(train, layout, zero, stage, m)
         if train.async_checkpoint:
             items.append(checkpoint_staging_item(params, zero, train.dtype))
         for what, nbytes in activation_bytes(model, train, layout, params, stage, m).items():

@@ -216,13 +216,15 @@ def model_state_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list
     return items
 
 
-def reference_items(params: RankParams, zero: ZeroOptions, dtype: str) -> list[Item]:
-    """DPO's frozen reference model: the policy's tensors on this rank, weights only (no
-    gradients or optimizer states). Replicated over the data-parallel group, or at stage 3
-    partitioned like the policy (a DeepSpeed engine without optimizer: a 1/dp shard of every
-    tensor plus the whole small ones, on the parameter-offload device when there is one)."""
+def reference_items(params: RankParams, zero: ZeroOptions, dtype: str,
+                    name: str = "reference model") -> list[Item]:
+    """A frozen model beside the policy (DPO's and KTO's reference: the policy's tensors on
+    this rank; distillation's teacher: its own), weights only (no gradients or optimizer
+    states). Replicated over the data-parallel group, or at stage 3 partitioned like the policy
+    (a DeepSpeed engine without optimizer: a 1/dp shard of every tensor plus the whole small
+    ones, on the parameter-offload device when there is one)."""
     lp = DTYPE_BYTES[dtype]
-    what = f"reference model (frozen, {dtype})"
+    what = f"{name} (frozen, {dtype})"
     if zero.stage != 3:
         return [Item(what, GPU, lp * params.total)]
     shard = -(-params.dense // params.dense_dp) + -(-params.expert // params.expert_dp)

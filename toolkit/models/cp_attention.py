@@ -98,15 +98,17 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 def context_parallel_share(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This CP rank's chunks (r and 2cp-1-r of 2cp) of every [b, s] tensor of a batch (per-row
-    [b] tensors, e.g. DPO's reference log-probabilities, are kept whole):
-    megatron-core's layout, which its RoPE slicing and ``cp_attention`` expect. The trainer's
-    micro-batches and the export's logits check cut their sequences here."""
+    [b] tensors, e.g. DPO's reference log-probabilities, are kept whole, and so are tensors
+    named ``local_*``, already this rank's share: a teacher's logits computed under the same
+    CP): megatron-core's layout, which its RoPE slicing and ``cp_attention`` expect. The
+    trainer's micro-batches and the export's logits check cut their sequences here."""
     cp = ps.get_context_parallel_world_size()
     if cp == 1:
         return batch
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    tokens = {k: v for k, v in batch.items() if v is not None and v.dim() >= 2}
+    tokens = {k: v for k, v in batch.items()
+              if v is not None and v.dim() >= 2 and not k.startswith("local_")}
     seq = next(iter(tokens.values())).shape[1]
     if seq % (2 * cp):
         raise LayoutError(f"sequence length {seq} is not divisible by 2*cp = {2 * cp}: context "

@@ -19,7 +19,8 @@ def mask_vocab_padding(chunks: Sequence[torch.nn.Module], vocab_size: int) -> in
     """
     masked = 0
     for chunk in chunks:
-        if not getattr(chunk, "post_process", False):
+        if not getattr(chunk, "post_process", False) or getattr(
+                chunk.output_layer, "is_score_head", False):  # a reward model: no vocab out
             continue
         padded = int(chunk.vocab_size)  # GPTModel's (padded) vocab
         if padded <= vocab_size:

@@ -71,7 +71,8 @@ def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
                       total_steps: int) -> Request:
     """What the generator needs to choose: the model, this machine's memory, the run's shape."""
     from toolkit.dsconfig.generator import Request
-    from toolkit.memory import Cluster, TrainShape, dpo_fields
+    from toolkit.memory import Cluster, TrainShape
+    from toolkit.train.objectives.spec import train_shape_fields
 
     ds, world = cfg.deepspeed, run.layout.world_size
     gpu_mem, host = device_memory()
@@ -85,7 +86,7 @@ def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
                          global_batch=run.global_batch, dtype=cfg.train.precision,
                          recompute=cfg.train.recompute,
                          async_checkpoint=cfg.checkpoint.async_,
-                         **dpo_fields(cfg.data.mode == "dpo", cfg.dpo.precompute_reference)),
+                         **train_shape_fields(cfg)),
         layout=run.layout, stage=str(ds.zero_stage), offload=ds.offload, lr=cfg.optim.lr,
         weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas),
         eps=cfg.optim.eps, gradient_clipping=cfg.optim.clip_grad,

@@ -16,6 +16,7 @@ from toolkit.memory.model import ModelShape, shape_of
 from toolkit.models.kernels import Kernels
 from toolkit.rules import Recompute
 from toolkit.train.config import TrainConfig
+from toolkit.train.objectives.spec import HEADS
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,7 @@ class RunModel:
     spec: ModelSpec  # live: the megatron-core model is built from it
     shape: ModelShape
     dtype: torch.dtype  # the parameters' (``train.precision``): the run's one mapping
+    head: str = "lm"  # ``score``: a reward model's scalar head (``data.mode: reward``)
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> RunModel:
@@ -61,12 +63,12 @@ class RunModel:
             from toolkit.convert.sources import open_checkpoint
 
             open_checkpoint(path, fmt="hf", spec=spec, dtype=dtype).source.close()
-        return cls(spec, shape, dtype)
+        return cls(spec, shape, dtype, HEADS.get(cfg.data.mode, "lm"))
 
     @property
     def adapter(self) -> Any:
         """The run's mapping (built on first use, then the same object)."""
-        return self.spec.adapter(self.dtype)
+        return self.spec.adapter(self.dtype, head=self.head)
 
     @property
     def has_experts(self) -> bool:
@@ -83,7 +85,13 @@ def build_model(cfg: TrainConfig, layout: parallel.ParallelLayout, model: RunMod
     kernels = run_kernels(cfg, layout)[0]
     overrides = dict(RECOMPUTE[cfg.train.recompute], kernels=kernels)
     if cfg.model.path:
-        chunks, adapter = live.load_hf(model.spec, layout, dtype=model.dtype, **overrides)
+        chunks, adapter = live.load_hf(model.spec, layout, dtype=model.dtype, head=model.head,
+                                       **overrides)
+        if adapter.seeds_score:  # a reward model from a causal LM: a new score head
+            from toolkit.models.score_head import seed_score
+
+            seed_score(chunks, cfg.train.seed,
+                       float(model.spec.config.get("initializer_range", 0.02)))
     else:
         adapter = model.adapter
         adapter.validate(layout)

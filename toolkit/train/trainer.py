@@ -56,7 +56,7 @@ from toolkit.train.loop.step_values import StepResult
 from toolkit.train.loop.validation import validation_metrics
 from toolkit.train.loop.zero3_release import destroy_engine
 from toolkit.train.model import RunModel, build_model, check_packing, run_kernels
-from toolkit.train.objectives.base import Objective
+from toolkit.train.objectives.registry import ObjectiveSetup, before_policy, objective_for
 from toolkit.train.run_state import RunState, TrainResult
 from toolkit.train.run_state import log as _log
 from toolkit.train.variants import variant_for
@@ -143,12 +143,9 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     for note in notes:
         _log(f"deepspeed: {note}")
     dp_rank = mpu.get_data_parallel_rank_without_cp()
-    precomputed = None
-    if cfg.data.mode == "dpo" and cfg.dpo.precompute_reference:  # before the policy exists
-        from toolkit.train.objectives.dpo.objective import precomputed_reference
-
-        precomputed = precomputed_reference(cfg, layout, mpu, ds_config, data,
-                                            run_plan.micro_batch, dp_rank, model.spec)
+    # DPO's reference log-probabilities, computed before the policy exists (or None)
+    precomputed = before_policy(cfg, layout, mpu, ds_config, data, run_plan.micro_batch,
+                                dp_rank, model.spec)
     chunks, adapter = build_model(cfg, layout, model)
     vocab = adapter.dims.vocab
     for split in ("train", "validation"):
@@ -161,12 +158,8 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     num_samples, shuffle = data.train.sampler_args(cfg.data.shuffle)
     sampler = GlobalBatchSampler(num_samples, run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, dp_rank, cfg.train.seed, shuffle)
-    objective = Objective()
-    if cfg.data.mode == "dpo":
-        from toolkit.train.objectives.dpo.objective import dpo_objective
-
-        objective = dpo_objective(cfg, layout, mpu, ds_config, model.spec, precomputed,
-                                  chunks)
+    objective = objective_for(ObjectiveSetup(cfg, layout, mpu, ds_config, model.spec,
+                                             list(chunks), run_plan.global_batch, precomputed))
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
                     notes, total, objective, variant)
 

@@ -13,8 +13,20 @@ from toolkit import rules
 from toolkit.errors import ConfigError, UserError
 from toolkit.models import kernels
 from toolkit.parallel.layout import LayoutError
-from toolkit.train.config.schema import DpoSection, TrainConfig
+from toolkit.train.config.schema import (
+    DistillSection,
+    DpoSection,
+    KtoSection,
+    RewardSection,
+    TrainConfig,
+)
+from toolkit.train.objectives import spec as post_spec
 from toolkit.train.objectives.dpo import spec as dpo_spec
+
+#: the modes whose rows are not SFT's (no packing, no SFT formats): what they read
+ROW_MODES = {"dpo": "prompt/chosen/rejected rows, one pair per sample",
+             "reward": "prompt/chosen/rejected rows, one pair per sample",
+             "kto": "prompt/completion/label rows, one row per sample"}
 
 
 def check_output_dir(cfg: TrainConfig) -> None:
@@ -87,10 +99,10 @@ def check_data(cfg: TrainConfig) -> None:
     if d.weights and d.mode != "pretrain":
         raise ConfigError("data.weights blends pretraining sources: remove it or set "
                           "data.mode=pretrain.")
-    if d.mode == "dpo" and (d.pack or d.format != "auto"):
+    if d.mode in ROW_MODES and (d.pack or d.format != "auto"):
         key = "data.pack" if d.pack else f"data.format={d.format}"
-        raise ConfigError(f"{key} applies to sft only (data.mode=dpo reads prompt/chosen/rejected "
-                          "rows, one pair per sample): remove it.")
+        raise ConfigError(f"{key} applies to sft only (and distill, which reads SFT's rows): "
+                          f"data.mode={d.mode} reads {ROW_MODES[d.mode]}: remove it.")
     from toolkit.train.data.pretrain import check_sources, check_weights
 
     try:
@@ -114,6 +126,16 @@ def check_dpo(cfg: TrainConfig) -> None:
                           "(model.path); remove dpo.reference or set "
                           "dpo.precompute_reference=true.")
     dpo_spec.check_reference(cfg.model.path, cfg.dpo.reference)
+
+
+def check_post_training(cfg: TrainConfig) -> None:
+    """The reward, kto and distill sections (``objectives.spec``)."""
+    post_spec.check_sections(cfg, {"reward": RewardSection(), "kto": KtoSection(),
+                                   "distill": DistillSection()})
+    check = {"reward": post_spec.check_reward, "kto": post_spec.check_kto,
+             "distill": post_spec.check_distill}.get(cfg.data.mode)
+    if check is not None:
+        check(cfg)
 
 
 def check_train(cfg: TrainConfig) -> None:
@@ -211,7 +233,8 @@ def check_eval(cfg: TrainConfig) -> None:
 
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_dpo,
-    check_train, check_optim, check_checkpoint, check_peft, check_logging, check_eval,
+    check_post_training, check_train, check_optim, check_checkpoint, check_peft, check_logging,
+    check_eval,
 )
 
 

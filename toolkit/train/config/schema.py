@@ -21,6 +21,7 @@ from toolkit.rules import RECOMPUTE
 from toolkit.train.config.typed import as_dict, opt
 from toolkit.train.data import MODES, SFT_FORMATS
 from toolkit.train.objectives.dpo.spec import LOSSES as DPO_LOSSES
+from toolkit.train.objectives.dpo.spec import REF_FREE
 
 
 @dataclass
@@ -74,7 +75,9 @@ class DeepSpeedSection:
 class DataSection:
     """Sources are local json/jsonl/parquet/text files (globs and folders too) or hub dataset
     names. ``pretrain`` packs documents into seq_len+1 blocks; ``sft`` trains on responses only;
-    ``dpo`` reads preference pairs (prompt, chosen, rejected; see the ``dpo`` section).
+    ``dpo`` reads preference pairs (prompt, chosen, rejected; see the ``dpo`` section);
+    ``reward`` the same pairs for a reward model (``reward``); ``kto`` unpaired rows (prompt,
+    completion, label; ``kto``); ``distill`` SFT's rows, scored by a teacher (``distill``).
     ``format`` (sft only): ``auto`` detects each row's format from its keys (messages,
     prompt_response, alpaca, sharegpt; see docs/training.md), a name forces it for every row.
     ``template``: ``chat`` renders rows through the tokenizer's chat template, ``plain`` joins
@@ -112,13 +115,55 @@ class DpoSection:
     robust and exo_pair losses only. ``reference``: the reference model's HF folder or hub id,
     same architecture and vocabulary as the policy; unset: the starting model (``model.path``),
     frozen. ``precompute_reference``: the reference log-probabilities of every pair computed once
-    before training (cached beside the data), so no reference model is held while training."""
+    before training (cached beside the data), so no reference model is held while training.
+    Reference-free losses on the same pairs: ``orpo`` (TRL's ORPOTrainer; ``beta`` is its
+    lambda) and ``simpo`` (TRL's CPOTrainer ``loss_type="simpo"``: ``simpo_gamma``, the target
+    margin, and ``cpo_alpha``, the weight of its NLL term; 0 is the SimPO paper)."""
 
     beta: float = opt(0.1, minimum=0.0)
-    loss: str = opt("sigmoid", choices=DPO_LOSSES)
+    loss: str = opt("sigmoid", choices=(*DPO_LOSSES, *REF_FREE))
     label_smoothing: float = opt(0.0, minimum=0.0)
     reference: str | None = None
     precompute_reference: bool = False
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
+
+
+@dataclass
+class RewardSection:
+    """A Bradley-Terry reward model (``data.mode: reward``), TRL's ``RewardConfig`` names.
+    ``center_rewards_coefficient``: adds coefficient x mean((r_chosen + r_rejected)^2), which
+    keeps the rewards centred on 0 (null: off)."""
+
+    center_rewards_coefficient: float | None = opt(None, minimum=0.0)
+
+
+@dataclass
+class KtoSection:
+    """KTO on unpaired feedback (``data.mode: kto``), TRL's ``KTOConfig`` names. ``beta``: how
+    far the policy may move from the reference (the starting model, frozen; with LoRA the
+    policy with its adapters off); ``desirable_weight`` / ``undesirable_weight``: the weights
+    of the two kinds of rows' losses (to balance unequal counts)."""
+
+    beta: float = opt(0.1, minimum=0.0)
+    desirable_weight: float = opt(1.0, minimum=0.0)
+    undesirable_weight: float = opt(1.0, minimum=0.0)
+
+
+@dataclass
+class DistillSection:
+    """Knowledge distillation (``data.mode: distill``), TRL's ``GKDConfig`` names. ``teacher``:
+    an HF folder or hub id sharing the student's tokenizer (frozen, at the student's layout and
+    precision). ``beta``: the generalized Jensen-Shannon divergence's interpolation (0: KL of
+    the student from the teacher, forward KL; 1: reverse KL). ``lmbda``: the share of on-policy
+    (student-generated) completions: 0, the dataset's completions (offline).
+    ``temperature``: GKD's sampling temperature for on-policy completions (the loss itself
+    compares the distributions at temperature 1, as TRL's GKD does)."""
+
+    teacher: str | None = None
+    beta: float = opt(0.5, minimum=0.0)
+    temperature: float = opt(0.9, minimum=0.0)
+    lmbda: float = opt(0.0, minimum=0.0)
 
 
 @dataclass
@@ -256,6 +301,9 @@ class TrainConfig:
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     data: DataSection = field(default_factory=DataSection)
     dpo: DpoSection = field(default_factory=DpoSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    kto: KtoSection = field(default_factory=KtoSection)
+    distill: DistillSection = field(default_factory=DistillSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

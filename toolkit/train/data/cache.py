@@ -16,14 +16,16 @@ import numpy as np
 from toolkit.train.data import segments
 from toolkit.train.data.encoding import load_tokenizer
 from toolkit.train.data.fingerprint import FORMAT_VERSION, cache_key
-from toolkit.train.data.modes import MODES, tokenize_split
+from toolkit.train.data.modes import MODES, SFT_ROWS, tokenize_split
 from toolkit.train.data.progress import datasets_quiet
 from toolkit.train.data.settings import DataError, DataSettings
 from toolkit.train.data.sources import RowsPart, load_parts, split_parts
 from toolkit.train.data.split import PreparedData, TokenizedSplit
 
-#: Arrays a mode may add beside tokens and loss mask (``{split}_{name}.npy``).
-EXTRA_ARRAYS = ("examples", "row_offsets")
+#: Arrays a mode may add beside tokens and loss mask (``{split}_{name}.npy``): SFT's packing,
+#: a reward pair's margin, KTO's label and what its KL rows are made of.
+EXTRA_ARRAYS = ("examples", "row_offsets", "margin", "label", "prompt_len", "completion",
+                "completion_len")
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -36,7 +38,7 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 def _load(path: Path) -> PreparedData:
     meta = json.loads((path / "meta.json").read_text())
 
-    packed = meta["settings"]["mode"] == "sft" and bool(meta["settings"].get("pack"))
+    packed = meta["settings"]["mode"] in SFT_ROWS and bool(meta["settings"].get("pack"))
 
     def split(name: str) -> TokenizedSplit | None:
         if not (path / f"{name}_tokens.npy").exists():

@@ -15,12 +15,12 @@ completion starts where the tokenised prompt stops being a prefix of both tokeni
 and counted. Refused, naming the row: no chosen or rejected, chosen equal to rejected, a
 conversation without a chat template (or with ``data.template=plain``), an empty prompt (its
 first completion token would have no context to be scored from), a file that mixes string and
-conversational rows (``_check_columns``).
+conversational rows (``check_columns``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from toolkit.train.data.sources import RowsPart, row_location, source_name
 FIELDS = ("chosen", "rejected")  # TRL's names
 
 
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -59,7 +59,7 @@ def split_prompt(row: dict[str, Any], settings: DataSettings) -> tuple[Any, Any,
                             f"turns; '{key}' is {type(value).__name__}: {value!r}.")
     prompt = row.get(settings.prompt_field)
     if prompt is None:
-        n = _common_prefix(chosen, rejected)
+        n = common_prefix(chosen, rejected)
         if not conversational and n and chosen[n - 1] == " ":
             n -= 1
         return chosen[:n], chosen[n:], rejected[n:]
@@ -70,9 +70,11 @@ def split_prompt(row: dict[str, Any], settings: DataSettings) -> tuple[Any, Any,
     return prompt, chosen, rejected
 
 
-def _render(prompt, completions, tokenizer, settings: DataSettings) -> list[list[int]]:
-    """Token ids of the prompt and of prompt + each completion."""
-    if isinstance(prompt, list):
+def render(prompt, completions, tokenizer, settings: DataSettings,
+           with_prompt: bool = True) -> list[list[int]]:
+    """Token ids of the prompt (``with_prompt``) and of prompt + each completion, as TRL's
+    preference trainers tokenise them."""
+    if isinstance(prompt, list) or (completions and isinstance(completions[0], list)):
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if settings.template == "plain" or not has_template:
             raise DataError("the preference row is a conversation but "
@@ -85,9 +87,10 @@ def _render(prompt, completions, tokenizer, settings: DataSettings) -> list[list
                                                 add_generation_prompt=gen)
             return list(out["input_ids"])
 
-        return [ids(prompt, True)] + [ids(prompt + c) for c in completions]
+        return [ids(prompt, True)] * with_prompt + [ids(prompt + c) for c in completions]
     eos = tokenizer.eos_token
-    texts = [prompt] + [prompt + (c if c.endswith(eos) else c + eos) for c in completions]
+    texts = [prompt] * with_prompt + [prompt + (c if c.endswith(eos) else c + eos)
+                                      for c in completions]
     return [list(tokenizer(t)["input_ids"]) for t in texts]
 
 
@@ -98,8 +101,8 @@ def encode_preference_row(row: dict[str, Any], tokenizer, settings: DataSettings
     if chosen == rejected:
         raise DataError("'chosen' and 'rejected' are the same: a pair must differ (remove the "
                         "row or fix its completions).")
-    p, pc, pr = _render(prompt, (chosen, rejected), tokenizer, settings)
-    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+    p, pc, pr = render(prompt, (chosen, rejected), tokenizer, settings)
+    n = min(common_prefix(p, pc), common_prefix(p, pr))
     if n == 0:
         raise DataError("the prompt is empty: DPO scores completion tokens from the prompt "
                         "before them; give the row a prompt.")
@@ -126,11 +129,11 @@ def pack_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]
     return tokens, mask[:, :, 1:].copy(), stats
 
 
-def _check_columns(part: RowsPart, settings: DataSettings) -> None:
+def check_columns(part: RowsPart, keys: Sequence[str]) -> None:
     """HF datasets reads a JSON column that holds strings in some rows and lists in others as
     JSON text and decodes every value again, so a string like " 3." comes back as a number:
     refused, naming the file."""
-    for key in (settings.prompt_field, *FIELDS):
+    for key in keys:
         feature = part.rows.features.get(key)
         if type(feature).__name__ == "Json":
             raise DataError(f"{source_name(part.source)}: '{key}' holds strings in some rows and "
@@ -139,23 +142,38 @@ def _check_columns(part: RowsPart, settings: DataSettings) -> None:
                             "' 3.' becomes the number 3.0).")
 
 
-def tokenize(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, procs: int | None,
-             progress: SplitProgress):
-    """-> (tokens [N, 2, L+1] int32, loss_mask [N, 2, L] uint8, stats); sources in order."""
-    pairs: list[tuple[list[int], list[int], list[int]]] = []
+def encode_parts(parts: Sequence[RowsPart], encode: Callable[[dict[str, Any]], dict[str, Any]],
+                 keys: Sequence[str], progress: SplitProgress, procs: int | None,
+                 ) -> dict[str, list[Any]]:
+    """``encode(row)`` of every row of ``parts`` in order, its outputs by name; a refused row
+    is named by file and line. ``keys``: the columns that must not mix strings and turns."""
+    out: dict[str, list[Any]] = {}
     for part in parts:
-        _check_columns(part, settings)
+        check_columns(part, keys)
         source, index = part.source, part.index
 
         def enc(row, i, offset, source=source, index=index):
             try:
-                p, c, r = encode_preference_row(row, tokenizer, settings)
+                return encode(row)
             except DataError as e:
                 at = row_location(source, int(index[offset + i]) if index is not None
                                   else offset + i)
                 raise DataError(f"{at}: {e}") from None
-            return {"prompt": p, "chosen": c, "rejected": r}
 
-        for _, out in progress.map(part.rows, enc, with_indices=True, num_proc=procs):
-            pairs += zip(out["prompt"], out["chosen"], out["rejected"], strict=True)
+        for _, chunk in progress.map(part.rows, enc, with_indices=True, num_proc=procs):
+            for name in chunk.column_names:
+                out.setdefault(name, []).extend(chunk[name])
+    return out
+
+
+def tokenize(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, procs: int | None,
+             progress: SplitProgress):
+    """-> (tokens [N, 2, L+1] int32, loss_mask [N, 2, L] uint8, stats); sources in order."""
+    def enc(row):
+        p, c, r = encode_preference_row(row, tokenizer, settings)
+        return {"prompt": p, "chosen": c, "rejected": r}
+
+    out = encode_parts(parts, enc, (settings.prompt_field, *FIELDS), progress, procs)
+    pairs = list(zip(out.get("prompt", []), out.get("chosen", []), out.get("rejected", []),
+                     strict=True))
     return pack_pairs(pairs, settings.seq_len, tokenizer.pad_token_id)

@@ -31,14 +31,14 @@ def summarize(data: PreparedData) -> dict[str, Any]:
     if not isinstance(split, TokenizedSplit):  # pretraining: Megatron indexed datasets
         return _summarize_indexed(data)
     if split.rows_per_sample != 1:
-        raise DataError("mdtk data preview shows sft and pretrain data; data.mode="
-                        f"{data.meta['settings']['mode']} samples are pairs of rows.")
+        raise DataError("mdtk data preview shows sft, distill, kto and pretrain data; "
+                        f"data.mode={data.meta['settings']['mode']} samples are pairs of rows.")
     n, width = split.tokens.shape
     out: dict[str, Any] = {"sequences": int(n), "seq_len": int(width - 1),
                            "loss_tokens": int(np.asarray(split.loss_mask, dtype=np.int64).sum())}
-    for key in ("examples", "dropped", "truncated"):
+    for key in ("examples", "rows", "dropped", "truncated"):
         if key in meta:
-            out["rows_read" if key == "examples" else key] = int(meta[key])
+            out["rows_read" if key in ("examples", "rows") else key] = int(meta[key])
     if "formats" in meta:
         out["formats"] = meta["formats"]
     ex = split.extra.get("examples")
@@ -48,6 +48,9 @@ def summarize(data: PreparedData) -> dict[str, Any]:
         out["tokens"] = int(ex[:, 1].sum())
         out["examples_per_sequence"] = {"mean": float(per_row.mean()), "min": int(per_row.min()),
                                         "max": int(per_row.max())}
+    elif "prompt_len" in split.extra:  # KTO: one row a sequence, its label beside it
+        out["tokens"] = int(_kto_ends(split).sum())
+        out["desirable"] = int(np.asarray(split.extra["label"]).sum())
     else:  # pretraining: every token is a document's; documents end at EOS
         out["tokens"] = int(n * width)
         eos = data.meta.get("eos_id")
@@ -64,6 +67,13 @@ def _summarize_indexed(data: PreparedData) -> dict[str, Any]:
     return {"sequences": int(meta.get("samples", len(data.train))), "seq_len": seq,
             "documents": int(meta.get("documents", 0)), "tokens": int(meta.get("tokens", 0)),
             "padding_fraction": 0.0}
+
+
+def _kto_ends(split) -> np.ndarray:
+    """Where each KTO sequence's tokens end (prompt + completion, cut at seq_len + 1)."""
+    width = split.tokens.shape[1]
+    return np.minimum(np.asarray(split.extra["prompt_len"], dtype=np.int64)
+                      + np.asarray(split.extra["completion_len"]), width)
 
 
 def first_sequences(split, rows: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -87,6 +97,10 @@ def render(split, index: int, tokenizer) -> str:
     if ex is not None:  # SFT: the padding after the last example is not an example
         mine = ex[split.extra["row_offsets"][index]:split.extra["row_offsets"][index + 1]]
         end = int(mine[-1, 0] + mine[-1, 1]) if len(mine) else 0
+    label = ""
+    if "prompt_len" in getattr(split, "extra", {}):  # KTO: the row's label first
+        end = int(_kto_ends(split)[index])
+        label = "(desirable) " if split.extra["label"][index] else "(undesirable) "
     parts: list[str] = []
     j = 0
     while j < end:
@@ -100,7 +114,7 @@ def render(split, index: int, tokenizer) -> str:
         j = k
     if end < len(tokens):
         parts.append(f"<pad x{len(tokens) - end}>")
-    return "".join(parts)
+    return label + "".join(parts)
 
 
 def format_summary(summary: dict[str, Any]) -> list[str]:
@@ -110,6 +124,9 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
         lines.append(f"rows read {summary['rows_read']}, dropped {summary['dropped']} (no "
                      f"response token left), truncated {summary['truncated']} (longer than "
                      f"seq_len + 1 = {summary['seq_len'] + 1})")
+    if "desirable" in summary:
+        lines.append(f"desirable (label true) {summary['desirable']}, undesirable "
+                     f"{summary['sequences'] - summary['desirable']}")
     for fmt, c in summary.get("formats", {}).items():
         lines.append(f"  {fmt}: read {c['rows']}, dropped {c['dropped']}, truncated "
                      f"{c['truncated']}")

@@ -42,6 +42,7 @@ class SplitProgress:
         self.bar = Progress(TextColumn(f"tokenising {name}"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("rows"), transient=False)
         self.task = self.bar.add_task(name, total=total)
+        self.name = name  # the split (train, validation): for messages
 
     def __enter__(self) -> SplitProgress:
         self.bar.start()

@@ -15,6 +15,10 @@ import numpy as np
 from toolkit.train.data import segments
 from toolkit.train.data.settings import DataError
 
+#: Per-sample values a micro-batch carries as [samples] float32 tensors (0 for a filler): a
+#: reward pair's ``margin``, KTO's ``label``.
+PER_SAMPLE = ("margin", "label")
+
 
 @dataclass
 class TokenizedSplit:
@@ -48,10 +52,10 @@ class TokenizedSplit:
         """Tensors for one micro-batch: tokens/labels/position_ids int64 [b, s], loss_mask
         float32 [b, s] (labels are valid ids everywhere; the mask says which count). Samples of
         several rows give b = samples x rows, row by row: every sample's first row, then every
-        sample's second row (DPO: the chosen rows, then the rejected rows, as TRL batches them).
-        An index of -1 is a filler sample (sample 0's tokens, nothing counted): validation
-        fills its last round with them so that every sample is evaluated once at any
-        micro-batch x dp."""
+        sample's second row (DPO: the chosen rows, then the rejected rows, as TRL batches them),
+        and the samples' ``PER_SAMPLE`` values. An index of -1 is a filler sample (sample 0's
+        tokens, nothing counted): validation fills its last round with them so that every
+        sample is evaluated once at any micro-batch x dp."""
         import torch
 
         idx = np.asarray(indices, dtype=np.int64)
@@ -71,11 +75,15 @@ class TokenizedSplit:
         else:
             pos = np.broadcast_to(np.arange(seq, dtype=np.int64), (rows, seq))
         t = torch.from_numpy(tokens)
+        per_sample = {k: torch.from_numpy(np.where(filler, 0, np.asarray(
+            self.extra[k][np.where(filler, 0, idx)])).astype(np.float32))
+            for k in PER_SAMPLE if k in self.extra}
         return {
             "tokens": t[:, :-1].contiguous(),
             "labels": t[:, 1:].contiguous(),
             "loss_mask": torch.from_numpy(np.ascontiguousarray(mask)),
             "position_ids": torch.from_numpy(np.array(pos, dtype=np.int64)),
+            **per_sample,
         }
 
     def loss_tokens(self, indices: Sequence[int] | np.ndarray) -> int:

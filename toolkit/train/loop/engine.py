@@ -228,6 +228,9 @@ def _mark_pipeline_replicas(chunks: Sequence[torch.nn.Module]) -> None:
 
 def _forward_step_func(loss_fn: LossFn, counts: StepCounts):
     device = runtime.device()
+    # a loss that reads the output layer's values itself (distillation: vocab-parallel logits
+    # [b, s, V/tp]; a reward model: its scores [b, s, 1]) instead of per-token cross-entropy
+    wants_logits = bool(getattr(loss_fn, "wants_logits", False))
 
     def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
         # Every chunk reads the micro-batch (each its own iterator): the first stage its tokens,
@@ -241,8 +244,9 @@ def _forward_step_func(loss_fn: LossFn, counts: StepCounts):
         summed = _sums_tokens(model, loss_fn, batch)
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         batch = context_parallel_share(batch)  # positions are cut before RoPE sees them
+        labels = batch["labels"] if model.post_process and not wants_logits else None
         output = model(batch["tokens"] if model.pre_process else None, batch["position_ids"],
-                       None, labels=batch["labels"] if model.post_process else None,
+                       None, labels=labels,
                        packed_seq_params=localise(segments, batch["position_ids"]),
                        **({"loss_mask": batch["loss_mask"]} if summed else {}))
 

@@ -52,7 +52,9 @@ class StepCounts:
 
 #: ``loss_fn(per_token_loss, batch, counts) -> share``, or ``(share, {name: share})`` with
 #: the names in the function's ``metric_names``: metrics are shares too (summed like the loss);
-#: a "loss" among them replaces the reported loss (not the one differentiated).
+#: a "loss" among them replaces the reported loss (not the one differentiated). A loss_fn with
+#: ``wants_logits = True`` gets the output layer's values [b, s, n] instead of per-token losses
+#: (this rank's vocab columns of the logits; a reward model's scores, n = 1).
 LossFn = Callable[[torch.Tensor, Batch, StepCounts],
                   torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -92,6 +94,18 @@ def count_step(batches: Sequence[Batch], *, tokens: float | None = None,
     return StepCounts(loss_tokens=float(local[0]) if tokens is None else float(tokens),
                       samples=int(local[1]) if samples is None else int(samples),
                       num_microbatches=len(batches), dp=dp)
+
+
+def data_parallel_sums(values: Sequence[float]) -> list[float]:
+    """``values`` summed over the data-parallel group (without context parallelism: its ranks
+    hold the same micro-batches), on every rank of it: a count over the global batch that an
+    objective attaches to its micro-batches (one all-reduce)."""
+    values = [float(v) for v in values]
+    if not ps.model_parallel_is_initialized() or ps.get_data_parallel_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=runtime.device())
+    dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=False))
+    return t.cpu().tolist()
 
 
 def token_mean(per_token: torch.Tensor, batch: Batch, counts: StepCounts) -> torch.Tensor:

@@ -3,6 +3,8 @@
 - ``FullWeights``: every weight of the model. Checkpoints are DeepSpeed's, written by the run's
   ``Saver`` (synchronous or asynchronous); a resume at another layout or ZeRO stage reshards
   them through the mapping (``train.reshard``); the export is an HF folder.
+- ``RewardWeights``: every weight of a reward model (``FullWeights`` with a score head in
+  place of the LM head); the export is an HF sequence-classification folder.
 - ``LoraWeights``: LoRA / DoRA adapters on a frozen base (``train.lora``). Checkpoints hold the
   adapters and their optimizer state as full HF-named tensors, written synchronously (they are
   small) and read back at any layout; the export is a PEFT folder and the merged model.
@@ -34,11 +36,13 @@ if TYPE_CHECKING:
     from toolkit.train.checkpoints.state import TrainingState
     from toolkit.train.config import TrainConfig
 
-__all__ = ["FullWeights", "LoraWeights", "Variant", "variant_for"]
+__all__ = ["FullWeights", "LoraWeights", "RewardWeights", "Variant", "variant_for"]
 
 
 def variant_for(cfg: TrainConfig) -> Variant:
     """The run's variant (before ``attach``)."""
+    if cfg.data.mode == "reward":
+        return RewardWeights()
     return FullWeights() if cfg.peft.method == "none" else LoraWeights()
 
 
@@ -87,6 +91,27 @@ class FullWeights:
             log(f"exported HF checkpoint to {result.export_dir}"
                 + (f" (logits vs trained model: max abs diff {diff:.2e})" if cfg.export.verify
                    else ""))
+
+
+@dataclass(frozen=True)
+class RewardWeights(FullWeights):
+    """Every weight of a reward model (the backbone and its score head); the export is an HF
+    sequence-classification folder (``variants.reward``)."""
+
+    def export(self, state: RunState, engine: Any, result: TrainResult) -> None:
+        from toolkit.train.variants.reward import export_reward
+
+        cfg = state.cfg
+        if not cfg.export.hf_dir:
+            return
+        result.export_dir, result.export_max_abs_diff = export_reward(
+            engine, state.chunks, state.adapter, cfg.export.hf_dir,
+            state.data.meta.get("pad_id"), verify=cfg.export.verify)
+        if result.export_dir is not None:
+            diff = result.export_max_abs_diff
+            log(f"exported the reward model to {result.export_dir} (AutoModelForSequence"
+                "Classification)" + (f" (scores vs trained model: max abs diff {diff:.2e})"
+                                     if cfg.export.verify else ""))
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 
 
-def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
+def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True,
+           check: Callable[[list, object, str], float] | None = None,
            ) -> tuple[str | None, float | None]:
     """HF folder from the trained weights (ZeRO-3 parameters gathered first).
 
     With ``verify`` the folder is loaded back with transformers on rank 0 and its logits are
     compared with the live model's on a fixed batch: returns (folder, max abs logit diff).
+    ``check(chunks, adapter, folder)``: another comparison (a reward model's scores).
     """
     import contextlib
 
@@ -29,7 +31,7 @@ def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True
     with gathered:
         path = export_hf(chunks, adapter, out_dir, overwrite=True)
         if verify:
-            diff = verify_export(chunks, adapter, out_dir)
+            diff = (check or verify_export)(chunks, adapter, out_dir)
     return (str(path) if path is not None else None), diff
 
 

@@ -34,7 +34,13 @@ from toolkit.train.objectives.dpo.spec import METRICS
 def sequence_logps(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum of log-probabilities over each row's masked labels; whole sequences under CP (the
     other ranks' parts enter as constants)."""
-    part = -(per_token.float() * mask).sum(dim=1)
+    return sequence_sum(-per_token.float(), mask)
+
+
+def sequence_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of ``values`` [rows, s] over its masked positions; whole sequences under
+    CP (the other ranks' parts enter as constants, the gradient flows through this rank's)."""
+    part = (values.float() * mask).sum(dim=1)
     if ps.get_context_parallel_world_size() == 1:
         return part
     whole = part.detach().clone()

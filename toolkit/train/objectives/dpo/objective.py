@@ -15,7 +15,7 @@ from toolkit.errors import ConfigError
 from toolkit.train.objectives.base import Objective
 from toolkit.train.objectives.dpo import reference as ref
 from toolkit.train.objectives.dpo.loss import DpoLoss
-from toolkit.train.objectives.dpo.spec import architecture_difference
+from toolkit.train.objectives.dpo.spec import REF_FREE, architecture_difference
 
 
 class DpoObjective(Objective):
@@ -41,27 +41,34 @@ def reference_path(cfg) -> str:
     return cfg.dpo.reference or str(cfg.model.path)
 
 
-def build_model_reference(cfg, layout, mpu, ds_config: dict[str, Any],
-                          policy: ModelSpec) -> ref.ModelReference:
-    """The reference checkpoint's chunks with the policy's layout and precision, frozen, padded
-    vocab masked; under ZeRO-3 partitioned over the data-parallel group. Without
-    ``dpo.reference`` the reference is the policy's starting checkpoint: its model description
-    (``policy``) and mapping serve both."""
+def build_model_reference(cfg, layout, mpu, ds_config: dict[str, Any], policy: ModelSpec,
+                          path: str | None) -> ref.ModelReference:
+    """The reference checkpoint ``path`` (DPO: ``dpo.reference``) with the policy's layout and
+    precision, frozen (``frozen_model``). Without one the reference is the policy's starting
+    checkpoint: its model description (``policy``) and mapping serve both."""
+    from toolkit.adapters import live
+
+    model = policy if not path else ModelSpec.of(live.resolve_source(path), live=True)
+    difference = architecture_difference(policy, model)
+    if difference:
+        raise ConfigError(f"dpo.reference={path!r} is not the policy's architecture: "
+                          f"{difference} (reference vs policy).")
+    return frozen_model(cfg, layout, mpu, ds_config, model)
+
+
+def frozen_model(cfg, layout, mpu, ds_config: dict[str, Any], model: ModelSpec,
+                 label: str = "DPO reference") -> ref.ModelReference:
+    """``model``'s chunks at the run's layout and precision, frozen, padded vocab masked; under
+    ZeRO-3 partitioned over the data-parallel group like the policy, else placed like it."""
     from toolkit.adapters import live
     from toolkit.train.loop.engine import mask_vocab_padding
     from toolkit.train.model import DTYPES
 
-    model = policy if not cfg.dpo.reference else ModelSpec.of(
-        live.resolve_source(cfg.dpo.reference), live=True)
-    difference = architecture_difference(policy, model)
-    if difference:
-        raise ConfigError(f"dpo.reference={reference_path(cfg)!r} is not the policy's "
-                          f"architecture: {difference} (reference vs policy).")
     chunks, adapter = live.load_hf(model, layout, dtype=DTYPES[cfg.train.precision])
     mask_vocab_padding(chunks, adapter.dims.vocab)
     ref.freeze(chunks)
     engine = ref.partition(chunks, mpu, ds_config)
-    return ref.ModelReference(chunks, cfg.train.seq_len, engine=engine)
+    return ref.ModelReference(chunks, cfg.train.seq_len, engine=engine, label=label)
 
 
 def precomputed_reference(cfg, layout, mpu, ds_config: dict[str, Any], data, micro_batch: int,
@@ -73,7 +80,7 @@ def precomputed_reference(cfg, layout, mpu, ds_config: dict[str, Any], data, mic
     folder = cfg.data_cache_dir / "reference_logps" / key
     tables = ref.load_cached(folder)
     if not _everywhere(tables is not None):  # a rank that does not see the cache computes too
-        model = build_model_reference(cfg, layout, mpu, ds_config, policy)
+        model = build_model_reference(cfg, layout, mpu, ds_config, policy, cfg.dpo.reference)
         try:
             tables = ref.precompute(model, {"train": data.train, "validation": data.validation},
                                     micro_batch, layout.dp, dp_rank)
@@ -98,18 +105,34 @@ def _everywhere(flag: bool) -> bool:
 
 def dpo_objective(cfg, layout, mpu, ds_config: dict[str, Any], policy: ModelSpec,
                   precomputed: ref.PrecomputedReference | None,
-                  policy_chunks: Sequence[Any] = ()) -> DpoObjective:
-    """The run's DPO objective; its reference: ``precomputed`` when given; with LoRA / DoRA the
-    policy's own chunks with every adapter switched off (TRL's reference for a PEFT model: no
-    second copy); else the reference model (built here, after the policy)."""
+                  policy_chunks: Sequence[Any] = ()) -> Objective:
+    """The run's DPO objective (ORPO, SimPO: reference-free, ``ref_free``); its reference:
+    ``precomputed`` when given; with LoRA / DoRA the policy's own chunks with every adapter
+    switched off (TRL's reference for a PEFT model: no second copy); else the reference model
+    (built here, after the policy)."""
     d = cfg.dpo
+    if d.loss in REF_FREE:
+        from toolkit.train.objectives.dpo.ref_free import RefFreeLoss, RefFreeObjective
+
+        return RefFreeObjective(RefFreeLoss(loss=d.loss, beta=d.beta, simpo_gamma=d.simpo_gamma,
+                                            cpo_alpha=d.cpo_alpha))
     loss = DpoLoss(beta=d.beta, loss=d.loss, label_smoothing=d.label_smoothing)
     if precomputed is not None:
         return DpoObjective(loss, precomputed)
+    return DpoObjective(loss, reference_model(cfg, layout, mpu, ds_config, policy,
+                                              policy_chunks, d.reference))
+
+
+def reference_model(cfg, layout, mpu, ds_config: dict[str, Any], policy: ModelSpec,
+                    policy_chunks: Sequence[Any], reference: str | None,
+                    ) -> ref.ModelReference:
+    """A preference objective's frozen reference: with LoRA / DoRA the policy's own chunks with
+    every adapter switched off (TRL's reference for a PEFT model: no second copy); else the
+    reference checkpoint (``build_model_reference``), built after the policy."""
     if cfg.peft.method != "none":
         from toolkit.lora.layers import adapters_disabled
 
         chunks = list(policy_chunks)
-        return DpoObjective(loss, ref.ModelReference(
-            chunks, cfg.train.seq_len, context=lambda: adapters_disabled(chunks)))
-    return DpoObjective(loss, build_model_reference(cfg, layout, mpu, ds_config, policy))
+        return ref.ModelReference(chunks, cfg.train.seq_len,
+                                  context=lambda: adapters_disabled(chunks))
+    return build_model_reference(cfg, layout, mpu, ds_config, policy, reference)

@@ -38,7 +38,7 @@ Batch = dict[str, torch.Tensor]
 SPLITS = ("train", "validation")
 
 
-def _collect(per_token: torch.Tensor, batch: Batch, counts=None):
+def collect_logps(per_token: torch.Tensor, batch: Batch, counts=None):
     """The forward-only schedule's loss function: no loss, the rows' log-probabilities."""
     logps = sequence_logps(per_token, batch["loss_mask"].to(torch.float32))
     return logps.sum() * 0.0, {"logps": logps.detach().clone()}
@@ -51,25 +51,29 @@ class ModelReference:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], seq_len: int, *,
                  context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                 engine: Any = None):
-        self.chunks, self.seq_len = list(chunks), seq_len
+                 engine: Any = None, label: str = "DPO reference"):
+        self.chunks, self.seq_len, self.label = list(chunks), seq_len, label
         self.context, self.engine = context, engine
         self._placed = engine is not None  # a ZeRO-3 engine places its partitions itself
 
     def logps(self, batches: list[Batch]) -> list[torch.Tensor]:
         """Per micro-batch, the rows' summed completion log-probabilities (last stage; [] on
         the others)."""
+        return [o["logps"] for o in self.run(batches, collect_logps)]
+
+    def run(self, batches: list[Batch], collect: Callable[..., Any]) -> list[dict[str, Any]]:
+        """Per micro-batch, what ``collect`` (a forward-only loss function returning ``(0,
+        values)``) took from the model's output (last stage; [] on the others)."""
         if not batches:
             return []
         if not self._placed:  # once: checked at the first run, after the policy's engine
-            check_on_device(self.chunks)  # placed the LoRA path's (shared) chunks
+            check_on_device(self.chunks, self.label)  # placed the LoRA path's (shared) chunks
             self._placed = True
         rows = int(batches[0]["tokens"].shape[0])
         with self.context():
-            out = forward_outputs(self.chunks, iter(batches), _collect,
-                                  num_microbatches=len(batches), micro_batch=rows,
-                                  seq_len=self.seq_len)
-        return [o["logps"] for o in out]
+            return forward_outputs(self.chunks, iter(batches), collect,
+                                   num_microbatches=len(batches), micro_batch=rows,
+                                   seq_len=self.seq_len)
 
     def attach(self, split: str, index_lists: Sequence[np.ndarray], batches: list[Batch]) -> None:
         for batch, logps in zip(batches, self.logps(batches), strict=False):
@@ -120,7 +124,7 @@ def freeze(chunks: Sequence[torch.nn.Module]) -> None:
             p.requires_grad_(False)
 
 
-def check_on_device(chunks: Sequence[torch.nn.Module]) -> None:
+def check_on_device(chunks: Sequence[torch.nn.Module], label: str = "DPO reference") -> None:
     """Every parameter and buffer of ``chunks`` on the device the micro-batches go to
     (``runtime.device()``, where DeepSpeed's engine put the policy), else a clear error before
     the forward fails deep inside an embedding lookup. ZeRO-3 partitions (a LoRA policy's
@@ -131,8 +135,8 @@ def check_on_device(chunks: Sequence[torch.nn.Module]) -> None:
             if hasattr(t, "ds_id"):  # a ZeRO-3 partition: DeepSpeed places it
                 continue
             if t.device != device:
-                raise RuntimeError(f"DPO reference: {name} is on {t.device}, the trainer runs on "
-                                   f"{device} (the reference model was not placed like the "
+                raise RuntimeError(f"{label}: {name} is on {t.device}, the trainer runs on "
+                                   f"{device} (the frozen model was not placed like the "
                                    "policy).")
 
 

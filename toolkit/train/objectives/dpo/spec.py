@@ -1,5 +1,6 @@
 """What a DPO config may say (torch-free: read by the config schema and checks): TRL's names of
-the losses offered and of the metrics logged, and the cross-key checks of the ``dpo`` section."""
+the losses offered (the reference-free ORPO and SimPO included) and of the metrics logged, and
+the cross-key checks of the ``dpo`` section."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from toolkit.errors import ConfigError
 #: global batch does not depend on how it is split): see ``losses``.
 LOSSES = ("sigmoid", "hinge", "ipo", "sigmoid_norm", "robust", "exo_pair", "bco_pair",
           "nca_pair", "sppo_hard", "apo_zero", "apo_down")
+#: reference-free losses on the same pairs (TRL's ORPOTrainer, CPOTrainer's ``simpo``):
+#: ``ref_free``; no reference model is built
+REF_FREE = ("orpo", "simpo")
 SMOOTHED = ("robust", "exo_pair")  # the losses that read label_smoothing
 #: TRL's metric names (training; validation logs them with the ``val_`` prefix)
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
@@ -29,6 +33,7 @@ def check_settings(mode: str, dpo: Any, defaults: Any) -> None:
         return
     if dpo.beta <= 0:
         raise ConfigError(f"dpo.beta={dpo.beta} must be > 0 (TRL's default is 0.1).")
+    _check_ref_free(dpo, defaults)
     ls = dpo.label_smoothing
     if dpo.loss not in SMOOTHED and ls:
         raise ConfigError(f"dpo.label_smoothing={ls} is read only by the losses "
@@ -39,6 +44,22 @@ def check_settings(mode: str, dpo: Any, defaults: Any) -> None:
     if dpo.loss == "exo_pair" and not 0 < ls < 1:
         raise ConfigError(f"dpo.label_smoothing={ls}: the exo_pair loss needs it in (0, 1) "
                           "(the EXO paper recommends 1e-3).")
+
+
+def _check_ref_free(dpo: Any, defaults: Any) -> None:
+    """ORPO and SimPO need no reference; SimPO's settings are read by SimPO only."""
+    if dpo.loss in REF_FREE:
+        if dpo.reference is not None or dpo.precompute_reference:
+            key = "reference" if dpo.reference is not None else "precompute_reference"
+            raise ConfigError(f"dpo.{key} with dpo.loss={dpo.loss}: {dpo.loss} is reference-free "
+                              "(no reference model is used): remove it.")
+    for key in ("simpo_gamma", "cpo_alpha"):
+        if dpo.loss != "simpo" and getattr(dpo, key) != getattr(defaults, key):
+            raise ConfigError(f"dpo.{key} is read by dpo.loss=simpo only (TRL's CPOConfig); "
+                              f"dpo.loss={dpo.loss} ignores it: remove it.")
+    if dpo.loss == "simpo" and dpo.cpo_alpha < 0:
+        raise ConfigError(f"dpo.cpo_alpha={dpo.cpo_alpha} must be >= 0 (the weight of the NLL "
+                          "term; 0 is the SimPO paper, TRL's default is 1.0).")
 
 
 def _local(path: str) -> ModelSpec | None:

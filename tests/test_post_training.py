@@ -1,0 +1,333 @@
+"""Post-training without ranks: the loss formulas against TRL's own code (GKD's generalized JSD
+at beta 0, 0.5 and 1; ORPO's odds ratio; CPO's SimPO), the rows as the trainers store them
+(a reward's scored position, KTO's KL pairs as TRL rotates them), TRL's config names and
+defaults, one clear error for each bad input, and the memory model's teacher. The trainer runs
+(TRL's trainers, layouts, export, memory measured) are tests/test_trainer_post.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from toolkit import bundled
+from toolkit.errors import ConfigError
+from toolkit.memory import TrainShape, ZeroOptions, estimate, model_shape_from_hf
+from toolkit.parallel.layout import ParallelLayout
+from toolkit.train.config import config_from_dict
+from toolkit.train.data import DataError, DataSettings, prepare_data
+
+TEXT = "bundled:examples/data/dpo_text.jsonl"
+
+
+def _config(models, mode: str, **sections):
+    raw = {"output_dir": "/tmp/unused", "model": {"path": models["dense"],
+                                                  "tokenizer": models["tokenizer"]},
+           "data": {"mode": mode, "sources": [TEXT]}, "train": {"steps": 1}}
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return config_from_dict(raw)
+
+
+# -- the loss formulas against TRL's code ------------------------------------------------------
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_generalized_jsd_equals_gkds(beta):
+    """GKD's ``generalized_jsd_loss`` (masked labels, batchmean) on random logits vs mdtk's
+    per-token divergence averaged over the same tokens."""
+    from trl.experimental.gkd import GKDTrainer
+
+    from toolkit.train.objectives.distill import generalized_jsd
+
+    g = torch.Generator().manual_seed(1)
+    student, teacher = (torch.randn(3, 7, 50, generator=g) * 3 for _ in range(2))
+    labels = torch.randint(0, 50, (3, 7), generator=g)
+    labels[0, :3] = labels[2, 5:] = -100
+    theirs = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta)
+    mask = (labels != -100).float()
+    mine = (generalized_jsd(student, teacher, beta) * mask).sum() / mask.sum()
+    assert float(mine) == pytest.approx(float(theirs), rel=1e-6)
+    assert float(mine) > 1e-3
+
+
+def test_orpo_and_simpo_pair_terms_equal_trls():
+    """ORPO's ``odds_ratio_loss`` and CPO's ``cpo_loss(simpo)`` on the same average
+    log-probabilities as mdtk's per-pair terms."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    from toolkit.train.objectives.dpo.ref_free import orpo_pair, simpo_pair
+
+    g = torch.Generator().manual_seed(2)
+    c, r = -torch.rand(6, generator=g) * 3, -torch.rand(6, generator=g) * 3
+    cpu = SimpleNamespace(device="cpu")
+    losses, *_, ratio, log_odds = ORPOTrainer.odds_ratio_loss(
+        SimpleNamespace(beta=0.2, accelerator=cpu), c, r)
+    mine, logs = orpo_pair(c, r, 0.2)
+    assert torch.allclose(mine, -losses, rtol=1e-6)
+    assert float(logs["log_odds_ratio"].mean()) == pytest.approx(float(ratio), rel=1e-6)
+    assert float(logs["log_odds_chosen"].mean()) == pytest.approx(float(log_odds), rel=1e-6)
+    simpo = SimpleNamespace(alpha=0.0, beta=2.0, simpo_gamma=0.5, loss_type="simpo",
+                            label_smoothing=0.0, accelerator=cpu)
+    theirs, *_ = CPOTrainer.cpo_loss(simpo, c, r)
+    assert torch.allclose(simpo_pair(c, r, 2.0, 0.5)[0], theirs, rtol=1e-6)
+
+
+# -- rows ---------------------------------------------------------------------------------------
+
+def test_reward_samples_score_the_last_non_padding_token(trainer_models, tmp_path):
+    """Each sequence is prompt + completion as TRL tokenises it; the mask marks the one position
+    whose score is its reward (transformers' rule: the rightmost non-pad token); pairs with a
+    sequence over seq_len are dropped and counted; margins ride along."""
+    from toolkit.train.data import load_tokenizer
+    from toolkit.train.data.reward import encode_reward_row, last_token
+
+    rows = [json.loads(line) for line in bundled.path(TEXT).read_text().splitlines()][:6]
+    rows = [{**r, "margin": 0.5 * i} for i, r in enumerate(rows)]
+    rows.append({"prompt": "Say hi. " * 30, "chosen": " hi", "rejected": " no", "margin": 1.0})
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = load_tokenizer(trainer_models["tokenizer"])
+    settings = DataSettings(mode="reward", sources=(str(source),), seq_len=40)
+    data = prepare_data(settings, trainer_models["tokenizer"], tmp_path / "cache")
+    assert len(data.train) == 6 and data.meta["train"]["dropped"] == 1
+    for i, row in enumerate(rows[:6]):
+        for j, ids in enumerate(encode_reward_row(row, tok, settings)[:2]):
+            assert data.train.tokens[i, j, :len(ids)].tolist() == ids
+            assert data.train.loss_mask[i, j].nonzero()[0].tolist() == [
+                last_token(ids, tok.pad_token_id)]
+    batch = data.train.batch([2, 4])
+    assert batch["margin"].tolist() == [1.0, 2.0] and batch["tokens"].shape == (4, 40)
+
+
+def test_kto_kl_pairs_rotate_as_trl_does(trainer_models, tmp_path):
+    """The KL row of a sample: its prompt + the completion its neighbour gives it under TRL's
+    rotation inside batches (``add_kl_completion_ids``, batch = the global batch)."""
+    from toolkit.train.data.kto import kl_batch, kl_partner
+
+    completions = list(range(10))
+    trl = []
+    for a in range(0, 10, 4):  # TRL: dataset.map(batched=True, batch_size=4)
+        chunk = completions[a:a + 4]
+        trl += [chunk[-1]] + chunk[:-1]
+    assert [kl_partner(i, 10, 4) for i in range(10)] == trl
+    source = tmp_path / "kto.jsonl"
+    rows = [json.loads(line) for line in bundled.path(
+        "bundled:examples/data/kto.jsonl").read_text().splitlines()][:10]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = prepare_data(DataSettings(mode="kto", sources=(str(source),), seq_len=48),
+                        trainer_models["tokenizer"], tmp_path / "cache")
+    split = data.train
+    kl = kl_batch(split, [5, -1], 4)
+    p, j = int(split.extra["prompt_len"][5]), trl[5]
+    c = int(split.extra["completion_len"][j])
+    assert kl["tokens"][0, :p].tolist() == split.tokens[5, :p].tolist()
+    assert kl["tokens"][0, p:p + c].tolist() == split.extra["completion"][j, :c].tolist()
+    assert kl["loss_mask"][0].sum() == c and kl["loss_mask"][1].sum() == 0  # a filler
+    assert split.batch([0, 2])["label"].tolist() == [float(rows[0]["label"]),
+                                                      float(rows[2]["label"])]
+    # mdtk data preview: the label, the completion as the loss span
+    from toolkit.train.data import load_tokenizer
+    from toolkit.train.data.preview import render, summarize
+
+    summary = summarize(data)
+    assert summary["desirable"] == sum(r["label"] for r in rows) and summary["rows_read"] == 10
+    shown = render(split, 0, load_tokenizer(trainer_models["tokenizer"]))
+    assert shown.startswith("(desirable) " if rows[0]["label"] else "(undesirable) ")
+    assert "[[" + rows[0]["completion"] in shown
+
+
+BAD_KTO = {
+    "no_label": ({"prompt": "Hi", "completion": " there."}, "has no 'label'"),
+    "label_text": ({"prompt": "Hi", "completion": " there.", "label": "yes"},
+                   "label 'yes': 'label' must be true"),
+    "paired": ({"prompt": "Hi", "chosen": " a.", "rejected": " b."}, "data.mode=dpo"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KTO))
+def test_bad_kto_rows_are_refused_naming_file_and_line(trainer_models, tmp_path, case):
+    row, words = BAD_KTO[case]
+    good = {"prompt": "Hi", "completion": " there.", "label": True}
+    source = tmp_path / "kto.jsonl"
+    source.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        prepare_data(DataSettings(mode="kto", sources=(str(source),), seq_len=32),
+                     trainer_models["tokenizer"], tmp_path / "cache")
+    assert f"{source}:2:" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_one_class_of_kto_rows_and_partial_margins_are_refused(trainer_models, tmp_path):
+    source = tmp_path / "kto.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"Q{i}?", "completion": " A.",
+                                          "label": True}) + "\n" for i in range(4)))
+    with pytest.raises(DataError, match="every training row of data.mode=kto is desirable"):
+        prepare_data(DataSettings(mode="kto", sources=(str(source),), seq_len=32),
+                     trainer_models["tokenizer"], tmp_path / "cache")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "Q?", "chosen": " A.", "rejected": " B.",
+                                 "margin": 1.0}) + "\n" + json.dumps(
+        {"prompt": "Q?", "chosen": " A.", "rejected": " C."}) + "\n")
+    with pytest.raises(DataError, match="'margin' is given on some rows but not on row 2"):
+        prepare_data(DataSettings(mode="reward", sources=(str(pairs),), seq_len=32),
+                     trainer_models["tokenizer"], tmp_path / "cache")
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+def test_trls_names_and_defaults():
+    from trl import KTOConfig, RewardConfig
+    from trl.experimental.cpo import CPOConfig
+    from trl.experimental.gkd import GKDConfig
+
+    from toolkit.train.config.schema import DistillSection, DpoSection, KtoSection, RewardSection
+
+    kw = {"output_dir": "/tmp/unused", "report_to": [], "use_cpu": True, "bf16": False}
+    kto, cpo, gkd = KTOConfig(**kw), CPOConfig(**kw), GKDConfig(**kw)
+    assert (KtoSection().beta, KtoSection().desirable_weight, KtoSection().undesirable_weight) \
+        == (kto.beta, kto.desirable_weight, kto.undesirable_weight)
+    assert (DpoSection().simpo_gamma, DpoSection().cpo_alpha) == (cpo.simpo_gamma,
+                                                                  cpo.cpo_alpha)
+    assert (DistillSection().beta, DistillSection().temperature) == (gkd.beta, gkd.temperature)
+    assert DistillSection().lmbda == 0.0  # offline: on-policy needs a generation engine
+    assert RewardSection().center_rewards_coefficient == \
+        RewardConfig(**kw).center_rewards_coefficient
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_teacher(trainer_models, tmp_path_factory) -> str:
+    """The dense model with a tokenizer of other tokens beside it."""
+    import shutil
+
+    from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("teacher")
+    build_tiny_tokenizer(root / "model", vocab_size=300)
+    shutil.copytree(trainer_models["dense"], root / "model", dirs_exist_ok=True)
+    return str(root / "model")
+
+
+@pytest.mark.parametrize("mode,sections,words", [
+    ("distill", {"distill": {"teacher": "MODEL:odd"}},
+     ["vocabulary of 507 tokens, the student 512", "must share the tokenizer"]),
+    ("distill", {"distill": {"teacher": "MODEL:other_tokenizer"}},
+     ["its tokenizer is not the student's", "must share the tokenizer"]),
+    ("distill", {}, ["data.mode=distill needs distill.teacher"]),
+    ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 0.5}},
+     ["on-policy distillation", "set distill.lmbda=0"]),
+    ("distill", {"distill": {"teacher": "MODEL:dense", "beta": 1.5}}, ["must be in [0, 1]"]),
+    ("kto", {}, ["set data.shuffle=false"]),
+    ("kto", {"data": {"shuffle": False}, "train": {"global_batch": 1}},
+     ["train.global_batch=1", "batch > 1"]),
+    ("reward", {"peft": {"method": "lora"}}, ["set peft.method=none"]),
+    ("reward", {"model": {"path": "MODEL:two_labels"}}, ["num_labels=2"]),
+    ("sft", {"kto": {"beta": 0.2}}, ["kto.beta applies to data.mode=kto"]),
+    ("dpo", {"dpo": {"loss": "orpo", "reference": "MODEL:dense"}},
+     ["dpo.reference with dpo.loss=orpo", "reference-free"]),
+    ("dpo", {"dpo": {"simpo_gamma": 1.0}}, ["read by dpo.loss=simpo only"]),
+    ("kto", {"data": {"pack": True}}, ["data.pack applies to sft only", "data.mode=kto"]),
+])
+def test_bad_settings_are_refused(trainer_models, other_tokenizer_teacher, tmp_path, mode,
+                                  sections, words):
+    """One clear error each, before anything runs."""
+    import shutil
+
+    models = {**trainer_models, "other_tokenizer": other_tokenizer_teacher}
+    if any("two_labels" in str(v) for v in sections.values()):
+        folder = tmp_path / "two"
+        shutil.copytree(trainer_models["dense"], folder)
+        config = json.loads((folder / "config.json").read_text())
+        config.update(architectures=["LlamaForSequenceClassification"], num_labels=2)
+        (folder / "config.json").write_text(json.dumps(config))
+        models["two_labels"] = str(folder)
+    resolved = {k: {kk: models[vv[6:]] if isinstance(vv, str) and vv.startswith("MODEL:")
+                    else vv for kk, vv in v.items()} for k, v in sections.items()}
+    with pytest.raises(ConfigError) as e:
+        _config(models, mode, **resolved)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("example", ["reward_tiny", "kto_tiny", "orpo_tiny", "distill_tiny"])
+def test_bundled_examples_load(trainer_models, example):
+    from toolkit.train.config import load_config
+
+    dense = trainer_models["dense"]
+    cfg = load_config(f"bundled:examples/{example}.yaml", [
+        f"model.path={dense}", f"model.tokenizer={trainer_models['tokenizer']}",
+        *([f"distill.teacher={dense}"] if example == "distill_tiny" else [])])
+    mode = {"orpo_tiny": "dpo"}.get(example, example.removesuffix("_tiny"))
+    assert cfg.data.mode == mode and all(Path(p).is_file() for p in cfg.data.sources)
+
+
+# -- memory model ------------------------------------------------------------------------------
+
+SHAPE = model_shape_from_hf({"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
+                             "num_hidden_layers": 8, "num_attention_heads": 16,
+                             "num_key_value_heads": 8, "vocab_size": 32000})
+TEACHER = model_shape_from_hf({"model_type": "llama", "hidden_size": 2048,
+                               "intermediate_size": 5632, "num_hidden_layers": 8,
+                               "num_attention_heads": 16, "num_key_value_heads": 8,
+                               "vocab_size": 32000})
+
+
+def test_memory_model_counts_the_teacher():
+    """The teacher's weights per rank (its own tensors at the student's layout; ZeRO-3: a 1/dp
+    shard) and, on the last stage, its logits of the step's micro-batches."""
+    from toolkit.memory.states import rank_params
+
+    layout = ParallelLayout(tp=2).resolve(4)
+    train = TrainShape(seq_len=1024, micro_batch=2, global_batch=8, teacher=TEACHER)
+    plain = estimate(SHAPE, TrainShape(seq_len=1024, micro_batch=2, global_batch=8), layout,
+                     ZeroOptions(stage=1))
+    mine = estimate(SHAPE, train, layout, ZeroOptions(stage=1))
+    items = {i.what: i.bytes for i in mine.items if i.what.startswith("teacher")}
+    held = rank_params(TEACHER, layout, 0).total
+    assert items["teacher model (frozen, bf16)"] == 2 * held
+    assert items["teacher logits of one step"] == 2 * 2 * 1024 * (32000 // 2) * 2  # m=2
+    assert mine.model_states() - plain.model_states() == 2 * held
+    zero3 = ZeroOptions(stage=3)
+    shard = estimate(SHAPE, train, layout, zero3)
+    parts = {i.what: i.bytes for i in shard.items if i.what.startswith("teacher model")}
+    p = rank_params(TEACHER, layout, 0, zero3.param_persistence_threshold)
+    assert sum(parts.values()) == 2 * (-(-p.dense // p.dense_dp)) + 2 * p.persistent
+    assert sum(parts.values()) < 0.6 * 2 * held  # about a 1/dp shard of the bf16 teacher
+    # KTO: a reference without pairs
+    kto = estimate(SHAPE, TrainShape(seq_len=1024, micro_batch=2, unpaired=True,
+                                     reference_model=True), layout, ZeroOptions(stage=1))
+    assert any(i.what.startswith("reference model") for i in kto.items)
+
+
+def test_estimate_counts_a_teacher():
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+
+    args = ["estimate", "--model", "llama-3.2-1b", "--tp", "2", "--gpus-per-node", "8",
+            "--seq-len", "2048", "--stage", "1", "--json"]
+    plain = json.loads(CliRunner().invoke(app, args).output)
+    res = CliRunner().invoke(app, [*args, "--teacher", "llama-3.1-8b"])
+    assert res.exit_code == 0, res.output
+    items = {i["what"]: i["bytes"] for i in json.loads(res.output)["items"]}
+    teacher = items["teacher model (frozen, bf16)"]
+    assert teacher > 5 * sum(i["bytes"] for i in plain["items"]
+                             if i["what"].startswith("16-bit parameters"))
+
+
+def test_each_objective_tells_the_memory_model_what_it_holds(trainer_models):
+    from toolkit.train.objectives.spec import train_shape_fields
+
+    def fields(mode, **sections):
+        return train_shape_fields(_config(trainer_models, mode, **sections))
+
+    assert fields("dpo", dpo={"loss": "orpo"}) == {"pairs": True, "reference_model": False}
+    assert fields("dpo") == {"pairs": True, "reference_model": True}
+    assert fields("reward") == {"pairs": True}
+    assert fields("kto", data={"shuffle": False}) == {"unpaired": True,
+                                                        "reference_model": True}
+    teacher = fields("distill", distill={"teacher": trainer_models["moe"]})["teacher"]
+    assert teacher.experts == 4

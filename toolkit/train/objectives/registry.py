@@ -1,0 +1,98 @@
+"""The objective of a run's ``data.mode``: ``BUILDERS`` maps each mode to its builder, called
+once the policy exists; ``before_policy`` computes what an objective needs before it (DPO's
+precomputed reference). A new objective is a module beside this one and its line here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.train.objectives.base import Objective
+
+__all__ = ["BUILDERS", "Objective", "ObjectiveSetup", "before_policy", "objective_for"]
+
+
+@dataclass(frozen=True)
+class ObjectiveSetup:
+    """What an objective is built from, once the policy exists."""
+
+    cfg: Any  # TrainConfig
+    layout: Any  # the run's ResolvedLayout
+    mpu: Any
+    ds_config: dict[str, Any]
+    policy: Any  # the run's ModelSpec
+    chunks: list[Any]  # this rank's policy chunks
+    global_batch: int
+    precomputed: Any = None  # DPO: the reference log-probabilities computed before the policy
+
+
+def _plain(s: ObjectiveSetup) -> Objective:
+    return Objective()
+
+
+def _dpo(s: ObjectiveSetup) -> Objective:
+    from toolkit.train.objectives.dpo.objective import dpo_objective
+
+    return dpo_objective(s.cfg, s.layout, s.mpu, s.ds_config, s.policy, s.precomputed,
+                         s.chunks)
+
+
+def _reward(s: ObjectiveSetup) -> Objective:
+    from toolkit.train.objectives.reward import RewardLoss, RewardObjective
+
+    return RewardObjective(RewardLoss(s.cfg.reward.center_rewards_coefficient))
+
+
+def _kto(s: ObjectiveSetup) -> Objective:
+    from toolkit.errors import ConfigError
+    from toolkit.train.objectives.dpo.objective import reference_model
+    from toolkit.train.objectives.kto import KtoLoss, KtoObjective
+
+    if s.global_batch < 2:
+        raise ConfigError(f"data.mode=kto with a global batch of {s.global_batch}: its KL term "
+                          "pairs a prompt with another sample's completion of the same batch "
+                          "(TRL requires a batch > 1); set train.global_batch >= 2.")
+    k = s.cfg.kto
+    reference = reference_model(s.cfg, s.layout, s.mpu, s.ds_config, s.policy, s.chunks,
+                                None)  # the starting model
+    return KtoObjective(KtoLoss(k.beta, k.desirable_weight, k.undesirable_weight), reference,
+                        s.chunks, s.global_batch)
+
+
+def _distill(s: ObjectiveSetup) -> Objective:
+    from toolkit.adapters import live
+    from toolkit.adapters.spec import ModelSpec
+    from toolkit.train.objectives.distill import DistillObjective, GkdLoss
+    from toolkit.train.objectives.dpo.objective import frozen_model
+
+    teacher = ModelSpec.of(live.resolve_source(s.cfg.distill.teacher), live=True,
+                           name="teacher")
+    model = frozen_model(s.cfg, s.layout, s.mpu, s.ds_config, teacher,
+                         label="distillation teacher")
+    return DistillObjective(GkdLoss(s.cfg.distill.beta, s.policy.shape.vocab), model)
+
+
+#: data.mode -> the objective's builder
+BUILDERS: dict[str, Callable[[ObjectiveSetup], Objective]] = {
+    "pretrain": _plain, "sft": _plain, "dpo": _dpo, "reward": _reward, "kto": _kto,
+    "distill": _distill,
+}
+
+
+def objective_for(setup: ObjectiveSetup) -> Objective:
+    """The run's objective (``data.mode``), built after the policy."""
+    return BUILDERS[setup.cfg.data.mode](setup)
+
+
+def before_policy(cfg: Any, layout: Any, mpu: Any, ds_config: dict[str, Any], data: Any,
+                  micro_batch: int, dp_rank: int, policy: Any) -> Any:
+    """What an objective computes before the policy is built (collective), for its
+    ``ObjectiveSetup.precomputed``: DPO's reference log-probabilities of every pair when
+    ``dpo.precompute_reference`` asks for them; else None."""
+    if cfg.data.mode != "dpo" or not cfg.dpo.precompute_reference:
+        return None
+    from toolkit.train.objectives.dpo.objective import precomputed_reference
+
+    return precomputed_reference(cfg, layout, mpu, ds_config, data, micro_batch, dp_rank,
+                                 policy)
