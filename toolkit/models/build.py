@@ -30,6 +30,7 @@ from toolkit.models.attention import core_attention
 from toolkit.models.gpt import GPTModel
 from toolkit.models.kernels import Kernels
 from toolkit.models.norm import TorchNorm
+from toolkit.models.yarn import YarnTransformerConfig
 
 # Fused kernels that need CUDA (or apex / Transformer Engine). Off by default everywhere: mdtk
 # builds with the local spec, whose unfused paths are numerically the HF reference's.
@@ -58,6 +59,8 @@ def transformer_config(kernels: Kernels | None = None, **kwargs: Any) -> Transfo
         values.update(kernels.config_flags(values))
     if values.get("multi_latent_attention"):  # MLA's sizes and RoPE live in the subclass
         return MLATransformerConfig(**values)
+    if "yarn_rotary_scaling_factor" in values:  # GPTModel's YaRN reads these fields
+        return YarnTransformerConfig(**values)
     return TransformerConfig(**values)
 
 
