@@ -41,6 +41,15 @@ class GptOss(Family):
         return getattr(hf, "layer_types", None) or [("full_attention", "sliding_attention")[
             (i + 1) % 2] for i in range(self.value(hf, "num_hidden_layers"))]
 
+    def check(self, hf: Any) -> None:
+        types, layers = self.layer_types(hf), self.value(hf, "num_hidden_layers")
+        kinds = {"sliding_attention", "full_attention"}
+        if len(types) != layers or not set(types) <= kinds:
+            raise UnsupportedModel(
+                f"layer_types={types}: GPT-OSS layers are built as one of {sorted(kinds)}, one "
+                f"per layer ({layers}); fix layer_types in config.json.")
+        super().check(hf)
+
     def activation(self, hf: Any) -> str:
         alpha = self.value(hf, "swiglu_alpha")
         if alpha != ALPHA:

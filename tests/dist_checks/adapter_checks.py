@@ -442,8 +442,7 @@ def check_cuda_logits(root: str, families: list[str], cp: int = 1) -> dict[str, 
     ``build_checkpoints``: max abs diff."""
     from toolkit import parallel
     from toolkit.adapters import adapter_for
-    from toolkit.adapters.live import build_model, fill_chunks, forward_logits
-    from toolkit.checkpoint.hf import HFReader
+    from toolkit.adapters.live import build_model, fill_chunks, forward_logits, open_weights
     from toolkit.parallel import ParallelLayout
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -454,7 +453,7 @@ def check_cuda_logits(root: str, families: list[str], cp: int = 1) -> dict[str, 
         ref = torch.load(rootp / f"{family}.logits.pt", weights_only=True)
         mpu = parallel.initialize(ParallelLayout(cp=cp))
         adapter = adapter_for(rootp / family, dtype=torch.float32)
-        with HFReader(rootp / family) as reader:
+        with open_weights(adapter, rootp / family) as reader:  # GPT-OSS: its fused experts
             chunks = build_model(adapter, mpu.layout)
             fill_chunks(chunks, adapter, reader)
         chunks = [c.cuda() for c in chunks]
