@@ -97,10 +97,11 @@ def test_coalesce_merges_only_adjacent_regions():
 @pytest.mark.parametrize("layout", [
     dict(tp=1), dict(tp=2), dict(pp=2), dict(pp=2, vpp=2), dict(tp=2, pp=2), dict(tp=2, pp=4),
 ])
-@pytest.mark.parametrize("family", [*ac.tiny_configs(), *ac.tiny_moe_configs()])
+@pytest.mark.parametrize("family", [*ac.tiny_configs(), *ac.tiny_moe_configs(),
+                                    *ac.tiny_open_moe_configs()])
 def test_plans_tile_every_hf_tensor_exactly_once(family, layout):
     """Over all ranks of a layout, the pieces of distinct shards cover each HF element once."""
-    config = {**ac.tiny_configs(), **ac.tiny_moe_configs()}[family]
+    config = {**ac.tiny_configs(), **ac.tiny_moe_configs(), **ac.tiny_open_moe_configs()}[family]
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")
                             .replace("GPT2ForCausalLM", "GPT2LMHeadModel")
                             .replace("Gemma3Text", "Gemma3")]
