@@ -264,7 +264,7 @@ def test_open_moe_logits_and_roundtrip(results_open):
     worst = _check_logits([r for r in results_open if r["family"] != MXFP4], OPEN)
     assert len(worst) == len(OPEN) * len(OPEN_LAYOUTS_2) + len(OPEN_AT_4) * len(OPEN_LAYOUTS_4)
     assert max(worst.values()) <= 1e-5, worst  # the bound
-    _check_roundtrip(results_open)
+    _check_roundtrip([r for r in results_open if r["family"] != MXFP4])
     rows = _reads_by_rank(results_open, {"ep": 2})
     for family in OPEN:
         per_rank = 4 if family == "kimi_k2" else 2  # 8 or 4 experts

@@ -9,6 +9,7 @@ Rank functions loop over families and layouts inside one pool call and return nu
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -299,6 +300,7 @@ def check_layouts(root: str, families: list[str], layouts: list[dict]) -> list[d
     for family in families:
         ref = torch.load(rootp / f"{family}.logits.pt", weights_only=True)
         for spec in layouts:
+            start = time.perf_counter()
             layout = _layout_kwargs(spec)
             mpu = parallel.initialize(layout)
             adapter = adapter_for(rootp / family)
@@ -320,6 +322,7 @@ def check_layouts(root: str, families: list[str], layouts: list[dict]) -> list[d
                 row["roundtrip"] = compare_tensors(rootp / family, out_dir)
                 row["files"] = sorted(p.name for p in out_dir.iterdir())
                 row["config_equal"] = _config_equal(rootp / family, out_dir)
+            row["seconds"] = time.perf_counter() - start
             results.append(row)
             parallel.destroy()
     return results
