@@ -120,7 +120,8 @@ class Adapter:
             raise LayoutError(
                 f"etp={layout.expert_tp}: this model's experts have biases, and megatron-core "
                 "supports expert biases only without tensor parallelism inside experts; set "
-                "parallel.etp=1 (experts whole on each rank, or split by ep).")
+                "parallel.etp=1 (`mdtk convert --etp 1`): experts whole on each rank, or split "
+                "by ep.")
 
     def transformer_config(self, layout: ParallelLayout, **overrides: Any):
         from toolkit.models import transformer_config
