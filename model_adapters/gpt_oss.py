@@ -1,13 +1,6 @@
-"""GPT-OSS (``GptOssForCausalLM``): GQA attention with biases and sinks (a learned per-head logit
-in every softmax: megatron-core's ``softmax_type='learnable'``, ``core_attention.softmax_offset``),
-sliding-window and full layers alternating (``layer_types``), YaRN RoPE (``hfconfig.yarn_kwargs``,
-``toolkit.models.yarn``), and experts with biases and a clamped SwiGLU: gate clamped above and
-up on both sides at ``swiglu_limit``, ``gate * sigmoid(1.702 gate) * (up + 1)`` (megatron-core's
-``activation_func_clamp_value``, ``glu_linear_offset``; quick GELU). Routing: the router's
-logits (with bias) top-k, softmax over them. The experts are stored fused, ``[in, out]`` with
-gate / up columns interleaved (``mapping.stacked.fused_experts``), and in the published
-checkpoints as MXFP4 blocks (``toolkit.checkpoint.mxfp4``: dequantized on read).
-"""
+"""GPT-OSS (``GptOssForCausalLM``): attention sinks, sliding / full layers, YaRN, biased experts
+with a clamped SwiGLU, stored fused (``mapping.stacked``) and published as MXFP4
+(``checkpoint.mxfp4``). docs/adding-a-model.md says how each piece maps to megatron-core."""
 
 from __future__ import annotations
 
@@ -32,8 +25,7 @@ class GptOss(Family):
                 "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                 "num_experts_per_tok": 4, "swiglu_alpha": ALPHA, "swiglu_limit": 7.0,
                 "attention_bias": True}
-    moe = Moe(experts_key=("num_local_experts", "num_experts"), ffn_key="intermediate_size",
-              renormalise=True)
+    moe = Moe(experts_key=("num_local_experts",), ffn_key="intermediate_size", renormalise=True)
     mlp_bias = True  # the experts always have biases; attention_bias must agree (one switch)
     gated_activations = ("quick_gelu",)
 
@@ -45,9 +37,8 @@ class GptOss(Family):
         types, layers = self.layer_types(hf), self.value(hf, "num_hidden_layers")
         kinds = {"sliding_attention", "full_attention"}
         if len(types) != layers or not set(types) <= kinds:
-            raise UnsupportedModel(
-                f"layer_types={types}: GPT-OSS layers are built as one of {sorted(kinds)}, one "
-                f"per layer ({layers}); fix layer_types in config.json.")
+            raise UnsupportedModel(f"layer_types={types}: GPT-OSS layers are one of "
+                                   f"{sorted(kinds)}, {layers} of them; fix it in config.json.")
         super().check(hf)
 
     def activation(self, hf: Any) -> str:

@@ -390,7 +390,7 @@ _OPEN_ARCH = {"gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
 @pytest.mark.parametrize(("family", "changes", "match"), [
     ("gpt_oss", {"swiglu_alpha": 1.0}, r"swiglu_alpha=1.0: .*quick GELU"),
     ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"] * 2},
-     r"layer_types=\[.*'chunked_attention'.*fix layer_types"),
+     r"layer_types=\[.*'chunked_attention'.*fix it in config.json"),
     ("gpt_oss", {"rope_parameters": {**ac.GPT_OSS_YARN, "attention_factor": 0.5}},
      r"'attention_factor': 0.5"),
     ("glm4_moe", {"topk_method": "greedy"}, r"routing \{'topk_method': 'greedy'\}"),
