@@ -14,14 +14,15 @@ import dataclasses
 from typing import Any
 
 from toolkit.adapters import Dims, Family, Moe, UnsupportedModel, register
-from toolkit.adapters.hfconfig import mla_rope_kwargs
-from toolkit.mapping import Replicated, builders
+from toolkit.adapters.hfconfig import mla_rope_kwargs, sigmoid_routing
+from toolkit.mapping import builders
 
 
 @register
 class DeepseekV3(Family):
     architectures = ("DeepseekV3ForCausalLM",)
-    model_types = ("deepseek_v3",)
+    model_types = ("deepseek_v3", "kimi_k2")
+    transformers_types = {"kimi_k2": "deepseek_v3"}  # Kimi K2: DeepSeek-V3 at other sizes
     defaults = {**Family.defaults, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
                 "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "rope_interleave": True}
     moe = Moe(experts_key=("n_routed_experts", "num_local_experts"), dense_layers=True)
@@ -37,31 +38,25 @@ class DeepseekV3(Family):
             router_bias=True)
 
     def check(self, hf: Any) -> None:
-        v, top_k = self.value, self.dims(hf).top_k
+        v = self.value
         ok = {"rope_interleave": v(hf, "rope_interleave"),
               "attention_bias": not v(hf, "attention_bias"),
-              "norm_topk_prob": v(hf, "norm_topk_prob") or top_k == 1,
-              "rms_norm_eps": v(hf, "rms_norm_eps") == 1e-6,  # HF's latent norms use 1e-6
-              "topk_group": v(hf, "n_group") == 1 or top_k // v(hf, "topk_group") == 2,
-              "scoring_func": getattr(hf, "scoring_func", "sigmoid") == "sigmoid"}
+              "rms_norm_eps": v(hf, "rms_norm_eps") == 1e-6}  # HF's latent norms use 1e-6
         if bad := {k: getattr(hf, k, None) for k, good in ok.items() if not good}:
-            raise UnsupportedModel(f"DeepSeek-V3 config {bad}: megatron-core's MLA / router "
-                                   "cannot compute this as HF does (docs/models/deepseek_v3.md).")
+            raise UnsupportedModel(f"DeepSeek-V3 config {bad}: megatron-core's MLA cannot "
+                                   "compute this as HF does (docs/models/deepseek_v3.md).")
+        sigmoid_routing(hf, v, self.dims(hf).top_k)
         mla_rope_kwargs(hf)
         super().check(hf)
 
     def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
-        v, d = self.value, self.dims(hf)
+        d = self.dims(hf)
         return {**super().transformer_kwargs(hf), **mla_rope_kwargs(hf),
+                **sigmoid_routing(hf, self.value, d.top_k),
                 "multi_latent_attention": True, "kv_channels": d.head_dim,
                 "v_head_dim": d.head_dim, "q_lora_rank": d.q_lora or None,
                 "kv_lora_rank": d.kv_lora, "qk_head_dim": d.qk_nope,
-                "qk_pos_emb_head_dim": d.qk_rope, "moe_router_score_function": "sigmoid",
-                "moe_router_enable_expert_bias": True, "moe_router_pre_softmax": False,
-                "moe_router_topk_scaling_factor": float(v(hf, "routed_scaling_factor")),
-                "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
-                "moe_router_num_groups": v(hf, "n_group"),
-                "moe_router_group_topk": v(hf, "topk_group")}
+                "qk_pos_emb_head_dim": d.qk_rope}
 
     def model_kwargs(self, hf: Any) -> dict[str, Any]:  # MLA builds its own RoPE (not GPTModel)
         return {"max_sequence_length": self.value(hf, "max_position_embeddings"),
@@ -74,6 +69,5 @@ class DeepseekV3(Family):
     def mlp_rules(self, d: Dims, i: int, p: str) -> builders.Rules:
         if i in d.dense_layers:
             return super().mlp_rules(d, i, p)
-        bias = Replicated(p + "mlp.gate.e_score_correction_bias", (d.experts,))
-        return {**builders.router(p + "mlp.gate.weight", d), "mlp.router.expert_bias": bias,
+        return {**builders.scored_router(p + "mlp.gate.", d),
                 **builders.shared_experts(p + "mlp.shared_experts.", None, d.hidden, d.shared_ffn)}

@@ -97,10 +97,11 @@ def test_coalesce_merges_only_adjacent_regions():
 @pytest.mark.parametrize("layout", [
     dict(tp=1), dict(tp=2), dict(pp=2), dict(pp=2, vpp=2), dict(tp=2, pp=2), dict(tp=2, pp=4),
 ])
-@pytest.mark.parametrize("family", [*ac.tiny_configs(), *ac.tiny_moe_configs()])
+@pytest.mark.parametrize("family", [*ac.tiny_configs(), *ac.tiny_moe_configs(),
+                                    *ac.tiny_open_moe_configs()])
 def test_plans_tile_every_hf_tensor_exactly_once(family, layout):
     """Over all ranks of a layout, the pieces of distinct shards cover each HF element once."""
-    config = {**ac.tiny_configs(), **ac.tiny_moe_configs()}[family]
+    config = {**ac.tiny_configs(), **ac.tiny_moe_configs(), **ac.tiny_open_moe_configs()}[family]
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")
                             .replace("GPT2ForCausalLM", "GPT2LMHeadModel")
                             .replace("Gemma3Text", "Gemma3")]
@@ -380,3 +381,40 @@ def test_reader_bin_checkpoint(tmp_path):
         assert torch.equal(reader.read("a", ((1, 3), (0, 4))), sd["a"][1:3])
     with pytest.raises(CheckpointError, match="no weights"):
         HFReader(tmp_path)
+
+
+_OPEN_ARCH = {"gpt_oss": "GptOssForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+              "kimi_k2": "DeepseekV3ForCausalLM"}
+
+
+@pytest.mark.parametrize(("family", "changes", "match"), [
+    ("gpt_oss", {"swiglu_alpha": 1.0}, r"swiglu_alpha=1.0: .*quick GELU"),
+    ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"] * 2},
+     r"layer_types=\[.*'chunked_attention'.*fix it in config.json"),
+    ("gpt_oss", {"rope_parameters": {**ac.GPT_OSS_YARN, "attention_factor": 0.5}},
+     r"'attention_factor': 0.5"),
+    ("glm4_moe", {"topk_method": "greedy"}, r"routing \{'topk_method': 'greedy'\}"),
+    ("glm4_moe", {"topk_group": 2}, r"routing \{'topk_group': 2\}"),
+    ("kimi_k2", {"scoring_func": "softmax"}, r"routing \{'scoring_func': 'softmax'\}"),
+])
+def test_open_moe_refusals(family, changes, match):
+    """Issue 39's families: a setting megatron-core cannot compute as transformers does is one
+    UnsupportedModel naming the key (config.json as read: no transformers config class)."""
+    from toolkit.adapters import HFConfig
+
+    data = {**ac.tiny_open_moe_configs()[family].to_dict(), "architectures": [_OPEN_ARCH[family]]}
+    with pytest.raises(UnsupportedModel, match=match):
+        adapter_for(HFConfig({**data, **changes}))
+
+
+def test_gpt_oss_needs_etp_1():
+    """GPT-OSS's experts have biases: megatron-core has them only at etp=1; tp=2 alone (etp
+    defaults to tp) is refused naming parallel.etp, and etp=1 is accepted."""
+    from toolkit.adapters import HFConfig
+    from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+    adapter = adapter_for(HFConfig({**ac.tiny_open_moe_configs()["gpt_oss"].to_dict(),
+                                    "architectures": ["GptOssForCausalLM"]}))
+    with pytest.raises(LayoutError, match=r"etp=2: .*set parallel.etp=1"):
+        adapter.validate(ParallelLayout(tp=2))
+    adapter.validate(ParallelLayout(tp=2, etp=1))

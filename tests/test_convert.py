@@ -31,13 +31,15 @@ from toolkit.convert import convert, inspect
 from toolkit.parallel.layout import ParallelLayout as L
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = list({**ac.tiny_configs(), **ac.tiny_moe_configs()})
-MOE = set(ac.tiny_moe_configs())
+FAMILIES = list({**ac.tiny_configs(), **ac.tiny_moe_configs(), **ac.tiny_open_moe_configs()})
+MOE = {*ac.tiny_moe_configs(), *ac.tiny_open_moe_configs()}
 TOL = 1e-4
 
 
 def _layouts(family: str) -> tuple[L, L, L]:
     """Three different legacy layouts: A (first write), B (re-shard of A), C (from mcore)."""
+    if family == "gpt_oss":  # expert biases need etp=1, and the legacy format has etp == tp
+        return L(pp=2, ep=2), L(pp=2, ep=4), L(ep=2)
     if family in MOE:
         return L(tp=2, pp=2, ep=2), L(pp=2, ep=4), L(tp=2, ep=2)
     return L(tp=2, pp=2, vpp=2), L(pp=4), L(tp=2)
@@ -48,7 +50,7 @@ def _chain(src: Path, out: Path, family: str) -> dict:
     -> hf. Every format pair (and both same-format re-shards) appears once."""
     a, b, c = _layouts(family)
     kw = {"progress": False}
-    convert(src, out / "m_tp2", "mcore", L(tp=2), **kw)
+    convert(src, out / "m_tp2", "mcore", L(tp=2, etp=1 if family == "gpt_oss" else None), **kw)
     convert(out / "m_tp2", out / "m_tp1", "mcore", L(), vocab_multiple=1, **kw)  # least padding
     convert(out / "m_tp1", out / "hf_via_mcore", "hf", **kw)
     convert(src, out / "leg_a", "megatron-legacy", a, **kw)

@@ -21,7 +21,7 @@ TOL = 1e-4  # fp32, TF32 off: the same bound as the CPU adapter tests
 #: ``v_channels`` (q/k head size != v head size), so it gets the SDPA subclass that accepts them
 #: (toolkit.models.attention._latent); every other family uses plain SDPA. A family falling back
 #: to megatron-core's local DotProductAttention on the GPU would be a regression.
-LATENT = {"deepseek_v3"}
+LATENT = {"deepseek_v3", "kimi_k2"}  # Kimi K2: DeepSeek-V3's architecture
 
 
 def expected_core(family: str) -> str:
@@ -31,7 +31,7 @@ def expected_core(family: str) -> str:
 def test_cuda_logits_match_hf_every_family(tmp_path):
     """Every adapter family on the GPU (nccl, SDPA attention, no CPU redirects) vs transformers'
     own model on CPU in fp32: the numerical reference of the whole project."""
-    families = list(ac.tiny_configs()) + list(ac.tiny_moe_configs())
+    families = [*ac.tiny_configs(), *ac.tiny_moe_configs(), *ac.tiny_open_moe_configs()]
     ac.build_checkpoints(tmp_path)  # this process: HF references on CPU, before any CPU mode
     with RankPool(1, env={"MDTK_DEVICE": "cuda", "DS_ACCELERATOR": "cuda"}) as pool:
         (r,) = pool.run(ac.check_cuda_logits, str(tmp_path), families, timeout=600)

@@ -36,7 +36,7 @@ def tiny_configs() -> dict:
     """The adapter tests' tiny configs, plus variants that switch a declared feature."""
     import transformers as tf
 
-    configs = {**ac.tiny_configs(), **ac.tiny_moe_configs()}
+    configs = {**ac.tiny_configs(), **ac.tiny_moe_configs(), **ac.tiny_open_moe_configs()}
     moe = configs["qwen2_moe"].to_dict()
     moe.pop("layer_types", None)
     configs["qwen2_moe_sparse_step_2"] = tf.Qwen2MoeConfig(**{**moe, "decoder_sparse_step": 2})
@@ -55,7 +55,7 @@ def test_every_registered_family_has_a_tiny_config():
     covered = {c.architectures[0] for c in CONFIGS.values()}
     assert set(supported()) <= covered, f"add a tiny config for {set(supported()) - covered} " \
                                         "to tests/dist_checks/adapter_checks.py"
-    assert len(supported()) == 11
+    assert len(supported()) == 13  # issue 39: + GPT-OSS, GLM-4.5 (Kimi K2 is DeepSeek-V3)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

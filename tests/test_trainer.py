@@ -29,6 +29,7 @@ CASES_2 = [
     Case("pp2_vpp2", pp=2, vpp=2),
     Case("moe_ep2", model="moe", ep=2),
     Case("dsv3_ep2", model="dsv3", ep=2),
+    Case("gpt_oss_ep2", model="gpt_oss", ep=2),  # issue 39: sinks, biased clamped experts
     Case("tp2_odd_vocab", model="odd", tp=2),  # vocab 507 padded to 508
     Case("gemma3_tp2_sp", model="gemma3", tp=2, sp=True),  # post-norm grads summed over TP
     # ZeRO-0 with pp>1 is refused only while clipping is on (DeepSpeed's ZeRO-0 norm is wrong)
@@ -54,6 +55,7 @@ CASES_4 = [
 REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe"),
         Case("ref_noclip", overrides=("optim.clip_grad=0",)), Case("ref_phi3", model="phi3"),
         Case("ref_gemma3", model="gemma3"), Case("ref_dsv3", model="dsv3"),
+        Case("ref_gpt_oss", model="gpt_oss"),
         Case("ref_sft", mode="sft"), Case("ref_grads", zero=0, steps=1, grads=True)]
 LAZY = "dp2_zero0_log3"
 CASES_2_PARITY = [c for c in CASES_2 if not c.grads and c.name != LAZY]

@@ -9,6 +9,7 @@ Rank functions loop over families and layouts inside one pool call and return nu
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -83,6 +84,52 @@ def tiny_moe_configs() -> dict:
     }
 
 
+#: GPT-OSS's published YaRN (truncate false), scaled to the tiny context.
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+#: Kimi K2's published YaRN (beta_fast = beta_slow = 1), scaled to the tiny context.
+KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "mscale": 1.0,
+             "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0,
+             "original_max_position_embeddings": 64}
+
+
+def tiny_open_moe_configs() -> dict:
+    """Today's open MoE families (issue 39), checked at their own layouts (test_adapters.py):
+    GPT-OSS (sinks, sliding / full layers with a window of 5 < SEQ, YaRN, experts with biases
+    and a clamped SwiGLU whose limit 0.5 the random weights pass), GLM-4.5 (partial RoPE, q/k
+    norm, q/k/v biases, sigmoid routing in 2 groups, shared expert, layer 0 dense) and Kimi K2
+    (DeepSeek-V3 with one group and its own YaRN; config.json says ``kimi_k2``)."""
+    import transformers as tf
+
+    common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2, max_position_embeddings=256)
+    return {
+        "gpt_oss": tf.GptOssConfig(**common, head_dim=16, intermediate_size=64,
+                                   num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                                   swiglu_limit=0.5, rope_parameters=GPT_OSS_YARN),
+        "glm4_moe": tf.Glm4MoeConfig(**common, intermediate_size=96, moe_intermediate_size=40,
+                                     n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                     topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                                     routed_scaling_factor=2.5, attention_bias=True,
+                                     use_qk_norm=True, partial_rotary_factor=0.5),
+        "kimi_k2": tiny_deepseek_v3(n_routed_experts=8, n_group=1, topk_group=1,
+                                    num_experts_per_tok=3, routed_scaling_factor=2.827,
+                                    rope_parameters=KIMI_YARN),
+    }
+
+
+def as_kimi_k2(path: Path) -> None:
+    """Rewrite a saved DeepSeek-V3 folder's config.json as Kimi K2 publishes it: its own model
+    type, read by remote code that is DeepSeek-V3's (transformers has no ``kimi_k2``)."""
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    config.update(model_type="kimi_k2", auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 #: DeepSeek-V3's published YaRN settings, scaled to the tiny context.
 DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
              "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
@@ -132,6 +179,43 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
+def make_mxfp4(root: Path, source: str = "gpt_oss") -> Path:
+    """``root/<source>_mxfp4``: the tiny GPT-OSS with its experts in GPT-OSS's published MXFP4
+    layout (random FP4 nibbles, scales 2^-9..2^-2; everything else as ``source``), and
+    ``<source>_mxfp4.logits.pt``: the logits of transformers' own loading of it (its ``Mxfp4Config``
+    dequantizes on CPU), the reference mdtk's dequantize-on-read must give."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    src, dst = root / source, root / f"{source}_mxfp4"
+    dst.mkdir()
+    g = torch.Generator().manual_seed(5)
+    weights = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            weights[name] = t
+            continue
+        experts, inn, out = t.shape
+        weights[name + "_blocks"] = torch.randint(0, 256, (experts, out, inn // 32, 16),
+                                                  generator=g, dtype=torch.uint8)
+        weights[name + "_scales"] = torch.randint(118, 126, (experts, out, inn // 32),
+                                                  generator=g, dtype=torch.uint8)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    ref = AutoModelForCausalLM.from_pretrained(
+        dst, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=Mxfp4Config(dequantize=True))
+    with torch.no_grad():
+        torch.save(ref(tokens()).logits, root / f"{dst.name}.logits.pt")
+        experts = ref.model.layers[0].mlp.experts
+        torch.save({"gate_up_proj": experts.gate_up_proj.clone(),
+                    "down_proj": experts.down_proj.clone()}, root / f"{dst.name}.layer0.pt")
+    return dst
+
+
 def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, Path]:
     """Save each tiny model to ``root/<name>`` and its HF logits to ``root/<name>.logits.pt``."""
     from transformers import AutoModelForCausalLM
@@ -142,7 +226,7 @@ def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, P
         raise RuntimeError("the HF references must be built in a process without mdtk's CPU "
                            "mode: transformers loads models with garbage RoPE buffers after it.")
     out = {}
-    configs = {**tiny_configs(), **tiny_moe_configs()}
+    configs = {**tiny_configs(), **tiny_moe_configs(), **tiny_open_moe_configs()}
     for i, (name, config) in enumerate(configs.items()):
         if names and name not in names:
             continue
@@ -164,8 +248,12 @@ def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, P
         with torch.no_grad():
             logits = ref(tokens()).logits
         torch.save(logits, root / f"{name}.logits.pt")
-        if name == "deepseek_v3":
+        if name in ("deepseek_v3", "glm4_moe"):
             add_mtp_layer(path, config)
+        if name == "kimi_k2":
+            as_kimi_k2(path)
+        if name == "gpt_oss":
+            make_mxfp4(root)
         out[name] = path
     return out
 
@@ -204,18 +292,19 @@ def check_layouts(root: str, families: list[str], layouts: list[dict]) -> list[d
         export_hf,
         fill_chunks,
         forward_logits,
+        open_weights,
     )
-    from toolkit.checkpoint.hf import HFReader
 
     rootp = Path(root)
     results = []
     for family in families:
         ref = torch.load(rootp / f"{family}.logits.pt", weights_only=True)
         for spec in layouts:
+            start = time.perf_counter()
             layout = _layout_kwargs(spec)
             mpu = parallel.initialize(layout)
             adapter = adapter_for(rootp / family)
-            with HFReader(rootp / family) as reader:
+            with open_weights(adapter, rootp / family) as reader:
                 chunks = build_model(adapter, mpu.layout)
                 fill_chunks(chunks, adapter, reader)
                 reads = [(r.name, r.shape, r.nbytes) for r in reader.reads]
@@ -233,6 +322,7 @@ def check_layouts(root: str, families: list[str], layouts: list[dict]) -> list[d
                 row["roundtrip"] = compare_tensors(rootp / family, out_dir)
                 row["files"] = sorted(p.name for p in out_dir.iterdir())
                 row["config_equal"] = _config_equal(rootp / family, out_dir)
+            row["seconds"] = time.perf_counter() - start
             results.append(row)
             parallel.destroy()
     return results
@@ -355,8 +445,7 @@ def check_cuda_logits(root: str, families: list[str], cp: int = 1) -> dict[str, 
     ``build_checkpoints``: max abs diff."""
     from toolkit import parallel
     from toolkit.adapters import adapter_for
-    from toolkit.adapters.live import build_model, fill_chunks, forward_logits
-    from toolkit.checkpoint.hf import HFReader
+    from toolkit.adapters.live import build_model, fill_chunks, forward_logits, open_weights
     from toolkit.parallel import ParallelLayout
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -367,7 +456,7 @@ def check_cuda_logits(root: str, families: list[str], cp: int = 1) -> dict[str, 
         ref = torch.load(rootp / f"{family}.logits.pt", weights_only=True)
         mpu = parallel.initialize(ParallelLayout(cp=cp))
         adapter = adapter_for(rootp / family, dtype=torch.float32)
-        with HFReader(rootp / family) as reader:
+        with open_weights(adapter, rootp / family) as reader:  # GPT-OSS: its fused experts
             chunks = build_model(adapter, mpu.layout)
             fill_chunks(chunks, adapter, reader)
         chunks = [c.cuda() for c in chunks]

@@ -27,7 +27,8 @@ PRETRAIN = "bundled:examples/data/pretrain.jsonl"
 SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
-VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512, "dsv3": 512}
+VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512, "dsv3": 512,
+         "gpt_oss": 512}
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Case:
     name: str
     model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral) | phi3
     #                       | gemma3 | dsv3 (DeepSeek-V3: MLA + sigmoid-routed experts)
+    #                       | gpt_oss (sinks, sliding window, biased clamped experts)
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -82,6 +84,9 @@ def make_assets(root: Path) -> dict[str, str]:
         "dsv3": tiny_deepseek_v3(**{**common, "intermediate_size": 96, "num_hidden_layers": 2,
                                     "num_key_value_heads": 4, "rms_norm_eps": 1e-6},
                                  vocab_size=VOCAB["dsv3"]),
+        "gpt_oss": tf.GptOssConfig(**{**common, "intermediate_size": 64, "num_hidden_layers": 2},
+                                   head_dim=16, vocab_size=VOCAB["gpt_oss"], num_local_experts=4,
+                                   num_experts_per_tok=2, sliding_window=8),
     }
     out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
     for i, (name, config) in enumerate(configs.items()):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.adapters.family import Dims, Family
-from toolkit.adapters.hfconfig import UnsupportedModel, declared_dtype
+from toolkit.adapters.hfconfig import HFConfig, UnsupportedModel, declared_dtype
 from toolkit.adapters.registry import SEQ_CLS, family_of
 from toolkit.checkpoint.torchfree import dtypes
 from toolkit.checkpoint.torchfree.dtypes import to_torch
@@ -34,7 +35,8 @@ from toolkit.mapping import (
     padded_vocab_size,
     plan_rank,
 )
-from toolkit.parallel.layout import ParallelLayout
+from toolkit.mapping.stacked import Stack
+from toolkit.parallel.layout import LayoutError, ParallelLayout
 
 
 class CheckpointMismatch(UserError):
@@ -50,11 +52,17 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-#: HF activation name -> its function in ``torch.nn.functional`` (``gelu_tanh``: above); by
-#: name, so that checking a config (every conversion does) does not import torch.
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """HF ``quick_gelu``, ``x * sigmoid(1.702 x)``: GPT-OSS's expert activation (its
+    ``swiglu_alpha``), as transformers computes it (megatron-core's own is jit-compiled)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+#: HF activation name -> its function in ``torch.nn.functional`` (``gelu_tanh``, ``quick_gelu``:
+#: above); by name, so that checking a config (every conversion does) does not import torch.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
-               "relu": "relu"}
+               "relu": "relu", "quick_gelu": "quick_gelu"}
 
 
 def check_activation(name: str) -> str:
@@ -68,7 +76,8 @@ def check_activation(name: str) -> str:
 def activation(name: str) -> Any:
     """The torch function of an HF activation name (families declare activations by name)."""
     fn = ACTIVATIONS[check_activation(name)]
-    return gelu_tanh if fn == "gelu_tanh" else getattr(torch.nn.functional, fn)
+    own = {"gelu_tanh": gelu_tanh, "quick_gelu": quick_gelu}
+    return own[fn] if fn in own else getattr(torch.nn.functional, fn)
 
 
 @dataclass
@@ -86,11 +95,20 @@ class Adapter:
     #: ``score.weight`` [1, hidden], replicated; ``toolkit.models.score_head``)
     head: str = "lm"
     pad_token_id: int | None = None  # a reward model's export: the tokenizer's, when it has one
+    #: The config.json as read, when transformers reads it with another model type's class
+    #: (``Family.transformers_types``: Kimi K2 as DeepSeek-V3): exports write it back as read.
+    written_config: Any = None
     _tables: dict[int, Table] = field(default_factory=dict, repr=False)
 
     @cached_property
     def dims(self) -> Dims:
         return self.family.dims(self.hf_config)
+
+    @cached_property
+    def stacks(self) -> list[Stack]:
+        """Stored tensors that hold many mapped tensors (GPT-OSS's fused experts): the HF
+        folder's readers and writers apply them (``toolkit.checkpoint.stacked``)."""
+        return self.family.stacks(self.hf_config, self.dims)
 
     @property
     def architecture(self) -> str:
@@ -110,6 +128,12 @@ class Adapter:
         layout.validate_model(num_layers=d.layers, num_heads=d.heads, num_query_groups=d.groups,
                               num_experts=d.experts or None, vocab_size=d.vocab,
                               ffn_hidden_size=d.ffn)
+        if d.experts and d.linear_bias and layout.expert_tp != 1:
+            raise LayoutError(
+                f"etp={layout.expert_tp}: this model's experts have biases, and megatron-core "
+                "supports expert biases only without tensor parallelism inside experts; set "
+                "parallel.etp=1 (`mdtk convert --etp 1`): experts whole on each rank, or split "
+                "by ep.")
 
     def transformer_config(self, layout: ParallelLayout, **overrides: Any):
         from toolkit.models import transformer_config
@@ -232,9 +256,16 @@ class Adapter:
         return [n for n in stored if self.family.kept_aside(self.hf_config, n)]
 
     def export_config(self, dtype: torch.dtype | None = None) -> Any:
-        """The HF config to write next to exported weights (dtype updated; a reward model's:
-        HF's sequence-classification class of the family, one label)."""
-        cfg = export_config(self.hf_config, dtype or self.hf_dtype)
+        """The HF config to write next to exported weights (dtype updated); a config
+        transformers reads with another model type's class is written back as read; a reward
+        model's: HF's sequence-classification class of the family, one label."""
+        if self.written_config is not None:
+            from toolkit.adapters.spec import config_text
+
+            cfg = HFConfig(json.loads(config_text(self.written_config,
+                                                  dtype or self.hf_dtype)))
+        else:
+            cfg = export_config(self.hf_config, dtype or self.hf_dtype)
         if self.head == "score":
             base = self.architecture.removesuffix(SEQ_CLS).removesuffix("ForCausalLM")
             cfg.architectures = [base + SEQ_CLS]

@@ -35,6 +35,7 @@ from toolkit.adapters.hfconfig import (
 )
 from toolkit.mapping import Replicated, Table, builders, vocab
 from toolkit.mapping.builders import SWIGLU, Rules
+from toolkit.mapping.stacked import Stack
 
 _REQUIRED = object()
 
@@ -101,6 +102,7 @@ class Dims:
     q_lora: int = 0  # latent size of queries; 0: one q_proj
     qk_nope: int = 0  # per-head q/k size without RoPE
     qk_rope: int = 0  # per-head q/k RoPE size (one RoPE key shared by all heads)
+    sinks: bool = False  # a learned per-head logit in every softmax (GPT-OSS's attention sinks)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -135,6 +137,9 @@ class Family:
 
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()  # config.json ``model_type`` values
+    #: Model types transformers does not know, by the type whose config class reads them
+    #: (checkpoints published with remote code: Kimi K2's ``kimi_k2`` is ``deepseek_v3``).
+    transformers_types: ClassVar[dict[str, str]] = {}
     #: Prefix of the base model's names; hub checkpoints saved from the base class lack it
     #: (GPT-2's ``h.0.ln_1.weight`` instead of ``transformer.h.0.ln_1.weight``).
     base_prefix: ClassVar[str] = "model."
@@ -317,6 +322,11 @@ class Family:
         return {**out, **rope_kwargs(hf)}
 
     # -- the mapping table ----------------------------------------------------------------------
+    def stacks(self, hf: Any, d: Dims) -> list[Stack]:
+        """Stored tensors that hold many of the table's tensors (``toolkit.mapping.stacked``:
+        GPT-OSS's fused experts); none by default."""
+        return []
+
     def attention_rules(self, d: Dims, p: str) -> Rules:
         return builders.attention(p + "self_attn.", d)
 

@@ -289,8 +289,7 @@ def mla_rope_kwargs(hf: Any) -> dict[str, Any]:
     if kind != "yarn":
         raise UnsupportedModel(f"rope_type={kind!r}: multi-latent attention supports default and "
                                "yarn RoPE (megatron-core's MLA rope_type 'rope' / 'yarn').")
-    orig = p.get("original_max_position_embeddings") or hf.max_position_embeddings
-    factor = p.get("factor") or hf.max_position_embeddings / orig
+    y = _yarn(hf, p)
     mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
     bad = {k: p[k] for k in ("attention_factor",) if p.get(k) is not None}
     if p.get("truncate", True) is not True:
@@ -302,9 +301,71 @@ def mla_rope_kwargs(hf: Any) -> dict[str, Any]:
                                "(MLA) has no such setting; supported: factor, mscale with "
                                "mscale_all_dim, beta_fast, beta_slow, original_max_position_"
                                "embeddings.")
-    return {**out, "rope_type": "yarn", "rotary_scaling_factor": float(factor),
-            "original_max_position_embeddings": int(orig),
-            "beta_fast": float(p.get("beta_fast") or 32),
-            "beta_slow": float(p.get("beta_slow") or 1),
+    return {**out, "rope_type": "yarn", "rotary_scaling_factor": y["factor"],
+            "original_max_position_embeddings": y["original"], "beta_fast": y["beta_fast"],
+            "beta_slow": y["beta_slow"],
             "mscale": float(mscale) if mscale and mscale_all else 1.0,
             "mscale_all_dim": float(mscale_all or 0.0)}
+
+
+def _yarn(hf: Any, p: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's factor, original context and ramp bounds as HF's ``_compute_yarn_parameters``
+    reads them (a missing factor: the context ratio, as DeepSeek-V3 configs mean it)."""
+    orig = p.get("original_max_position_embeddings") or hf.max_position_embeddings
+    return {"factor": float(p.get("factor") or hf.max_position_embeddings / orig),
+            "original": int(orig), "beta_fast": float(p.get("beta_fast") or 32),
+            "beta_slow": float(p.get("beta_slow") or 1)}
+
+
+def yarn_kwargs(hf: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """YaRN RoPE (``rope_type: yarn``, GPT-OSS) as megatron-core's ``GPTModel`` computes it:
+    its arguments and the ``YarnTransformerConfig`` fields (``toolkit.models.yarn``); any other
+    RoPE: ``rope_kwargs`` and no fields.
+
+    Both libraries take the inverse frequencies from the same ramp (``truncate`` is megatron-
+    core's ``correction_range_round_to_int``) and scale cos / sin by ``get_mscale(factor)``, or
+    by ``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`` when both are set.
+    Refused: an explicit ``attention_factor`` and partial rotation (megatron-core's YaRN turns
+    the whole head)."""
+    p = rope_parameters(hf)
+    if p.get("rope_type") != "yarn":
+        return rope_kwargs(hf), {}
+    partial = p.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    bad = {k: p[k] for k in ("attention_factor",) if p.get(k) is not None}
+    if partial not in (None, 1.0):
+        bad["partial_rotary_factor"] = partial
+    if bad:
+        raise UnsupportedModel(f"yarn rope_parameters {bad}: megatron-core's GPTModel YaRN has "
+                               "no such setting.")
+    y, both = _yarn(hf, p), bool(p.get("mscale") and p.get("mscale_all_dim"))
+    return ({"position_embedding_type": "yarn", "rotary_base": float(p["rope_theta"])},
+            {"yarn_rotary_scaling_factor": y["factor"],
+             "yarn_original_max_position_embeddings": y["original"],
+             "yarn_beta_fast": y["beta_fast"], "yarn_beta_slow": y["beta_slow"],
+             "yarn_mscale": float(p["mscale"]) if both else None,
+             "yarn_mscale_all_dim": float(p["mscale_all_dim"]) if both else None,
+             "yarn_correction_range_round_to_int": bool(p.get("truncate", True))})
+
+
+def sigmoid_routing(hf: Any, value: Callable[[Any, str], Any], top_k: int) -> dict[str, Any]:
+    """DeepSeek-V3's routing (also GLM-4.5's and Kimi K2's) as megatron-core's router arguments:
+    sigmoid scores plus the ``e_score_correction_bias`` (the router's ``expert_bias``) choose
+    the experts, group-limited (``n_group`` groups scored by their top-2 sum, ``topk_group``
+    kept; megatron-core scores a group by its top ``top_k // topk_group``), the unbiased scores
+    of the chosen experts renormalised, times ``routed_scaling_factor``; no auxiliary loss (HF
+    has none). ``value(hf, key)``: the family's reading of a key (its defaults). Refuses the
+    settings megatron-core cannot compute as HF does."""
+    ok = {"norm_topk_prob": value(hf, "norm_topk_prob") or top_k == 1,
+          "topk_group": value(hf, "n_group") == 1 or top_k // value(hf, "topk_group") == 2,
+          "scoring_func": getattr(hf, "scoring_func", "sigmoid") == "sigmoid",
+          "topk_method": getattr(hf, "topk_method", "noaux_tc") == "noaux_tc"}
+    if bad := {k: getattr(hf, k, None) for k, good in ok.items() if not good}:
+        raise UnsupportedModel(f"routing {bad}: megatron-core's router cannot compute this as HF "
+                               "does (sigmoid scores with score-correction bias, renormalised "
+                               "top-k, groups scored by their top-2 experts).")
+    return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_pre_softmax": False,
+            "moe_router_topk_scaling_factor": float(value(hf, "routed_scaling_factor")),
+            "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+            "moe_router_num_groups": value(hf, "n_group"),
+            "moe_router_group_topk": value(hf, "topk_group")}

@@ -21,6 +21,8 @@ from toolkit.adapters.spec import ConfigFile, ModelSpec
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import GENERATION_CONFIG, HFReader, open_reader
 from toolkit.checkpoint.hf_writer import HFWriter
+from toolkit.checkpoint.source import TensorSource
+from toolkit.checkpoint.stacked import StackingWriter
 from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
 from toolkit.parallel.layout import LayoutError, ParallelLayout
@@ -118,14 +120,24 @@ def load_hf(
                               "description without one.")
     adapter = spec.adapter(dtype, vocab_multiple, head)
     adapter.validate(layout or ParallelLayout())
-    # fp8 weights: dequantized into the parameters' dtype
-    with open_reader(spec.source, spec.config, adapter.params_dtype) as reader:
+    # fp8 / mxfp4 weights: dequantized into the parameters' dtype
+    with open_weights(adapter, spec.source, spec.config) as reader:
         names = adapter.match_checkpoint({n: reader.shape(n) for n in reader.names})
         active = layout_in_use(layout)
         adapter.validate(active)
         chunks = build_model(adapter, active, **config_overrides)
         fill_chunks(chunks, adapter, reader, names=names)
     return chunks, adapter
+
+
+def open_weights(adapter: Adapter, folder: str | Path, config: Any = None) -> TensorSource:
+    """The slice reader of ``adapter``'s HF folder (``config``: its config.json as read; by
+    default the adapter's): quantized weights dequantized into the parameters' dtype, members
+    of stacked tensors (GPT-OSS's experts) under their own names."""
+    hf = config if config is not None else adapter.hf_config
+    return open_reader(folder, hf if hasattr(hf, "get") else hf.to_dict(),
+                       adapter.params_dtype, stacks=adapter.stacks,
+                       base_prefix=adapter.family.base_prefix)
 
 
 #: Persistent buffers that are checkpoint weights (DeepSeek's ``e_score_correction_bias``).
@@ -213,7 +225,7 @@ def export_hf(
     table = adapter.table(coords[0].tp)
     params = _params(chunks)
     dtype = to_torch(dtype or adapter.hf_dtype)
-    writer = _open_writer(out_dir, max_shard_bytes, overwrite, dst)
+    writer = _open_writer(out_dir, max_shard_bytes, overwrite, dst, adapter.stacks)
     written: set[str] = set()
     try:
         for key, rule in table.items():
@@ -260,13 +272,15 @@ def _owners(adapter: Adapter
     return coords, owners
 
 
-def _open_writer(out_dir: str | Path, max_shard_bytes: int, overwrite: bool, dst: int
-                 ) -> HFWriter | None:
+def _open_writer(out_dir: str | Path, max_shard_bytes: int, overwrite: bool, dst: int,
+                 stacks: Any = ()) -> HFWriter | StackingWriter | None:
     """The writer on ``dst`` (None elsewhere); a failure to open it is raised on every rank."""
     writer, problem = None, [None]
     if dist.get_rank() == dst:
         try:
             writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+            if stacks:  # GPT-OSS's experts: members gathered into their stored tensors
+                writer = StackingWriter(writer, stacks)
         except (OSError, ValueError) as err:
             problem = [f"{type(err).__name__}: {err}"]
     dist.broadcast_object_list(problem, src=dst)  # fail on every rank, not only on dst

@@ -64,6 +64,7 @@ class ModelShape:
     q_lora: int = 0
     qk_nope: int = 0
     qk_rope: int = 0
+    sinks: bool = False  # a learned logit per head in every softmax (GPT-OSS)
     name: str = "model"
     #: The adapter's vocab padding: megatron-core's vocab is a multiple of ``vocab_multiple * tp``
     #: (``toolkit.mapping.padded_vocab_size``; 1 = the adapter's default, the least padding).
@@ -83,7 +84,7 @@ class ModelShape:
             top_k=d.top_k,
             moe_ffn=d.ffn if d.experts else 0, shared_ffn=d.shared_ffn, shared_gate=d.shared_gate,
             router_bias=d.router_bias, moe_layers=d.moe_layers, kv_lora=d.kv_lora,
-            q_lora=d.q_lora, qk_nope=d.qk_nope, qk_rope=d.qk_rope, name=name,
+            q_lora=d.q_lora, qk_nope=d.qk_nope, qk_rope=d.qk_rope, sinks=d.sinks, name=name,
         )
 
     # -- derived -----------------------------------------------------------------------------
@@ -163,6 +164,8 @@ class ModelShape:
         if self.qk_norm:
             yield TensorSpec(f"l{i}.q_norm", self.head_dim, REP, i)
             yield TensorSpec(f"l{i}.k_norm", self.head_dim, REP, i)
+        if self.sinks:
+            yield TensorSpec(f"l{i}.sinks", self.heads, COL, i)
 
     def _mla_tensors(self, i: int) -> Iterator[TensorSpec]:
         """DeepSeek's attention: down projections (column-parallel in megatron-core), latent
@@ -180,7 +183,10 @@ class ModelShape:
         yield TensorSpec(f"l{i}.o", n * v * h, ROW, i)
 
     def _mlp_numel(self, ffn: int) -> int:
-        return (3 if self.gated_mlp else 2) * self.hidden * ffn
+        """An MLP's elements (an expert's: the model's MLP biases included)."""
+        n_in = 2 if self.gated_mlp else 1
+        bias = n_in * ffn + self.hidden if self.mlp_bias else 0
+        return (n_in + 1) * self.hidden * ffn + bias
 
     def _mlp_tensors(self, prefix: str, ffn: int, i: int) -> Iterator[TensorSpec]:
         h = self.hidden

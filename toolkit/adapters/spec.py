@@ -244,7 +244,7 @@ class ModelSpec:
         if "transformers" not in self._cache:
             from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-            model_type = self.config.get("model_type")
+            model_type = self.transformers_type
             if model_type not in CONFIG_MAPPING:
                 raise UnsupportedModel(f"{self.config.origin()}: model_type={model_type!r} is "
                                        "not a transformers model type.")
@@ -253,6 +253,24 @@ class ModelSpec:
                 made._name_or_path = str(self.source)
             self._cache["transformers"] = made
         return self._cache["transformers"]
+
+    @property
+    def transformers_type(self) -> str | None:
+        """The model type whose transformers config class reads this config: its own, or the
+        one its family names for a type transformers does not know (Kimi K2's ``kimi_k2``,
+        published with remote code, is DeepSeek-V3's)."""
+        model_type = self.config.get("model_type")
+        try:
+            types = self.family.transformers_types
+        except UnsupportedModel:  # no family: transformers' own type, if it knows it
+            return model_type
+        return types.get(model_type, model_type)
+
+    @property
+    def foreign(self) -> bool:
+        """transformers reads this config with another model type's class: write it back as
+        read (its own remote code reads it), never as transformers would render it."""
+        return self.transformers_type != self.config.get("model_type")
 
     def adapter(self, dtype: Any = None, vocab_multiple: int = 1, head: str = "lm") -> Any:
         """The mapping (``toolkit.adapters.Adapter``) with megatron-core parameters in ``dtype``
@@ -274,6 +292,8 @@ class ModelSpec:
                 family_for_config(hf).check(hf)  # transformers' own would raise a traceback
                 hf = self.transformers_config()
             self._cache[key] = bind(hf, self.source, dtype, vocab_multiple)
+            if self.foreign:
+                self._cache[key].written_config = self.config
             record("mapping", type(self._cache[key].family).__name__)
         return self._cache[key]
 

@@ -25,11 +25,11 @@ from typing import Any
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.source import TensorSource
 from toolkit.checkpoint.torchfree import dtypes
+from toolkit.checkpoint.wrapped import WrappedReader
 from toolkit.lazy import torch
 
 SCALE = "_scale_inv"  # suffix of a weight's scale tensor: X.weight -> X.weight_scale_inv
 FP8 = dtypes.FLOAT8_E4M3
-_OUT = {"bfloat16": dtypes.BFLOAT16, "float16": dtypes.FLOAT16, "float32": dtypes.FLOAT32}
 
 
 def block_size(config: dict) -> tuple[int, int] | None:
@@ -42,8 +42,8 @@ def block_size(config: dict) -> tuple[int, int] | None:
     if method != "fp8":
         raise CheckpointError(
             f"quantization_config.quant_method={method!r} is not supported: mdtk reads fp8 "
-            "checkpoints with block scales (DeepSeek-V3's layout) only. Dequantize the "
-            "checkpoint with its own tools first.")
+            "checkpoints with block scales (DeepSeek-V3's layout) and mxfp4 experts (GPT-OSS's) "
+            "only. Dequantize the checkpoint with its own tools first.")
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(f"quantization_config.fmt={fmt!r}: only e4m3 (float8_e4m3fn) "
@@ -72,7 +72,7 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     return weight.float() * scale_inv.float()[rows][:, cols]
 
 
-class DequantizingReader:
+class DequantizingReader(WrappedReader):
     """A slice reader whose fp8 weights come out dequantized (see the module docstring)."""
 
     def __init__(self, inner: TensorSource, block: tuple[int, int], out_dtype: torch.dtype):
@@ -108,14 +108,6 @@ class DequantizingReader:
     def dequantize_to(self, dtype: torch.dtype) -> None:
         """Produce dequantized weights in ``dtype`` (the converter's ``--dtype``)."""
         self.out_dtype = dtype
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    @property
-    def reads(self) -> list:
-        return self.inner.reads
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.inner.shape(name))
@@ -155,14 +147,6 @@ class DequantizingReader:
             a = b
         return out
 
-    def close(self) -> None:
-        self.inner.close()
-
-    def __enter__(self) -> DequantizingReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def dequantizing(reader: TensorSource, config: dict, out_dtype: torch.dtype | None = None
@@ -176,12 +160,15 @@ def dequantizing(reader: TensorSource, config: dict, out_dtype: torch.dtype | No
         raise CheckpointError(f"{getattr(reader, 'path', '')}: {err}") from err
     if block is None:
         return reader
-    if out_dtype is None:
-        out_dtype = _OUT.get(str(config.get("dtype") or config.get("torch_dtype")),
-                             dtypes.BFLOAT16)
     try:
-        return DequantizingReader(reader, block, out_dtype)
+        return DequantizingReader(reader, block, out_dtype or declared_output(config))
     except BaseException:
         reader.close()
         raise
 
+
+def declared_output(config: Any) -> Any:
+    """The dtype a quantized checkpoint's weights come out in by default: its declared
+    ``dtype`` / ``torch_dtype`` when that is a 16- or 32-bit float type, else bf16."""
+    declared = str(config.get("dtype") or config.get("torch_dtype"))
+    return {"float32": dtypes.FLOAT32, "float16": dtypes.FLOAT16}.get(declared, dtypes.BFLOAT16)

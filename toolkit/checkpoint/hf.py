@@ -13,14 +13,17 @@ The writer is ``hf_writer.HFWriter``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from toolkit.checkpoint import CheckpointError, formats, fp8
+from toolkit.checkpoint import CheckpointError, formats, fp8, mxfp4
 from toolkit.checkpoint.safetensors_file import SafetensorsFile
-from toolkit.checkpoint.source import Opening
+from toolkit.checkpoint.source import Opening, TensorSource
+from toolkit.checkpoint.stacked import stacked
 from toolkit.lazy import torch
+from toolkit.mapping.stacked import Stack
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -201,23 +204,45 @@ def looks_like(path: Path) -> bool:
         (path / f).is_file() for f in (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE))
 
 
-def open_reader(path: str | Path, config: Any, out_dtype: torch.dtype | None = None
-                ) -> HFReader | fp8.DequantizingReader:
-    """The slice reader of an HF folder: ``HFReader``, wrapped in ``fp8.DequantizingReader``
-    when its ``config`` (the folder's config.json as read, a mapping) declares fp8 block
-    quantization (weights then come out in ``out_dtype``, default the checkpoint's dtype)."""
-    return fp8.dequantizing(HFReader(path), config, out_dtype)
+def open_reader(path: str | Path, config: Any, out_dtype: torch.dtype | None = None, *,
+                stacks: Sequence[Stack] = (), base_prefix: str = "") -> TensorSource:
+    """The slice reader of an HF folder: ``HFReader``, wrapped in a dequantizing reader when its
+    ``config`` (the folder's config.json as read, a mapping) declares fp8 block quantization
+    (``fp8``) or MXFP4 experts (``mxfp4``; weights then come out in ``out_dtype``, default the
+    checkpoint's dtype), then in ``stacked.StackedReader`` when the model stores ``stacks``."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method == mxfp4.METHOD:
+        reader = mxfp4.dequantizing(HFReader(path), config, out_dtype)
+    else:
+        reader = fp8.dequantizing(HFReader(path), config, out_dtype)
+    try:
+        return stacked(reader, stacks, base_prefix)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def bottom(reader: Any) -> Any:
+    """The innermost reader under any wrappers (the ``HFReader``)."""
+    while hasattr(reader, "inner"):
+        reader = reader.inner
+    return reader
 
 
 def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
-    """An HF folder as a source (``formats`` opener): its reader (dequantizing fp8 weights),
-    adapter and weight files."""
+    """An HF folder as a source (``formats`` opener): its reader (dequantizing quantized
+    weights, members of stacked tensors under their own names), adapter and weight files."""
     adapter = make_adapter(Path(path), {})  # first: config.json's own checks name its keys
-    reader = open_reader(path, _plain(adapter.hf_config))
-    info: dict = {"files": sorted(set(getattr(reader, "inner", reader).files.values()))}
-    if isinstance(reader, fp8.DequantizingReader):
-        info["quantization"] = (f"fp8 e4m3, {reader.block[0]}x{reader.block[1]} block scales "
-                                f"({len(reader.quantized)} weights, dequantized on read)")
+    reader = open_reader(path, _plain(adapter.hf_config), stacks=adapter.stacks,
+                         base_prefix=adapter.family.base_prefix)
+    info: dict = {"files": sorted(set(bottom(reader).files.values()))}
+    for layer in (reader, getattr(reader, "inner", None)):
+        if isinstance(layer, fp8.DequantizingReader):
+            info["quantization"] = (f"fp8 e4m3, {layer.block[0]}x{layer.block[1]} block scales "
+                                    f"({len(layer.quantized)} weights, dequantized on read)")
+        elif isinstance(layer, mxfp4.Mxfp4Reader):
+            info["quantization"] = (f"mxfp4 experts, 32-value blocks ({len(layer.quantized)} "
+                                    "weights, dequantized on read)")
     return Opening(reader, adapter, info)
 
 

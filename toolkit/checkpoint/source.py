@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from toolkit.mapping import Table
+    from toolkit.mapping.stacked import Stack
 
 __all__ = ["ModelAdapter", "ModelDims", "ModelFamily", "Opening", "Region", "TensorSource"]
 
@@ -69,6 +70,8 @@ class ModelDims(Protocol):
 class ModelFamily(Protocol):
     """What the readers and writers ask of a model family (``toolkit.adapters.Family``)."""
 
+    base_prefix: str  # the prefix checkpoints saved from the base model class lack
+
     def transformer_kwargs(self, hf: Any) -> dict[str, Any]: ...
 
     def model_kwargs(self, hf: Any) -> dict[str, Any]: ...
@@ -97,6 +100,11 @@ class ModelAdapter(Protocol):
 
     def table_at(self, padded_vocab: int) -> Table:
         """The mapping with the vocab padded to ``padded_vocab`` rows (a checkpoint's own)."""
+        ...
+
+    @property
+    def stacks(self) -> list[Stack]:
+        """Stored HF tensors holding many of the table's tensors (``toolkit.mapping.stacked``)."""
         ...
 
 

@@ -22,6 +22,7 @@ from toolkit.adapters.spec import ConfigFile
 from toolkit.checkpoint.hf import GENERATION_CONFIG
 from toolkit.checkpoint.hf_writer import HFWriter, TextFile
 from toolkit.checkpoint.pipeline import background, read_ahead
+from toolkit.checkpoint.stacked import StackingWriter, stored_plan
 from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.checkpoint.torchfree.segments import will_need
 from toolkit.convert.extras import Kept
@@ -46,16 +47,20 @@ def _write_hf(op: Opened, kept: Kept, dst: Path, dtype: torch.dtype | None, bar:
     out_dtype = dtype or dtype_of(next(iter(expected)))
     configs = _configs(op, out_dtype)  # a call; transformers' import, if any, runs meanwhile
     plan = {n: (tuple(s), dtype_of(n)) for n, s in expected.items()}
+    stacks = op.adapter.stacks  # GPT-OSS's fused experts: members gathered, then written
     writer = HFWriter(dst, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                      plan={**plan, **kept.plan(dtype)})
+                      plan=stored_plan({**plan, **kept.plan(dtype)}, stacks))
     writer.fsync = fsync
+    if stacks:
+        writer = StackingWriter(writer, stacks)
     segments = getattr(op.source, "segments", None)
     stored_dtype = op.dtype_of(None)
+    members = {m.name for stack in stacks for m in stack.members}  # never copied as bytes
 
     def produce(name: str) -> torch.Tensor | list:
         if name in kept.names:
             return kept.read(name, dtype)
-        if segments is not None and dtype_of(name) == stored_dtype(name):
+        if segments is not None and dtype_of(name) == stored_dtype(name) and name not in members:
             found = segments(op.names[name])
             if found is not None:
                 will_need(found)  # the disk reads them while the current tensor is copied
@@ -87,10 +92,12 @@ def _configs(op: Opened, dtype: torch.dtype) -> Callable[[], tuple[Any, Any]]:
     source's HF config folder, started now in a thread and awaited by the call."""
     spec = op.spec
     src = spec.source
-    if (src is not None and (src / GENERATION_CONFIG).is_file()
-            and "transformers_version" in spec.config):
+    generation = src is not None and (src / GENERATION_CONFIG).is_file()
+    if spec.foreign or (generation and "transformers_version" in spec.config):
+        # a model type transformers reads with another class (Kimi K2): written as read too
         found = (ConfigFile(spec.config, dtype),
-                 TextFile(GENERATION_CONFIG, (src / GENERATION_CONFIG).read_text()))
+                 TextFile(GENERATION_CONFIG, (src / GENERATION_CONFIG).read_text())
+                 if generation else None)
         return lambda: found
 
     def render() -> tuple[Any, Any]:

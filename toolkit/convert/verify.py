@@ -15,6 +15,7 @@ loaded by megatron-core's own ``dist_checkpointing.load``) and ``megatron-legacy
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,11 +49,19 @@ def _first_output(output: object) -> torch.Tensor:
 
 def run_hf(path: Path, tokens: torch.Tensor, model: ModelSpec | None = None) -> Run:
     """The transformers reference model (fp32, eager attention) loaded from ``path`` (by
-    transformers itself: ``model`` is not used)."""
+    transformers itself: ``model`` is not used). A config.json of a type transformers reads
+    with another type's class (Kimi K2's ``kimi_k2``: ``Family.transformers_types``) is given
+    as that class's config, so transformers' own model runs, never the folder's remote code."""
     from transformers import AutoModelForCausalLM
 
+    from toolkit.adapters.spec import ModelSpec
+
+    spec, native = ModelSpec.of(path), {}
+    if spec.foreign:  # its model_type too: transformers picks its checkpoint renames by it
+        native["config"] = copy.deepcopy(spec.transformers_config())
+        native["config"].model_type = spec.transformers_type
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                 attn_implementation="eager")
+                                                 attn_implementation="eager", **native)
     model.eval()
     base = model.base_model
     blocks = getattr(base, "layers", None) or base.h

@@ -121,6 +121,14 @@ def router(source: str, d: Sizes) -> Rules:
     return {"mlp.router.weight": Replicated(source, (d.experts, d.hidden))}
 
 
+def scored_router(gate: str, d: Sizes) -> Rules:
+    """A router choosing experts by scores plus a stored per-expert correction bias (DeepSeek-V3's
+    ``gate.e_score_correction_bias`` under the module ``gate``: megatron-core's
+    ``router.expert_bias`` buffer)."""
+    return {**router(gate + "weight", d),
+            "mlp.router.expert_bias": Replicated(gate + "e_score_correction_bias", (d.experts,))}
+
+
 def shared_experts(s: str, gate: str | None, hidden: int, ffn: int) -> Rules:
     """A shared expert (SwiGLU under ``s``, split over TP like a dense MLP) and, when ``gate``
     names one, its sigmoid gate ``[1, hidden]`` (megatron-core's ``moe_shared_expert_gate``)."""
@@ -131,9 +139,11 @@ def shared_experts(s: str, gate: str | None, hidden: int, ffn: int) -> Rules:
 
 
 def experts(block: str, count: int, hidden: int, ffn: int,
-            names: tuple[str, str, str] = SWIGLU) -> list[Rules]:
-    """Routed SwiGLU experts ``{block}{e}.<names>`` (split by expert-TP), one dict per expert."""
-    return [gated_mlp(f"{block}{e}.", hidden, ffn, names=names, to="") for e in range(count)]
+            names: tuple[str, str, str] = SWIGLU, *, bias: bool = False) -> list[Rules]:
+    """Routed SwiGLU experts ``{block}{e}.<names>`` (split by expert-TP), one dict per expert;
+    ``bias``: each projection's bias too (GPT-OSS)."""
+    return [gated_mlp(f"{block}{e}.", hidden, ffn, names=names, bias=bias, to="")
+            for e in range(count)]
 
 
 def mla_attention(a: str, hidden: int, heads: int, q_lora: int, kv_lora: int, qk_nope: int,

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_mlp_module_spec,
 )
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -30,6 +32,7 @@ from toolkit.models.attention import core_attention
 from toolkit.models.gpt import GPTModel
 from toolkit.models.kernels import Kernels
 from toolkit.models.norm import TorchNorm
+from toolkit.models.yarn import YarnTransformerConfig
 
 # Fused kernels that need CUDA (or apex / Transformer Engine). Off by default everywhere: mdtk
 # builds with the local spec, whose unfused paths are numerically the HF reference's.
@@ -58,6 +61,8 @@ def transformer_config(kernels: Kernels | None = None, **kwargs: Any) -> Transfo
         values.update(kernels.config_flags(values))
     if values.get("multi_latent_attention"):  # MLA's sizes and RoPE live in the subclass
         return MLATransformerConfig(**values)
+    if "yarn_rotary_scaling_factor" in values:  # GPTModel's YaRN reads these fields
+        return YarnTransformerConfig(**values)
     return TransformerConfig(**values)
 
 
@@ -105,6 +110,11 @@ def layer_spec(
         _mla_without_te()
         sub.sharded_state_dict_keys_map = dict(get_gpt_layer_local_spec(
             normalization=normalization).submodules.sharded_state_dict_keys_map)
+    experts = getattr(sub.mlp.submodules, "experts", None)
+    if num_experts and hasattr(getattr(experts, "submodules", None), "linear_fc2"):
+        # SequentialMLP: fc2 below; the spec objects are replaced, never edited in place
+        sub.mlp.submodules.experts = dataclasses.replace(experts, submodules=dataclasses.replace(
+            experts.submodules, linear_fc2=ExpertRowParallelLinear))
     if post_norms:
         if num_experts:
             raise ValueError("post_norms: not supported with experts.")
@@ -115,6 +125,21 @@ def layer_spec(
             sub.self_attention, module=gemma.LocalRopeSelfAttention,
             params={**sub.self_attention.params, "local_rotary_base": local_rotary_base})
     return spec
+
+
+class ExpertRowParallelLinear(RowParallelLinear):
+    """An expert's output projection. megatron-core 0.16.1's expert MLP adds a biased expert's
+    bias in place (``output += bias * per_token_scale``) to this layer's output, which at
+    etp=1 is the reduce Function's input returned as-is: a view autograd forbids modifying in
+    place, so training GPT-OSS's experts (biases) fails while a forward pass works. With a bias
+    to add, the output is returned as a tensor of its own (one copy of an expert's output);
+    experts without biases are unchanged."""
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        output, bias = super().forward(input_, *args, **kwargs)
+        if bias is not None and torch.is_grad_enabled():
+            output = output.clone()
+        return output, bias
 
 
 def _mla_without_te() -> None:

@@ -47,9 +47,15 @@ def check_model(cfg: TrainConfig) -> None:
 
 def check_parallel(cfg: TrainConfig) -> None:
     try:
-        cfg.parallel.layout()
+        layout = cfg.parallel.layout()
     except LayoutError as e:
         raise ConfigError(f"parallel: {e}") from None
+    if layout.tp > 1 and layout.expert_tp != layout.tp:
+        # measured (issue 39): at tp=2, etp=1 the losses leave the one-rank run's after step 1
+        raise ConfigError(
+            f"parallel.etp={layout.expert_tp} with tp={layout.tp}: the trainer reduces expert "
+            "gradients only with expert-TP equal to tp. Train with etp equal to tp, or split "
+            "the model by ep / pp / dp (models whose experts have biases, GPT-OSS: tp=1).")
 
 
 def check_deepspeed(cfg: TrainConfig) -> None:
