@@ -80,7 +80,40 @@ def tiny_moe_configs() -> dict:
         "qwen3_moe": tf.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48,
                                        head_dim=24, norm_topk_prob=True, mlp_only_layers=[2]),
         "deepseek_v3": tiny_deepseek_v3(),
+        "qwen3_next": tiny_qwen3_next(),
+        "llama4": tiny_llama4(),
     }
+
+
+def tiny_qwen3_next(**overrides):
+    """Qwen3-Next in small: both layer kinds (gated DeltaNet layers 0, 1, 3; gated attention
+    layer 2), 2 key heads x 2 value heads each (grouped values), head sizes 8 / 12, kernel 4,
+    partial RoPE 0.25 of head_dim 16, a gated shared expert, layer 1 dense (mlp_only_layers)."""
+    import transformers as tf
+
+    kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+              shared_expert_intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, num_experts=4,
+              num_experts_per_tok=2, mlp_only_layers=[1], linear_conv_kernel_dim=4,
+              linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
+              linear_num_value_heads=4, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+              layer_types=["linear_attention", "linear_attention", "full_attention",
+                           "linear_attention"])
+    return tf.Qwen3NextConfig(**{**kw, **overrides})
+
+
+def tiny_llama4(**overrides):
+    """Llama 4 text in small: chunks of 5 tokens (SEQ 12: three chunks), NoPE layers 1 and 3
+    with temperature tuning active from position 3 (floor_scale 4), q/k L2 norm on the RoPE
+    layers, MoE on layers 1 and 3 (top-1 sigmoid, shared expert), dense MLP of 96 elsewhere."""
+    import transformers as tf
+
+    kw = dict(hidden_size=64, intermediate_size=48, intermediate_size_mlp=96,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=1,
+              interleave_moe_layer_step=2, attention_chunk_size=5, floor_scale=4, attn_scale=0.5,
+              no_rope_layer_interval=2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    return tf.Llama4TextConfig(**{**kw, **overrides})
 
 
 #: DeepSeek-V3's published YaRN settings, scaled to the tiny context.
@@ -127,6 +160,16 @@ def add_mtp_layer(path: Path, config) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
+#: Norm weights that scale by (1 + w) (zero-centred): drawn around 0, so that random models
+#: keep activations of a trained model's size instead of doubling them at every norm.
+ZERO_CENTRED_NORMS = {"qwen3_next": ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                     "q_norm.weight", "k_norm.weight", "model.norm.weight")}
+
+#: Weight scale of the hybrid (DeltaNet layers add their output gate's and the MoE's products):
+#: keeps its activations O(1), as in a trained model, so fp32 rounding stays below 1e-6 relative.
+INIT_STD = {"qwen3_next": 0.1}
+
+
 def tokens() -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
@@ -150,10 +193,12 @@ def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, P
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for pname, p in model.named_parameters():
-                if "norm" in pname or ".ln_" in pname:
+                if name in ZERO_CENTRED_NORMS and pname.endswith(ZERO_CENTRED_NORMS[name]):
+                    p.copy_(0.2 * torch.randn_like(p))  # gain 1 + w: near 1, as trained
+                elif "norm" in pname or ".ln_" in pname:
                     p.copy_(1.0 + 0.2 * torch.randn_like(p))
                 else:
-                    p.normal_(0.0, 0.15)
+                    p.normal_(0.0, INIT_STD.get(name, 0.15))
             for bname, b in model.named_buffers():
                 if bname.endswith("e_score_correction_bias"):  # a weight HF keeps as a buffer
                     b.copy_(0.3 * torch.randn_like(b))

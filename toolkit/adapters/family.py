@@ -33,6 +33,7 @@ from toolkit.adapters.hfconfig import (
     rope_kwargs,
     window_kwargs,
 )
+from toolkit.adapters.hybrid import DeltaDims
 from toolkit.mapping import Replicated, Table, builders, vocab
 from toolkit.mapping.builders import SWIGLU, Rules
 
@@ -101,6 +102,10 @@ class Dims:
     q_lora: int = 0  # latent size of queries; 0: one q_proj
     qk_nope: int = 0  # per-head q/k size without RoPE
     qk_rope: int = 0  # per-head q/k RoPE size (one RoPE key shared by all heads)
+    attn_gate: bool = False  # q_proj also holds a sigmoid output gate per head (Qwen3-Next)
+    # Hybrid models (Qwen3-Next): the gated DeltaNet's sizes and the layers that have it.
+    delta: DeltaDims | None = None
+    delta_layers: tuple[int, ...] = ()
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

@@ -1,0 +1,87 @@
+"""Llama 4 text model (``Llama4ForCausalLM``; the vision tower is out of scope).
+
+RoPE layers (``no_rope_layers`` 1, complex-pair RoPE: ``rotary_interleaved``) attend in chunks
+of ``attention_chunk_size`` with q/k L2-normalised after RoPE (``use_qk_norm``); NoPE layers
+attend to the whole prefix with attention-temperature tuning (``attn_temperature_tuning``,
+``floor_scale``, ``attn_scale``): ``toolkit.models.llama4``. MoE layers (``moe_layers``) route
+top-1 by sigmoid(logit) and scale each token *before* its expert (megatron-core's
+``moe_apply_probs_on_input``), plus an ungated shared expert of the experts' size; the other
+layers have a dense MLP of ``intermediate_size_mlp``. Experts are stored stacked
+(``experts.gate_up_proj`` / ``experts.down_proj``, ``[in, out]`` per expert). No aux loss (HF
+has none). Refused: top-k > 1, biases; context parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from toolkit.adapters import Dims, Family, Moe, UnsupportedModel, register
+from toolkit.adapters.hfconfig import COUNTS, Kind
+from toolkit.adapters.hybrid import llama4_layers
+from toolkit.mapping import builders, fused_builders
+
+
+@register
+class Llama4Text(Family):
+    architectures = ("Llama4ForCausalLM",)
+    model_types = ("llama4_text",)
+    defaults = {**Family.defaults, "rms_norm_eps": 1e-5, "head_dim": 128,
+                "intermediate_size_mlp": 16384, "num_experts_per_tok": 1, "use_qk_norm": True,
+                "attention_chunk_size": 8192, "attn_temperature_tuning": True,
+                "floor_scale": 8192, "attn_scale": 0.1}
+    moe = Moe(experts_key="num_local_experts", ffn_key="intermediate_size",
+              block="feed_forward.", renormalise=False)
+
+    def fields(self) -> dict[str, Kind]:
+        return {**super().fields(), "no_rope_layers": COUNTS, "moe_layers": COUNTS}
+
+    def dims(self, hf: Any) -> Dims:
+        d = super().dims(hf)
+        moe = llama4_layers(hf, d.layers).moe
+        return dataclasses.replace(
+            d, dense_ffn=self.value(hf, "intermediate_size_mlp"), shared_ffn=d.ffn,
+            dense_layers=tuple(i for i in range(d.layers) if i not in moe))
+
+    def check(self, hf: Any) -> None:
+        if (k := self.value(hf, "num_experts_per_tok")) != 1:
+            raise UnsupportedModel(f"num_experts_per_tok={k}: Llama 4 scales each token before "
+                                   "its expert, which megatron-core computes for top-1 routing "
+                                   "only (moe_apply_probs_on_input).")
+        if not llama4_layers(hf, self.value(hf, "num_hidden_layers")).moe:
+            raise UnsupportedModel("moe_layers is empty: megatron-core needs at least one MoE "
+                                   "layer in a MoE model.")
+        super().check(hf)
+
+    def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
+        d, kinds = self.dims(hf), llama4_layers(hf, self.value(hf, "num_hidden_layers"))
+        return {**super().transformer_kwargs(hf), "rotary_interleaved": True,
+                "no_rope_freq": [int(i not in kinds.rope) for i in range(d.layers)],
+                "moe_router_score_function": "sigmoid", "moe_router_pre_softmax": False,
+                "moe_apply_probs_on_input": True, "moe_router_load_balancing_type": "none",
+                "moe_aux_loss_coeff": 0.0, "moe_shared_expert_intermediate_size": d.shared_ffn,
+                "moe_shared_expert_gate": False,
+                "moe_layer_freq": [int(i not in d.dense_layers) for i in range(d.layers)]}
+
+    def spec_kwargs(self, hf: Any) -> dict[str, Any]:
+        v, layers = self.value, self.value(hf, "num_hidden_layers")
+        kinds = llama4_layers(hf, layers)
+        nope = tuple(i for i in range(layers) if i not in kinds.rope)
+        return {**super().spec_kwargs(hf), "llama4_attention": {
+            "chunk": v(hf, "attention_chunk_size", None), "chunked": kinds.chunked,
+            "l2_norm": kinds.rope if v(hf, "use_qk_norm") else (),
+            "temperature": (float(v(hf, "floor_scale")), float(v(hf, "attn_scale"))),
+            "tuned": nope if v(hf, "attn_temperature_tuning") else ()}}
+
+    def mlp_rules(self, d: Dims, i: int, p: str) -> builders.Rules:
+        f = p + "feed_forward."
+        if i in d.dense_layers:
+            return builders.gated_mlp(f, d.hidden, d.dense_ffn)
+        return {**builders.router(f + "router.weight", d),
+                **builders.shared_experts(f + "shared_expert.", None, d.hidden, d.shared_ffn)}
+
+    def expert_rules(self, d: Dims, i: int) -> list[builders.Rules]:
+        if i in d.dense_layers:
+            return []
+        block = f"{self.layer.format(i=i)}feed_forward.experts."
+        return fused_builders.stacked_experts(block, d.experts, d.hidden, d.ffn)
