@@ -1,14 +1,10 @@
 """Llama 4 text model (``Llama4ForCausalLM``; the vision tower is out of scope).
 
-RoPE layers (``no_rope_layers`` 1, complex-pair RoPE: ``rotary_interleaved``) attend in chunks
-of ``attention_chunk_size`` with q/k L2-normalised after RoPE (``use_qk_norm``); NoPE layers
-attend to the whole prefix with attention-temperature tuning (``attn_temperature_tuning``,
-``floor_scale``, ``attn_scale``): ``toolkit.models.llama4``. MoE layers (``moe_layers``) route
-top-1 by sigmoid(logit) and scale each token *before* its expert (megatron-core's
-``moe_apply_probs_on_input``), plus an ungated shared expert of the experts' size; the other
-layers have a dense MLP of ``intermediate_size_mlp``. Experts are stored stacked
-(``experts.gate_up_proj`` / ``experts.down_proj``, ``[in, out]`` per expert). No aux loss (HF
-has none). Refused: top-k > 1, biases; context parallelism.
+RoPE layers (complex-pair RoPE) attend in chunks with q/k L2-normalised after RoPE; NoPE layers
+attend to the whole prefix with attention-temperature tuning (``toolkit.models.llama4``). MoE
+layers route top-1 by sigmoid(logit), scale each token *before* its expert and add an ungated
+shared expert; the others have a dense MLP (``intermediate_size_mlp``). Experts are stored
+stacked (``[experts, in, out]``). No aux loss (HF has none). Refused: top-k > 1, biases, cp > 1.
 """
 
 from __future__ import annotations
@@ -37,20 +33,19 @@ class Llama4Text(Family):
         return {**super().fields(), "no_rope_layers": COUNTS, "moe_layers": COUNTS}
 
     def dims(self, hf: Any) -> Dims:
-        d = super().dims(hf)
-        moe = llama4_layers(hf, d.layers).moe
+        d, moe = super().dims(hf), llama4_layers(hf, self.value(hf, "num_hidden_layers")).moe
         return dataclasses.replace(
             d, dense_ffn=self.value(hf, "intermediate_size_mlp"), shared_ffn=d.ffn,
             dense_layers=tuple(i for i in range(d.layers) if i not in moe))
 
     def check(self, hf: Any) -> None:
-        if (k := self.value(hf, "num_experts_per_tok")) != 1:
-            raise UnsupportedModel(f"num_experts_per_tok={k}: Llama 4 scales each token before "
-                                   "its expert, which megatron-core computes for top-1 routing "
-                                   "only (moe_apply_probs_on_input).")
-        if not llama4_layers(hf, self.value(hf, "num_hidden_layers")).moe:
-            raise UnsupportedModel("moe_layers is empty: megatron-core needs at least one MoE "
-                                   "layer in a MoE model.")
+        why = {"num_experts_per_tok": "Llama 4 scales each token before its expert, which "
+               "megatron-core computes for top-1 routing only (moe_apply_probs_on_input)",
+               "moe_layers": "megatron-core needs at least one MoE layer in a MoE model"}
+        for key, ok in (("num_experts_per_tok", self.value(hf, "num_experts_per_tok") == 1),
+                        ("moe_layers", bool(llama4_layers(hf, self.dims(hf).layers).moe))):
+            if not ok:
+                raise UnsupportedModel(f"{key}={getattr(hf, key, None)}: {why[key]}.")
         super().check(hf)
 
     def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
@@ -60,8 +55,7 @@ class Llama4Text(Family):
                 "moe_router_score_function": "sigmoid", "moe_router_pre_softmax": False,
                 "moe_apply_probs_on_input": True, "moe_router_load_balancing_type": "none",
                 "moe_aux_loss_coeff": 0.0, "moe_shared_expert_intermediate_size": d.shared_ffn,
-                "moe_shared_expert_gate": False,
-                "moe_layer_freq": [int(i not in d.dense_layers) for i in range(d.layers)]}
+                "moe_shared_expert_gate": False}
 
     def spec_kwargs(self, hf: Any) -> dict[str, Any]:
         v, layers = self.value, self.value(hf, "num_hidden_layers")

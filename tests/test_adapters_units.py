@@ -103,7 +103,7 @@ def test_plans_tile_every_hf_tensor_exactly_once(family, layout):
     config = {**ac.tiny_configs(), **ac.tiny_moe_configs()}[family]
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")
                             .replace("GPT2ForCausalLM", "GPT2LMHeadModel")
-                            .replace("Gemma3Text", "Gemma3")]
+                            .replace("Gemma3Text", "Gemma3").replace("Llama4Text", "Llama4")]
     adapter = adapter_for(config)
     tp, pp, vpp = layout.get("tp", 1), layout.get("pp", 1), layout.get("vpp", 1)
     shapes = adapter.expected_tensors()
