@@ -28,6 +28,8 @@ class Llama4Text(Family):
                 "floor_scale": 8192, "attn_scale": 0.1}
     moe = Moe(experts_key="num_local_experts", ffn_key="intermediate_size",
               block="feed_forward.", renormalise=False)
+    refuses_cp = ("Llama 4's chunked attention and attention temperature are not computed by "
+                  "mdtk's context-parallel attention")
 
     def fields(self) -> dict[str, Kind]:
         return {**super().fields(), "no_rope_layers": COUNTS, "moe_layers": COUNTS}

@@ -31,6 +31,8 @@ class Qwen3Next(Family):
     qk_norm = True
     qkv_bias = linear_bias = mlp_bias = False  # attention_bias=True is refused in check
     moe = Moe(shared=True, dense_layers=True)
+    refuses_cp = ("the gated DeltaNet (linear attention) layers of Qwen3-Next have no "
+                  "context-parallel form in megatron-core or mdtk")
 
     def dims(self, hf: Any) -> Dims:
         v, d = self.value, super().dims(hf)

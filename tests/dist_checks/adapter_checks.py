@@ -416,9 +416,14 @@ def check_cuda_logits(root: str, families: list[str], cp: int = 1) -> dict[str, 
             chunks = build_model(adapter, mpu.layout)
             fill_chunks(chunks, adapter, reader)
         chunks = [c.cuda() for c in chunks]
-        core = type(chunks[0].decoder.layers[0].self_attention.core_attention).__name__
+        mixers = [layer.self_attention for layer in chunks[0].decoder.layers]
+        core = next(type(m.core_attention).__name__ for m in mixers if hasattr(m, "core_attention"))
         with torch.no_grad():
             logits = forward_logits(chunks, tokens(), adapter.dims.vocab)
         out[family] = {"max_abs": (logits - ref).abs().max().item(), "core": core}
+        if adapter.dims.delta_layers:  # Qwen3-Next: which kernels computed its DeltaNet layers
+            from toolkit.models.delta_net import kernel_names
+
+            out[family]["delta"] = kernel_names(next(chunks[0].parameters()).device)
         parallel.destroy()
     return out

@@ -26,7 +26,7 @@ from toolkit.checkpoint.torchfree.dtypes import to_torch
 from toolkit.errors import UserError
 from toolkit.lazy import torch
 from toolkit.mapping import Coord, Table, TensorPlan, padded_vocab_size, plan_rank
-from toolkit.parallel.layout import ParallelLayout
+from toolkit.parallel.layout import LayoutError, ParallelLayout
 
 
 class CheckpointMismatch(UserError):
@@ -95,6 +95,9 @@ class Adapter:
     def validate(self, layout: ParallelLayout) -> None:
         """Raise LayoutError if this model cannot be split as ``layout`` says."""
         d = self.dims
+        if layout.cp > 1 and self.family.refuses_cp:
+            raise LayoutError(f"context parallelism (cp={layout.cp}): "
+                              f"{self.family.refuses_cp}; set cp=1.")
         layout.validate_model(num_layers=d.layers, num_heads=d.heads, num_query_groups=d.groups,
                               num_experts=d.experts or None, vocab_size=d.vocab,
                               ffn_hidden_size=d.ffn)

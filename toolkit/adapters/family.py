@@ -169,6 +169,8 @@ class Family:
     #: modules) are no part of the model: kept aside and written back by exports/conversions.
     extra_layers: ClassVar[bool] = False
     moe: ClassVar[Moe | None] = None
+    #: Why cp > 1 is refused for this family ("": context parallelism computes it exactly).
+    refuses_cp: ClassVar[str] = ""
     # HF module names (Llama's layout).
     embed: ClassVar[str] = "model.embed_tokens.weight"
     position_table: ClassVar[str] = ""

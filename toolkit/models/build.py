@@ -193,20 +193,6 @@ def block_spec(config: TransformerConfig, spec: ModuleSpec,
                                       layer_norm=spec.submodules.input_layernorm)
 
 
-def refuse_context_parallel(config: TransformerConfig, spec: ModuleSpec) -> None:
-    """cp > 1 with attention the context-parallel attention does not compute: one clear error
-    before the model is built (it would otherwise replace that attention silently)."""
-    from toolkit.models.cp_attention import CPUnsupported
-
-    core = spec.submodules.self_attention.submodules.core_attention
-    why = getattr(getattr(core, "module", core), "refuses_cp", None)
-    if linear_attention_pattern(config) is not None:
-        why = "the gated DeltaNet (linear attention) of Qwen3-Next has no context-parallel form"
-    if why:
-        raise CPUnsupported(f"context parallelism (cp={config.context_parallel_size}): {why} "
-                            "in mdtk; set cp=1.")
-
-
 def build_chunks(config: TransformerConfig, spec: ModuleSpec, *,
                  embedding_scale: float | None = None, **gpt_kwargs: Any) -> list[GPTModel]:
     """All GPTModel chunks of this rank: one, or vpp of them with interleaved pipelining
@@ -215,7 +201,6 @@ def build_chunks(config: TransformerConfig, spec: ModuleSpec, *,
     if config.context_parallel_size > 1:  # megatron-core's local attention asserts cp == 1
         from toolkit.models.cp_attention import with_cp_attention
 
-        refuse_context_parallel(config, spec)
         spec = with_cp_attention(spec)
     if config.virtual_pipeline_model_parallel_size != (vpp if vpp > 1 else None):
         config = dataclasses.replace(

@@ -14,7 +14,7 @@ pieces that restart at every chunk (and at every example of a packed row, chunks
 the example's start): no s x s mask, the same kernels as packing, on CPU and GPU.
 Positions for the temperature are the row's (0..s-1), or each example's own position ids when
 rows are packed, so a packed example is computed as it is alone. Context parallelism is refused
-(``toolkit.models.build``).
+(the family's ``refuses_cp``, checked by ``Adapter.validate``).
 """
 
 from __future__ import annotations
@@ -77,6 +77,4 @@ def llama4_attention(base: type) -> type:
                             attention_bias, packed_seq_params)
 
     return type(f"Llama4{base.__name__}", (base,), {
-        "__init__": __init__, "forward": forward, "__doc__": __doc__,
-        "refuses_cp": "Llama 4's chunked attention and attention temperature are not computed by "
-                      "mdtk's context-parallel attention"})
+        "__init__": __init__, "forward": forward, "__doc__": __doc__})
