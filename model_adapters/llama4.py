@@ -1,10 +1,9 @@
-"""Llama 4 text model (``Llama4ForCausalLM``; the vision tower is out of scope).
-
-RoPE layers (complex-pair RoPE) attend in chunks with q/k L2-normalised after RoPE; NoPE layers
-attend to the whole prefix with attention-temperature tuning (``toolkit.models.llama4``). MoE
-layers route top-1 by sigmoid(logit), scale each token *before* its expert and add an ungated
-shared expert; the others have a dense MLP (``intermediate_size_mlp``). Experts are stored
-stacked (``[experts, in, out]``). No aux loss (HF has none). Refused: top-k > 1, biases, cp > 1.
+"""Llama 4 text model (``Llama4ForCausalLM``; the vision tower is out of scope). RoPE layers
+(complex-pair RoPE) attend in chunks, q/k L2-normalised after RoPE; NoPE layers attend to the
+whole prefix with attention-temperature tuning (``toolkit.models.llama4``). MoE layers route
+top-1 by sigmoid(logit), scale each token *before* its expert and add an ungated shared expert;
+the others have a dense MLP (``intermediate_size_mlp``). Experts are stored stacked
+(``[experts, in, out]``). No aux loss (HF has none). Refused: top-k > 1, biases, cp > 1.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ class Llama4Text(Family):
                 "floor_scale": 8192, "attn_scale": 0.1}
     moe = Moe(experts_key="num_local_experts", ffn_key="intermediate_size",
               block="feed_forward.", renormalise=False)
-    refuses_cp = ("Llama 4's chunked attention and attention temperature are not computed by "
-                  "mdtk's context-parallel attention")
+    refuses_cp = "mdtk's context-parallel attention has no chunked attention"
 
     def fields(self) -> dict[str, Kind]:
         return {**super().fields(), "no_rope_layers": COUNTS, "moe_layers": COUNTS}
@@ -41,13 +39,13 @@ class Llama4Text(Family):
             dense_layers=tuple(i for i in range(d.layers) if i not in moe))
 
     def check(self, hf: Any) -> None:
-        why = {"num_experts_per_tok": "Llama 4 scales each token before its expert, which "
-               "megatron-core computes for top-1 routing only (moe_apply_probs_on_input)",
-               "moe_layers": "megatron-core needs at least one MoE layer in a MoE model"}
-        for key, ok in (("num_experts_per_tok", self.value(hf, "num_experts_per_tok") == 1),
-                        ("moe_layers", bool(llama4_layers(hf, self.dims(hf).layers).moe))):
+        for key, ok, why in (
+                ("num_experts_per_tok", self.value(hf, "num_experts_per_tok") == 1, "Llama 4 "
+                 "scales tokens before their expert: megatron-core does it for top-1 only"),
+                ("moe_layers", llama4_layers(hf, self.dims(hf).layers).moe, "megatron-core "
+                 "needs at least one MoE layer in a MoE model")):
             if not ok:
-                raise UnsupportedModel(f"{key}={getattr(hf, key, None)}: {why[key]}.")
+                raise UnsupportedModel(f"{key}={getattr(hf, key, None)}: {why}.")
         super().check(hf)
 
     def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
@@ -60,9 +58,8 @@ class Llama4Text(Family):
                 "moe_shared_expert_gate": False}
 
     def spec_kwargs(self, hf: Any) -> dict[str, Any]:
-        v, layers = self.value, self.value(hf, "num_hidden_layers")
-        kinds = llama4_layers(hf, layers)
-        nope = tuple(i for i in range(layers) if i not in kinds.rope)
+        v, kinds = self.value, llama4_layers(hf, self.value(hf, "num_hidden_layers"))
+        nope = tuple(i for i in range(self.value(hf, "num_hidden_layers")) if i not in kinds.rope)
         return {**super().spec_kwargs(hf), "llama4_attention": {
             "chunk": v(hf, "attention_chunk_size", None), "chunked": kinds.chunked,
             "l2_norm": kinds.rope if v(hf, "use_qk_norm") else (),

@@ -1,12 +1,9 @@
-"""Qwen3-Next (``Qwen3NextForCausalLM``): gated DeltaNet layers interleaved with gated full
-attention, Qwen-MoE experts with a gated shared expert, (1 + w) RMSNorms.
-
-Linear-attention layers (``layer_types``: ``linear_attention``) are mdtk's
-``toolkit.models.delta_net.GatedDeltaNet`` (torch fallbacks on CPU, fla / causal-conv1d on
-GPUs); the others are megatron-core attention with ``attention_output_gate`` (HF's ``q_proj``
-holds a query and a gate per head), q/k norms and partial RoPE (``partial_rotary_factor``, 0.25
-by default). MoE as Qwen2-MoE (``norm_topk_prob`` true by default). Packed rows reset the
-DeltaNet state at every example; context parallelism is refused. See docs/adding-a-model.md.
+"""Qwen3-Next (``Qwen3NextForCausalLM``): gated DeltaNet layers (``layer_types``:
+``linear_attention``; mdtk's ``toolkit.models.delta_net``: torch on CPU, fla / causal-conv1d on
+GPUs) interleaved with gated full attention (megatron-core's ``attention_output_gate``: HF's
+``q_proj`` holds a query and a gate per head; q/k norms, partial RoPE 0.25 by default), Qwen-MoE
+experts with a gated shared expert, (1 + w) RMSNorms. Packed rows reset the DeltaNet state at
+every example; context parallelism is refused. See docs/adding-a-model.md.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ class Qwen3Next(Family):
     qk_norm = True
     qkv_bias = linear_bias = mlp_bias = False  # attention_bias=True is refused in check
     moe = Moe(shared=True, dense_layers=True)
-    refuses_cp = ("the gated DeltaNet (linear attention) layers of Qwen3-Next have no "
-                  "context-parallel form in megatron-core or mdtk")
+    refuses_cp = "the gated DeltaNet (linear attention) has no context-parallel form"
 
     def dims(self, hf: Any) -> Dims:
         v, d = self.value, super().dims(hf)

@@ -397,7 +397,7 @@ def _hybrid_json(name: str, **changes):
     ("qwen3_next", {"linear_num_value_heads": 3},
      r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
     ("qwen3_next", {"attention_bias": True}, r"attention_bias=True"),
-    ("llama4", {"num_experts_per_tok": 2}, r"num_experts_per_tok=2: .*top-1 routing only"),
+    ("llama4", {"num_experts_per_tok": 2}, r"num_experts_per_tok=2: .*for top-1 only"),
     ("llama4", {"moe_layers": []}, r"moe_layers=\[\]: .*at least one MoE layer"),
     ("llama4", {"moe_layers": [1, 7]}, r"moe_layers=\[1, 7\]: .*below num_hidden_layers=4"),
     ("llama4", {"no_rope_layers": [1, 2, 1, 0]}, r"no_rope_layers=\[1, 2, 1, 0\]"),
