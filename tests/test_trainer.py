@@ -41,6 +41,10 @@ CASES_2 = [
     Case("cp2_grads", cp=2, zero=0, steps=1, grads=True, ref="ref_grads"),
     # the step values read every 3 steps (toolkit/train/loop/step_log.py), ZeRO-0's norm included
     Case("dp2_zero0_log3", zero=0, overrides=("logging.interval=3",)),
+    # issue 39: Qwen3-Next (gated DeltaNet, gated attention, MoE + shared expert) and Llama 4
+    # (chunked / NoPE attention, top-1 MoE + shared expert, dense layers), SFT
+    *(Case(f"{m}_{name}", model=m, mode="sft", **kw) for m in ("qwen3n", "llama4")
+      for name, kw in (("tp2_sp", {"tp": 2, "sp": True}), ("pp2", {"pp": 2}), ("ep2", {"ep": 2}))),
 ]
 CASES_4 = [
     Case("tp2_pp2", tp=2, pp=2),
@@ -56,7 +60,8 @@ CASES_4 = [
 REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe"),
         Case("ref_noclip", overrides=("optim.clip_grad=0",)), Case("ref_phi3", model="phi3"),
         Case("ref_gemma3", model="gemma3"), Case("ref_dsv3", model="dsv3"),
-        Case("ref_sft", mode="sft"), Case("ref_grads", zero=0, steps=1, grads=True)]
+        Case("ref_sft", mode="sft"), Case("ref_grads", zero=0, steps=1, grads=True),
+        *(Case(f"ref_{m}", model=m, mode="sft") for m in ("qwen3n", "llama4"))]
 LAZY = "dp2_zero0_log3"
 CASES_2_PARITY = [c for c in CASES_2 if not c.grads and c.name != LAZY]
 GRAD_ATOL = 1e-5  # relative to the largest gradient entry of the parameter

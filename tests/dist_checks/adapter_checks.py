@@ -9,6 +9,7 @@ Rank functions loop over families and layouts inside one pool call and return nu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -264,6 +265,8 @@ def check_layouts(root: str, families: list[str], layouts: list[dict]) -> list[d
                 chunks = build_model(adapter, mpu.layout)
                 fill_chunks(chunks, adapter, reader)
                 reads = [(r.name, r.shape, r.nbytes) for r in reader.reads]
+                stacked = {e for r in reader.reads if re.search(r"experts\.\w+_proj$", r.name)
+                           for e in range(*r.region[0])}  # experts sliced from 3-D tensors
                 full = {n: reader.shape(n) for n in reader.names}
             logits = forward_logits(chunks, tokens(), adapter.dims.vocab)
             tag = "-".join(f"{k}{v}" for k, v in spec.items()) or "single"
@@ -273,7 +276,7 @@ def check_layouts(root: str, families: list[str], layouts: list[dict]) -> list[d
                    "coord": current_coord(),
                    "max_abs": (logits - ref).abs().max().item(),
                    "max_rel": ((logits - ref).abs().max() / ref.abs().max()).item(),
-                   "reads": reads, "full_shapes": full}
+                   "reads": reads, "full_shapes": full, "stacked_experts": stacked}
             if dist.get_rank() == 0:
                 row["roundtrip"] = compare_tensors(rootp / family, out_dir)
                 row["files"] = sorted(p.name for p in out_dir.iterdir())

@@ -27,7 +27,8 @@ PRETRAIN = "bundled:examples/data/pretrain.jsonl"
 SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
-VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512, "dsv3": 512}
+VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512, "dsv3": 512,
+         "qwen3n": 512, "llama4": 512}
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Case:
     name: str
     model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral) | phi3
     #                       | gemma3 | dsv3 (DeepSeek-V3: MLA + sigmoid-routed experts)
+    #                       | qwen3n (Qwen3-Next: gated DeltaNet + gated attention, MoE)
+    #                       | llama4 (Llama 4 text: chunked / NoPE attention, top-1 MoE)
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -58,7 +61,7 @@ def make_assets(root: Path) -> dict[str, str]:
     """A tiny tokenizer and three tiny HF checkpoints with random weights."""
     import transformers as tf
 
-    from dist_checks.adapter_checks import tiny_deepseek_v3
+    from dist_checks.adapter_checks import tiny_deepseek_v3, tiny_llama4, tiny_qwen3_next
     from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(root / "tokenizer", vocab_size=TOKENIZER_VOCAB)
@@ -82,6 +85,9 @@ def make_assets(root: Path) -> dict[str, str]:
         "dsv3": tiny_deepseek_v3(**{**common, "intermediate_size": 96, "num_hidden_layers": 2,
                                     "num_key_value_heads": 4, "rms_norm_eps": 1e-6},
                                  vocab_size=VOCAB["dsv3"]),
+        **{name: make(vocab_size=VOCAB[name], max_position_embeddings=256, eos_token_id=0,
+                      pad_token_id=1, bos_token_id=None)
+           for name, make in (("qwen3n", tiny_qwen3_next), ("llama4", tiny_llama4))},
     }
     out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
     for i, (name, config) in enumerate(configs.items()):
