@@ -21,6 +21,8 @@ MOE_LAYOUTS_2 = [{}, {"ep": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2},
                  {"pp": 2, "vpp": 2}]
 MOE_LAYOUTS_4 = [{"tp": 2, "pp": 2, "sequence_parallel": True},
                  {"ep": 2, "tp": 2, "sequence_parallel": True}]
+#: Issue 39's hybrid families (Qwen3-Next, Llama 4) skip ep2 x tp2, generic to the MoE layer.
+SKIP_4 = tuple((f, MOE_LAYOUTS_4[1]) for f in ("qwen3_next", "llama4"))
 TOL = 1e-4
 
 # Stored HF tensors that megatron-core splits over tensor parallelism (independent of the rules).
@@ -53,7 +55,7 @@ def results_moe_2(tiny_root, rank_pool_2):
 
 @pytest.fixture(scope="session")
 def results_moe_4(tiny_root, rank_pool_4):
-    per_rank = rank_pool_4.run(ac.check_layouts, str(tiny_root), MOE, MOE_LAYOUTS_4,
+    per_rank = rank_pool_4.run(ac.check_layouts, str(tiny_root), MOE, MOE_LAYOUTS_4, SKIP_4,
                                timeout=900)
     return [row for rows in per_rank for row in rows]
 
@@ -157,7 +159,7 @@ def test_moe_logits_and_roundtrip_on_2_ranks(results_moe_2):
 
 def test_moe_logits_and_roundtrip_on_4_ranks(results_moe_4):
     worst = _check_logits(results_moe_4, MOE)
-    assert len(worst) == len(MOE) * len(MOE_LAYOUTS_4)
+    assert len(worst) == len(MOE) * len(MOE_LAYOUTS_4) - len(SKIP_4)
     _check_roundtrip(results_moe_4)
 
 

@@ -118,20 +118,6 @@ def test_recompute_and_pipeline_in_flight():
     assert stored_cp == pytest.approx(stored_1 / 2 + gathered_kv + swapped, rel=1e-9)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "llama4"])
-def test_hybrid_families_param_count_exact(name):
-    """The memory model's tensors of Qwen3-Next (gated DeltaNet layers, gated q_proj) and Llama 4
-    (interleaved dense / MoE layers, stacked experts): transformers' parameter count exactly."""
-    from dist_checks.adapter_checks import tiny_moe_configs
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_moe_configs()[name]
-    with torch.device("meta"):
-        numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    arch = {"qwen3_next": "Qwen3NextForCausalLM", "llama4": "Llama4ForCausalLM"}[name]
-    assert model_shape_from_hf({**config.to_dict(), "architectures": [arch]}).num_params() == numel
-
-
 def test_gated_deltanet_activations_and_flops_are_linear_in_the_sequence():
     """Qwen3-Next's DeltaNet layers (0, 1, 3 of the tiny model) keep activations linear in s
     plus a recurrent state per 64-token chunk; its one softmax-attention layer (2) keeps the
