@@ -29,6 +29,8 @@ OPEN_LAYOUTS_2 = [{}, {"ep": 2}, {"tp": 2, "etp": 1, "sequence_parallel": True},
 OPEN_LAYOUTS_4 = [{"tp": 2, "pp": 2, "etp": 1, "sequence_parallel": True}]
 OPEN_AT_4 = ["glm4_moe"]  # the MoE family at tp2 x pp2 (its logits and round trip)
 MXFP4 = "gpt_oss_mxfp4"  # GPT-OSS with MXFP4 experts (ac.make_mxfp4)
+#: Issue 39's hybrid families (Qwen3-Next, Llama 4) skip ep2 x tp2, generic to the MoE layer.
+SKIP_4 = tuple((f, MOE_LAYOUTS_4[1]) for f in ("qwen3_next", "llama4"))
 TOL = 1e-4
 
 # Stored HF tensors that megatron-core splits over tensor parallelism (independent of the rules).
@@ -61,7 +63,7 @@ def results_moe_2(tiny_root, rank_pool_2):
 
 @pytest.fixture(scope="session")
 def results_moe_4(tiny_root, rank_pool_4):
-    per_rank = rank_pool_4.run(ac.check_layouts, str(tiny_root), MOE, MOE_LAYOUTS_4,
+    per_rank = rank_pool_4.run(ac.check_layouts, str(tiny_root), MOE, MOE_LAYOUTS_4, SKIP_4,
                                timeout=900)
     return [row for rows in per_rank for row in rows]
 
@@ -174,7 +176,7 @@ def test_moe_logits_and_roundtrip_on_2_ranks(results_moe_2):
 
 def test_moe_logits_and_roundtrip_on_4_ranks(results_moe_4):
     worst = _check_logits(results_moe_4, MOE)
-    assert len(worst) == len(MOE) * len(MOE_LAYOUTS_4)
+    assert len(worst) == len(MOE) * len(MOE_LAYOUTS_4) - len(SKIP_4)
     _check_roundtrip(results_moe_4)
 
 
@@ -185,6 +187,7 @@ def test_ep2_reads_only_local_experts(results_moe_2):
         for rank in (0, 1):
             names = {name for name, _, _ in rows[(family, rank)]["reads"]}
             experts = {int(m.group(1)) for n in names if (m := re.search(r"experts\.(\d+)\.", n))}
+            experts |= rows[(family, rank)]["stacked_experts"]  # Llama 4: slices of 3-D tensors
             assert experts == ({0, 1} if rank == 0 else {2, 3}), (family, rank, experts)
 
 

@@ -104,7 +104,7 @@ def test_plans_tile_every_hf_tensor_exactly_once(family, layout):
     config = {**ac.tiny_configs(), **ac.tiny_moe_configs(), **ac.tiny_open_moe_configs()}[family]
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")
                             .replace("GPT2ForCausalLM", "GPT2LMHeadModel")
-                            .replace("Gemma3Text", "Gemma3")]
+                            .replace("Gemma3Text", "Gemma3").replace("Llama4Text", "Llama4")]
     adapter = adapter_for(config)
     tp, pp, vpp = layout.get("tp", 1), layout.get("pp", 1), layout.get("vpp", 1)
     shapes = adapter.expected_tensors()
@@ -418,3 +418,41 @@ def test_gpt_oss_needs_etp_1():
     with pytest.raises(LayoutError, match=r"etp=2: .*set parallel.etp=1"):
         adapter.validate(ParallelLayout(tp=2))
     adapter.validate(ParallelLayout(tp=2, etp=1))
+
+
+def _hybrid_json(name: str, **changes):
+    from toolkit.adapters import HFConfig
+
+    arch = {"qwen3_next": "Qwen3NextForCausalLM", "llama4": "Llama4ForCausalLM"}[name]
+    return HFConfig({**ac.tiny_moe_configs()[name].to_dict(), "architectures": [arch], **changes})
+
+
+@pytest.mark.parametrize(("name", "changes", "match"), [
+    ("qwen3_next", {"layer_types": ["linear_attention"] * 3},
+     r"layer_types has 3 entries for num_hidden_layers=4"),
+    ("qwen3_next", {"layer_types": ["linear_attention", "sliding_attention"] * 2},
+     r"layer_types holds \['sliding_attention'\]"),
+    ("qwen3_next", {"linear_num_value_heads": 3},
+     r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+    ("qwen3_next", {"attention_bias": True}, r"attention_bias=True"),
+    ("llama4", {"num_experts_per_tok": 2}, r"num_experts_per_tok=2: .*for top-1 only"),
+    ("llama4", {"moe_layers": []}, r"moe_layers=\[\]: .*at least one MoE layer"),
+    ("llama4", {"moe_layers": [1, 7]}, r"moe_layers=\[1, 7\]: .*below num_hidden_layers=4"),
+    ("llama4", {"no_rope_layers": [1, 2, 1, 0]}, r"no_rope_layers=\[1, 2, 1, 0\]"),
+    ("llama4", {"layer_types": ["chunked_attention", "sliding_attention"] * 2},
+     r"layer_types holds \['sliding_attention'\]"),
+])
+def test_hybrid_refusals_name_the_key(name, changes, match):
+    """Qwen3-Next / Llama 4 options mdtk cannot build: one UnsupportedModel naming the key."""
+    with pytest.raises(UnsupportedModel, match=match):
+        adapter_for(_hybrid_json(name, **changes))
+
+
+@pytest.mark.parametrize(("name", "why"), [("qwen3_next", "gated DeltaNet"),
+                                           ("llama4", "chunked attention")])
+def test_hybrid_refuse_context_parallel(name, why):
+    """cp > 1 is a LayoutError naming the layer kind (before any model is built); cp = 1 passes."""
+    adapter = adapter_for(_hybrid_json(name))
+    with pytest.raises(LayoutError, match=rf"context parallelism \(cp=2\): .*{why}.*set cp=1"):
+        adapter.validate(ParallelLayout(cp=2))
+    adapter.validate(ParallelLayout(tp=2))

@@ -22,10 +22,20 @@ TOL = 1e-4  # fp32, TF32 off: the same bound as the CPU adapter tests
 #: (toolkit.models.attention._latent); every other family uses plain SDPA. A family falling back
 #: to megatron-core's local DotProductAttention on the GPU would be a regression.
 LATENT = {"deepseek_v3", "kimi_k2"}  # Kimi K2: DeepSeek-V3's architecture
+#: Llama 4's chunked / NoPE-temperature attention wraps the same SDPA core attention.
+WRAPPED = {"llama4": "Llama4"}
 
 
 def expected_core(family: str) -> str:
-    return "LatentSDPAttention" if family in LATENT else "SDPAttention"
+    return WRAPPED.get(family, "") + ("LatentSDPAttention" if family in LATENT else "SDPAttention")
+
+
+def expected_delta_kernels() -> str:
+    """Qwen3-Next's gated DeltaNet on CUDA: fla + causal-conv1d where both are installed."""
+    import importlib.util
+
+    have = all(importlib.util.find_spec(m) for m in ("fla", "causal_conv1d"))
+    return "causal-conv1d + fla" if have else "torch"
 
 
 def test_cuda_logits_match_hf_every_family(tmp_path):
@@ -40,3 +50,4 @@ def test_cuda_logits_match_hf_every_family(tmp_path):
     assert not bad, bad
     cores = {f: v["core"] for f, v in r.items()}
     assert cores == {f: expected_core(f) for f in families}, cores
+    assert r["qwen3_next"]["delta"] == expected_delta_kernels()

@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
 #: The half of the adapters package that needs neither torch nor transformers.
 TORCH_FREE_ADAPTERS = ("toolkit.adapters", "toolkit.adapters.family", "toolkit.adapters.registry",
                        "toolkit.adapters.hfconfig", "toolkit.adapters.presets",
-                       "toolkit.adapters.shape", "toolkit.adapters.spec")
+                       "toolkit.adapters.shape", "toolkit.adapters.spec",
+                       "toolkit.adapters.hybrid")
 #: Packages that must stay importable without torch see only that half (estimate / ds-config
 #: start instantly; a family file is a declaration).
 TORCH_FREE_USERS = ("model_adapters", "toolkit.memory", "toolkit.dsconfig")

@@ -18,6 +18,15 @@ EXPORT = ("export.adapter_dir={work}/lora_tp2_sp/adapter",
 SAVED = "lora_tp2_sp"  # also saves checkpoints at steps 2 and 3 (the last)
 
 
+#: Issue 39's families: one LoRA step, exported as a PEFT folder (PEFT's logits checked).
+#: Qwen3-Next adapts its attention outputs (gated attention's o_proj, the DeltaNet's out_proj):
+#: PEFT 0.21 under transformers 5 rewrites gate_proj / up_proj / down_proj targets of Qwen-MoE
+#: model types into its fused experts, so an adapter on the shared expert would not load.
+HYBRID = (("lora_qwen3n_tp2", "qwen3n", {"tp": 2, "sp": True},
+           ("peft.target_modules=[o_proj,out_proj]",)),
+          ("lora_llama4_pp2", "llama4", {"pp": 2}, ()))
+
+
 def _imported(peft_folder: str) -> tuple[str, ...]:
     return (f"peft.adapter={peft_folder}/lora",)  # made by PEFT: random B
 
@@ -34,6 +43,9 @@ def _cases(work: str, peft_folder: str = ""):
         lc.case("dora_tp2", tp=2, dora=True, ref="ref_dora"),
         lc.case("dora_pp2", pp=2, dora=True, ref="ref_dora"),
         lc.case("full_dp2_z2", zero=2, steps=2, extra=("peft.method=none",), ref="none"),
+        *(lc.case(name, model=model, steps=1, ref="none", extra=(
+            f"export.adapter_dir={work}/{name}/adapter", *more), **kw)
+          for name, model, kw, more in HYBRID),
     ]
     ckpt = f"{work}/{SAVED}/checkpoints/step_0000002"
     resume = [lc.case("resume_at_pp2", pp=2, extra=(f"checkpoint.resume={ckpt}",))]
@@ -135,6 +147,26 @@ def test_export_loads_in_peft_and_merges_like_peft(two, assets):
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
     assert "base_model.model.model.layers.3.mlp.down_proj.lora_B.weight" in keys
     assert not any("qkv" in k or "linear_" in k for k in keys)
+
+
+def test_hybrid_families_export_adapters_peft_loads(two, assets):
+    """Qwen3-Next at tp2 (gated attention's o_proj, the DeltaNet's out_proj) and Llama 4 at pp2
+    (attention, dense and shared-expert MLPs): after one step the exported PEFT folder, loaded
+    by PEFT over the HF base, gives the live model's logits."""
+    from safetensors.torch import load_file
+
+    runs = _by_case(two)
+    targets = {"lora_qwen3n_tp2": ["o_proj", "out_proj"],
+               "lora_llama4_pp2": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                   "up_proj", "v_proj"]}
+    for name, *_ in HYBRID:
+        run = runs[name][0]
+        assert run["adapter_diff"] is not None and run["adapter_diff"] < 1e-5, (name, run)
+        folder = Path(assets["work"]) / name / "adapter"
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert sorted(config["target_modules"]) == targets[name]
+        weights = load_file(str(folder / "adapter_model.safetensors"))
+        assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in weights.items())
 
 
 def test_resume_continues_at_another_layout(two):

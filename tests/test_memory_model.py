@@ -118,6 +118,31 @@ def test_recompute_and_pipeline_in_flight():
     assert stored_cp == pytest.approx(stored_1 / 2 + gathered_kv + swapped, rel=1e-9)
 
 
+def test_gated_deltanet_activations_and_flops_are_linear_in_the_sequence():
+    """Qwen3-Next's DeltaNet layers (0, 1, 3 of the tiny model) keep activations linear in s
+    plus a recurrent state per 64-token chunk; its one softmax-attention layer (2) keeps the
+    eager s x s scores; only that layer's FLOPs grow with s."""
+    from dist_checks.adapter_checks import tiny_moe_configs
+
+    from toolkit.planner.flops import model_flops_per_token
+
+    cfg = {**tiny_moe_configs()["qwen3_next"].to_dict(), "architectures": ["Qwen3NextForCausalLM"]}
+    shape = model_shape_from_hf(cfg)
+    assert shape.delta_layers == (0, 1, 3) and shape.attn_gate
+
+    def split(layer, s):
+        return layer_activations(shape, TrainShape(seq_len=s, flash_attention=False), layer).split
+
+    assert split(0, 512) == 2 * split(0, 256) and split(3, 512) == 2 * split(3, 256)
+    assert split(2, 512) > 2.5 * split(2, 256)  # s x s scores
+    dn = shape.delta
+    state = 4 * dn.v_heads * dn.k_dim * dn.v_dim  # fp32, one chunk boundary, one row
+    per_token = (split(0, 128) - split(0, 64) - state) / 64
+    assert split(0, 65) - split(0, 64) == pytest.approx(per_token + state)
+    grow = model_flops_per_token(shape, 8192) - model_flops_per_token(shape, 4096)
+    assert grow == 12.0 * 1 * shape.q_dim * 4096  # one softmax layer of four
+
+
 def test_moe_params_split_over_experts_and_tp():
     model = load_model_shape("mixtral-8x7b")
     layout = ParallelLayout(tp=2, ep=4).resolve(16)

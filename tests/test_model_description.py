@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _arch(config) -> str:
     return type(config).__name__.replace("Config", "ForCausalLM").replace(
-        "GPT2ForCausalLM", "GPT2LMHeadModel").replace("Gemma3Text", "Gemma3")
+        "GPT2ForCausalLM", "GPT2LMHeadModel").replace("Gemma3Text", "Gemma3").replace(
+        "Llama4Text", "Llama4")
 
 
 def tiny_configs() -> dict:
@@ -55,7 +56,8 @@ def test_every_registered_family_has_a_tiny_config():
     covered = {c.architectures[0] for c in CONFIGS.values()}
     assert set(supported()) <= covered, f"add a tiny config for {set(supported()) - covered} " \
                                         "to tests/dist_checks/adapter_checks.py"
-    assert len(supported()) == 13  # issue 39: + GPT-OSS, GLM-4.5 (Kimi K2 is DeepSeek-V3)
+    assert len(supported()) == 15  # issue 39: + GPT-OSS, GLM-4.5, Qwen3-Next, Llama 4 (Kimi K2
+    # is DeepSeek-V3)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

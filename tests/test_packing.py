@@ -308,14 +308,15 @@ LAYOUTS_2 = [Layout("dp2"), Layout("tp2_sp", tp=2, sp=True), Layout("pp2", pp=2)
 LOGIT_CASES = [("dense", Layout("tp2_sp", tp=2, sp=True)), ("dense", Layout("pp2", pp=2)),
                ("dense", Layout("cp2", cp=2)), ("dense:eod", Layout("cp2", cp=2)),
                ("phi3", Layout("tp2", tp=2)), ("gemma3", Layout("pp2", pp=2)),
-               ("moe", Layout("dp2"))]
+               ("moe", Layout("dp2")), ("qwen3n", Layout("tp2_sp", tp=2, sp=True)),
+               ("llama4", Layout("pp2", pp=2))]
 LAYOUTS_4 = [Layout("pp4", pp=4), Layout("dp4")]
 
 
 @pytest.fixture(scope="module")
 def two(rank_pool_2, assets):
     data = {"flat": sft_settings(False), "packed": sft_settings(True)}
-    models = {k: assets[k] for k in ("dense", "phi3", "gemma3", "moe")}
+    models = {k: assets[k] for k in ("dense", "phi3", "gemma3", "moe", "qwen3n", "llama4")}
     for s in data.values():  # prepared here once: the ranks hit the cache
         prepare_data(DataSettings(**s), assets["tokenizer"], assets["cache"])
     first, second = rank_pool_2.run(pc.two_rank_job, LAYOUTS_2, LOGIT_CASES, models, data, assets,
@@ -343,6 +344,14 @@ def test_validation_loss_packed_equals_unpacked_2_ranks(two, lay):
     v = two["val"][lay]
     assert v["packed"] == pytest.approx(v["flat"], rel=REL, abs=0), v
     assert v["flat"] == pytest.approx(two["val"]["dp2"]["flat"], rel=1e-5)  # and across layouts
+
+
+def test_qwen3_next_validation_loss_packed_equals_unpacked(two):
+    """Qwen3-Next's gated DeltaNet restarts its convolution and state at every packed example
+    (dp2): the validation loss equals the unpacked rows' within 1e-6."""
+    v = two["val_qwen3n"]["dp2"]
+    assert v["packed"] == pytest.approx(v["flat"], rel=REL, abs=0), v
+    assert v["flat"] != pytest.approx(two["val"]["dp2"]["flat"], rel=1e-3)  # another model
 
 
 def test_validation_loss_is_the_token_weighted_mean_over_the_set(two, assets):

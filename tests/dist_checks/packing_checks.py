@@ -163,6 +163,7 @@ def two_rank_job(layouts: list[Layout], logit_cases: list[tuple[str, Layout]],
     """Everything packed that runs on 2 ranks, in one pool call."""
     splits = {k: prepared(v, assets["tokenizer"], assets["cache"]) for k, v in data.items()}
     out: dict[str, Any] = {"val": val_losses(layouts, models["dense"], splits, 64)}
+    out["val_qwen3n"] = val_losses([Layout("dp2")], models["qwen3n"], splits, 64)
     out["logits"] = logits_vs_hf(logit_cases, models)
     # The same examples in every global batch, cut differently: unpacked rows at tp2 (dp1),
     # one row per micro-batch, 40 accumulation steps; packed rows at dp2, two rows per

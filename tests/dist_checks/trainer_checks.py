@@ -28,7 +28,7 @@ SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
 VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512, "dsv3": 512,
-         "gpt_oss": 512}
+         "gpt_oss": 512, "qwen3n": 512, "llama4": 512}
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class Case:
     model: str = "dense"  # dense (Llama) | odd (tied Llama, vocab 507) | moe (Mixtral) | phi3
     #                       | gemma3 | dsv3 (DeepSeek-V3: MLA + sigmoid-routed experts)
     #                       | gpt_oss (sinks, sliding window, biased clamped experts)
+    #                       | qwen3n (Qwen3-Next: gated DeltaNet + gated attention, MoE)
+    #                       | llama4 (Llama 4 text: chunked / NoPE attention, top-1 MoE)
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -60,7 +62,7 @@ def make_assets(root: Path) -> dict[str, str]:
     """A tiny tokenizer and three tiny HF checkpoints with random weights."""
     import transformers as tf
 
-    from dist_checks.adapter_checks import tiny_deepseek_v3
+    from dist_checks.adapter_checks import tiny_deepseek_v3, tiny_llama4, tiny_qwen3_next
     from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(root / "tokenizer", vocab_size=TOKENIZER_VOCAB)
@@ -87,6 +89,9 @@ def make_assets(root: Path) -> dict[str, str]:
         "gpt_oss": tf.GptOssConfig(**{**common, "intermediate_size": 64, "num_hidden_layers": 2},
                                    head_dim=16, vocab_size=VOCAB["gpt_oss"], num_local_experts=4,
                                    num_experts_per_tok=2, sliding_window=8),
+        **{name: make(vocab_size=VOCAB[name], max_position_embeddings=256, eos_token_id=0,
+                      pad_token_id=1, bos_token_id=None)
+           for name, make in (("qwen3n", tiny_qwen3_next), ("llama4", tiny_llama4))},
     }
     out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
     for i, (name, config) in enumerate(configs.items()):

@@ -33,6 +33,7 @@ from toolkit.adapters.hfconfig import (
     rope_kwargs,
     window_kwargs,
 )
+from toolkit.adapters.hybrid import DeltaDims
 from toolkit.mapping import Replicated, Table, builders, vocab
 from toolkit.mapping.builders import SWIGLU, Rules
 from toolkit.mapping.stacked import Stack
@@ -103,6 +104,10 @@ class Dims:
     qk_nope: int = 0  # per-head q/k size without RoPE
     qk_rope: int = 0  # per-head q/k RoPE size (one RoPE key shared by all heads)
     sinks: bool = False  # a learned per-head logit in every softmax (GPT-OSS's attention sinks)
+    attn_gate: bool = False  # q_proj also holds a sigmoid output gate per head (Qwen3-Next)
+    # Hybrid models (Qwen3-Next): the gated DeltaNet's sizes and the layers that have it.
+    delta: DeltaDims | None = None
+    delta_layers: tuple[int, ...] = ()
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -169,6 +174,8 @@ class Family:
     #: modules) are no part of the model: kept aside and written back by exports/conversions.
     extra_layers: ClassVar[bool] = False
     moe: ClassVar[Moe | None] = None
+    #: Why cp > 1 is refused for this family ("": context parallelism computes it exactly).
+    refuses_cp: ClassVar[str] = ""
     # HF module names (Llama's layout).
     embed: ClassVar[str] = "model.embed_tokens.weight"
     position_table: ClassVar[str] = ""

@@ -9,6 +9,7 @@ adapter (config), not the original checkpoint. Both follow the adapter's per-ran
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -200,9 +201,8 @@ def fill_chunks(chunks: list[Any], adapter: Adapter, reader: HFReader, *,
                         piece = t.pieces[idx[m]]
                         part = data[tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in
                                           zip(piece.src, box, strict=True))]
-                        if piece.transpose:
-                            part = part.t()
-                        param[tuple(slice(a, b) for a, b in piece.dst)].copy_(part)
+                        param[tuple(slice(a, b) for a, b in piece.dst)].copy_(
+                            piece.to_local(part))
 
 
 def export_hf(
@@ -227,20 +227,31 @@ def export_hf(
     dtype = to_torch(dtype or adapter.hf_dtype)
     writer = _open_writer(out_dir, max_shard_bytes, overwrite, dst, adapter.stacks)
     written: set[str] = set()
+    # HF tensors being assembled (several rules fill one stacked tensor: Llama 4's experts),
+    # with the elements the rules cover so far (the same count on every rank)
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = defaultdict(int)
+    covered: dict[str, int] = defaultdict(int)
     try:
         for key, rule in table.items():
             shapes = rule.hf_shapes()
             if set(shapes) <= written:
                 continue  # tied output layer: its tensor is the embedding, already written
-            out, filled = _gather(key, rule, owners.get(key, {}), coords[0], params, dtype,
-                                  dst, keep=writer is not None)
-            if writer is not None:
-                for name, tensor in out.items():
-                    if filled[name] != tensor.numel():
-                        raise MappingError(f"{name}: export filled {filled[name]} of "
-                                           f"{tensor.numel()} elements (mapping gap).")
-                    writer.add(name, tensor)
-            written.update(shapes)
+            _gather(key, rule, owners.get(key, {}), coords[0], params, dtype, dst,
+                    out if writer is not None else None, filled)
+            for piece in rule.pieces(0, 1):
+                covered[piece.source] += piece.numel
+            for name, shape in shapes.items():
+                if covered[name] >= math.prod(shape):
+                    written.add(name)
+                    if writer is not None:
+                        if filled[name] != math.prod(shape):
+                            raise MappingError(f"{name}: export filled {filled[name]} of "
+                                               f"{math.prod(shape)} elements (mapping gap).")
+                        writer.add(name, out.pop(name))
+        if gap := [n for n, c in covered.items() if n not in written]:
+            raise MappingError(f"{gap[0]}: the mapping covers {covered[gap[0]]} of its "
+                               "elements (mapping gap).")
         result = None
         if writer is not None:
             for name, tensor in kept_tensors(adapter):  # e.g. DeepSeek-V3's MTP layers
@@ -290,17 +301,19 @@ def _open_writer(out_dir: str | Path, max_shard_bytes: int, overwrite: bool, dst
 
 
 def _gather(key: str, rule: Any, shards: dict[int, tuple[int, TensorPlan]], coord: Coord,
-            params: dict[tuple[int, str], torch.Tensor], dtype: torch.dtype, dst: int, *,
-            keep: bool) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """The HF tensors of one table entry assembled on ``dst`` from their owners' shards (one
-    point-to-point send each): (tensors, elements filled per tensor); empty elsewhere."""
+            params: dict[tuple[int, str], torch.Tensor], dtype: torch.dtype, dst: int,
+            out: dict[str, torch.Tensor] | None, filled: dict[str, int]) -> None:
+    """The HF tensors of one table entry assembled on ``dst`` (into ``out``, made there when
+    missing; ``filled`` counts the elements written) from their owners' shards (one
+    point-to-point send each); ``out`` is None elsewhere."""
     rank = dist.get_rank()
-    shapes = rule.hf_shapes()
     split = coord.etp if f".{EXPERTS}." in key else coord.tp
     if len(shards) != (split if rule.split else 1):
         raise MappingError(f"{key}: no rank holds all of its shards ({sorted(shards)}).")
-    out = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()} if keep else {}
-    filled = dict.fromkeys(shapes, 0)
+    if out is not None:
+        for n, s in rule.hf_shapes().items():
+            if n not in out:
+                out[n] = torch.empty(s, dtype=dtype)
     for shard in sorted(shards):
         owner, t = shards[shard]
         local = None
@@ -311,7 +324,7 @@ def _gather(key: str, rule: Any, shards: dict[int, tuple[int, TensorPlan]], coor
         elif rank == dst:
             local = torch.empty(t.shape, dtype=next(iter(params.values())).dtype)
             dist.recv(local, owner)
-        if rank != dst:
+        if rank != dst or out is None:
             continue
         for piece in t.pieces:
             part = local[tuple(slice(a, b) for a, b in piece.dst)]
@@ -319,7 +332,6 @@ def _gather(key: str, rule: Any, shards: dict[int, tuple[int, TensorPlan]], coor
                 part = part.t()
             out[piece.source][tuple(slice(a, b) for a, b in piece.src)] = part
             filled[piece.source] += piece.numel
-    return out, filled
 
 
 def kept_tensors(adapter: Adapter) -> Any:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from toolkit.adapters.family import Dims
+from toolkit.adapters.hybrid import DeltaDims
 from toolkit.mapping import padded_vocab_size
 
 # How a tensor is split across ranks (megatron-core convention).
@@ -65,6 +66,9 @@ class ModelShape:
     qk_nope: int = 0
     qk_rope: int = 0
     sinks: bool = False  # a learned logit per head in every softmax (GPT-OSS)
+    attn_gate: bool = False  # q_proj also holds a per-head output gate (Qwen3-Next)
+    delta: DeltaDims | None = None  # gated DeltaNet sizes (hybrid models) and its layers
+    delta_layers: tuple[int, ...] = ()
     name: str = "model"
     #: The adapter's vocab padding: megatron-core's vocab is a multiple of ``vocab_multiple * tp``
     #: (``toolkit.mapping.padded_vocab_size``; 1 = the adapter's default, the least padding).
@@ -84,7 +88,8 @@ class ModelShape:
             top_k=d.top_k,
             moe_ffn=d.ffn if d.experts else 0, shared_ffn=d.shared_ffn, shared_gate=d.shared_gate,
             router_bias=d.router_bias, moe_layers=d.moe_layers, kv_lora=d.kv_lora,
-            q_lora=d.q_lora, qk_nope=d.qk_nope, qk_rope=d.qk_rope, sinks=d.sinks, name=name,
+            q_lora=d.q_lora, qk_nope=d.qk_nope, qk_rope=d.qk_rope, sinks=d.sinks,
+            attn_gate=d.attn_gate, delta=d.delta, delta_layers=d.delta_layers, name=name,
         )
 
     # -- derived -----------------------------------------------------------------------------
@@ -131,7 +136,10 @@ class ModelShape:
         h = self.hidden
         for k in range(norm_n):
             yield TensorSpec(f"l{i}.input_norm.{k}", h, REP, i)
-        yield from (self._mla_tensors(i) if self.kv_lora else self._gqa_tensors(i))
+        if i in self.delta_layers:
+            yield from self._delta_tensors(i)
+        else:
+            yield from (self._mla_tensors(i) if self.kv_lora else self._gqa_tensors(i))
         for k in range(norm_n):
             yield TensorSpec(f"l{i}.post_norm.{k}", h, REP, i)
         if self.post_norms:
@@ -153,7 +161,7 @@ class ModelShape:
 
     def _gqa_tensors(self, i: int) -> Iterator[TensorSpec]:
         h = self.hidden
-        yield TensorSpec(f"l{i}.q", h * self.q_dim, COL, i)
+        yield TensorSpec(f"l{i}.q", h * self.q_dim * (2 if self.attn_gate else 1), COL, i)
         yield TensorSpec(f"l{i}.k", h * self.kv_dim, COL, i)
         yield TensorSpec(f"l{i}.v", h * self.kv_dim, COL, i)
         if self.qkv_bias:
@@ -166,6 +174,18 @@ class ModelShape:
             yield TensorSpec(f"l{i}.k_norm", self.head_dim, REP, i)
         if self.sinks:
             yield TensorSpec(f"l{i}.sinks", self.heads, COL, i)
+
+    def _delta_tensors(self, i: int) -> Iterator[TensorSpec]:
+        """Qwen3-Next's gated DeltaNet: fused input projection, depthwise causal convolution,
+        per-value-head decay parameters (split over TP), output norm, output projection."""
+        dn, h = self.delta, self.hidden
+        assert dn is not None
+        yield TensorSpec(f"l{i}.in_proj", h * dn.in_features, COL, i)
+        yield TensorSpec(f"l{i}.conv", dn.conv_channels * dn.kernel, COL, i)
+        yield TensorSpec(f"l{i}.dt_bias", dn.v_heads, COL, i)
+        yield TensorSpec(f"l{i}.A_log", dn.v_heads, COL, i)
+        yield TensorSpec(f"l{i}.out_norm", dn.v_dim, REP, i)
+        yield TensorSpec(f"l{i}.out_proj", dn.v_heads * dn.v_dim * h, ROW, i)
 
     def _mla_tensors(self, i: int) -> Iterator[TensorSpec]:
         """DeepSeek's attention: down projections (column-parallel in megatron-core), latent

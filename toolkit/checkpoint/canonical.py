@@ -63,8 +63,7 @@ def local_tensor(rule: Rule, rank: int, size: int, read: Reader,
     covered = sum(p.numel for p in pieces)
     out = torch.zeros(shape, dtype=dtype) if covered != numel else torch.empty(shape, dtype=dtype)
     for p in pieces:
-        part = read(p.source, p.src)
-        out[_idx(p.dst)] = part.t() if p.transpose else part
+        out[_idx(p.dst)] = p.to_local(read(p.source, p.src))
     return out
 
 
@@ -102,14 +101,15 @@ def local_segments(rule: Rule, rank: int, size: int, locate: Locator,
     return out
 
 
-def hf_from_shards(rule: Rule, shards: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_from_shards(rule: Rule, shards: dict[int, torch.Tensor]) -> dict[str, Any]:
     """The HF tensors of ``rule`` rebuilt from all its shards ``{rank: tensor}`` (padding
-    dropped)."""
+    dropped). Each is the region the rule covers (its whole tensor, or one slice of a stacked
+    one: ``_Box``), indexed by the stored tensor's own coordinates."""
     size = len(shards) if rule.split else 1
     if rule.split and sorted(shards) != list(range(size)):
         raise CheckpointError(f"shards {sorted(shards)} of {rule.sources} are incomplete.")
     dtype = next(iter(shards.values())).dtype
-    out = {n: torch.empty(s, dtype=dtype) for n, s in rule.hf_shapes().items()}
+    out = {n: _Box(region, dtype) for n, region in _covered(rule).items()}
     filled = dict.fromkeys(out, 0)
     for rank in range(size):
         local = shards[rank]
@@ -121,10 +121,40 @@ def hf_from_shards(rule: Rule, shards: dict[int, torch.Tensor]) -> dict[str, tor
             part = local[_idx(p.dst)]
             out[p.source][_idx(p.src)] = part.t() if p.transpose else part
             filled[p.source] += p.numel
-    for name, t in out.items():
-        if filled[name] != t.numel():
-            raise CheckpointError(f"{name}: shards filled {filled[name]} of {t.numel()} elements.")
+    for name, box in out.items():
+        if filled[name] != box.tensor.numel():
+            raise CheckpointError(f"{name}: shards filled {filled[name]} of "
+                                  f"{box.tensor.numel()} elements.")
     return out
+
+
+def _covered(rule: Rule) -> dict[str, Region]:
+    """The bounding region of each stored tensor that ``rule`` reads (the whole tensor, but
+    one slice of a stacked tensor for a per-expert rule)."""
+    boxes: dict[str, Region] = {}
+    for p in rule.pieces(0, 1):
+        old = boxes.get(p.source)
+        boxes[p.source] = p.src if old is None else tuple(
+            (min(a0, b0), max(a1, b1)) for (a0, a1), (b0, b1) in zip(old, p.src, strict=True))
+    return boxes
+
+
+class _Box:
+    """A region of a stored tensor, held on its own and indexed in the stored coordinates."""
+
+    def __init__(self, region: Region, dtype: Any) -> None:
+        self.origin = tuple(a for a, _ in region)
+        self.tensor = torch.empty(tuple(b - a for a, b in region), dtype=dtype)
+
+    def _shift(self, index: tuple[slice, ...]) -> tuple[slice, ...]:
+        return tuple(slice(s.start - o, s.stop - o) for s, o in zip(index, self.origin,
+                                                                     strict=True))
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensor[self._shift(index)]
+
+    def __setitem__(self, index: tuple[slice, ...], value: torch.Tensor) -> None:
+        self.tensor[self._shift(index)] = value
 
 
 def _intersect(a: Region, b: Region) -> Region | None:
@@ -134,7 +164,7 @@ def _intersect(a: Region, b: Region) -> Region | None:
 
 def _src_to_dst(piece: Piece, sub: Region) -> Region:
     """The local region holding the sub-region ``sub`` of the piece's HF source region."""
-    src = piece.src
+    src, sub = piece.inner_src, sub[len(piece.src) - len(piece.dst):]
     if piece.transpose:  # src is (in, out) of the stored tensor, dst is (out, in)
         src, sub = src[::-1], sub[::-1]
     return tuple((d0 + s0 - p0, d0 + s1 - p0)

@@ -19,7 +19,7 @@ from toolkit.lazy import torch
 CHECKPOINT_VERSION = 3.0
 _LINEAR = re.compile(r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_q_proj"
                      r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj"
-                     r"|linear_kv_up_proj)\.weight$")
+                     r"|linear_kv_up_proj|in_proj|out_proj)\.weight$")  # in/out_proj: DeltaNet
 
 #: Megatron-LM's own defaults (``megatron/training/arguments.py``, core_v0.16.1) for the model
 #: arguments its loaders read (``load_args_from_checkpoint``, ``check_checkpoint_args``,

@@ -63,8 +63,11 @@ def run_hf(path: Path, tokens: torch.Tensor, model: ModelSpec | None = None) -> 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                  attn_implementation="eager", **native)
     model.eval()
-    base = model.base_model
-    blocks = getattr(base, "layers", None) or base.h
+    # the decoder blocks: ``layers`` (``h`` in GPT-2), found by name (Llama 4's text model names
+    # a ``base_model_prefix`` it does not have, so ``model.base_model`` is the model itself)
+    blocks = next(m for name, m in model.named_modules()
+                  if name.rsplit(".", 1)[-1] in ("layers", "h")
+                  and isinstance(m, torch.nn.ModuleList))
     layers: list[torch.Tensor] = []
     hooks = [b.register_forward_hook(lambda _m, _i, out: layers.append(
         _first_output(out).detach().float())) for b in blocks]

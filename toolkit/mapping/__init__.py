@@ -1,5 +1,6 @@
 """HF <-> megatron-core mapping: split rules (written once) and the pure per-rank plan."""
 
+from toolkit.mapping.grouped import Block, Grouped, Stacked
 from toolkit.mapping.plan import (
     EXPERTS,
     Coord,
@@ -24,7 +25,7 @@ from toolkit.mapping.rules import (
 )
 
 __all__ = [
-    "EXPERTS", "QKV", "Column", "Coord", "GateUp", "MappingError", "Part", "Piece", "Replicated",
-    "Row", "Rule", "Table", "TensorPlan", "coalesce", "padded_vocab_size", "plan_rank",
-    "stage_layers", "vocab",
+    "EXPERTS", "QKV", "Block", "Column", "Coord", "GateUp", "Grouped", "MappingError", "Part",
+    "Piece", "Replicated", "Row", "Rule", "Stacked", "Table", "TensorPlan", "coalesce",
+    "padded_vocab_size", "plan_rank", "stage_layers", "vocab",
 ]

@@ -30,7 +30,10 @@ class MappingError(UserError):
 
 @dataclass(frozen=True)
 class Piece:
-    """Copy ``source[src]`` (transposed if ``transpose``) into ``local[dst]``."""
+    """Copy ``source[src]`` (transposed if ``transpose``) into ``local[dst]``.
+
+    ``src`` may have more dimensions than ``dst``: its leading ones then select one slice of a
+    stacked stored tensor (Llama 4's experts ``[experts, in, out]``), each of size 1."""
 
     source: str
     src: Region
@@ -43,6 +46,19 @@ class Piece:
         for a, b in self.src:
             n *= b - a
         return n
+
+    @property
+    def inner_src(self) -> Region:
+        """``src`` without the leading slice dimensions (as many dimensions as ``dst``)."""
+        return self.src[len(self.src) - len(self.dst):]
+
+    def to_local(self, part):
+        """The stored region ``part`` (a tensor of ``src``'s shape) as the local tensor's
+        region: the slice dimensions dropped, transposed if the piece is. (Writing back,
+        ``local[dst]`` transposed fits ``source[src]`` by broadcasting.)"""
+        if len(self.src) > len(self.dst):
+            part = part.reshape(part.shape[len(self.src) - len(self.dst):])
+        return part.t() if self.transpose else part
 
 
 @dataclass(frozen=True)

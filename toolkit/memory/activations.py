@@ -32,6 +32,11 @@ builds it, running on CPU): RMSNorm keeps its normalised input too (torch's CPU 
 composite), SwiGLU keeps silu(gate) and its linear half, RoPE keeps its cos/sin tables per layer,
 the unfused softmax keeps the causal mask, and dropout keeps an e-byte noise tensor instead of a
 1-byte mask. Per-token norm statistics (4-8 bytes a token) are left out everywhere.
+
+Gated DeltaNet layers (Qwen3-Next's linear attention) replace the attention terms with what the
+CUDA kernels keep (``_delta_saved``): linear in the sequence, plus the fp32 recurrent state at
+every 64-token chunk boundary. This term is counted from the kernels' saved tensors, not
+measured with hooks (the CPU fallback keeps more).
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ from toolkit.errors import ConfigError
 from toolkit.memory.model import ModelShape
 from toolkit.memory.states import DTYPE_BYTES, RankParams, rank_params
 from toolkit.parallel.layout import ParallelLayout, ResolvedLayout
+
+#: The chunk length of the chunked gated delta rule (fla's and transformers'; equals
+#: ``toolkit.models.delta_net.CHUNK``, which this torch-free module cannot import).
+DELTA_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -114,11 +123,37 @@ def layer_activations(model: ModelShape, train: TrainShape, layer: int, *, cp: i
     e, m = DTYPE_BYTES[train.dtype], train.mask_bytes
     s, b, h = train.seq_len / cp, train.rows, model.hidden
     sb = s * b
-    rope = not model.learned_positions
     norm = e * sb * h * (1 if train.fused or model.norm != "rms" else 2)  # [+ normalised copy]
     hidden_mask = m * sb * h if train.dropout else 0
     # attention block
     whole = norm + e * sb * h + hidden_mask  # norm input, QKV input, output dropout mask
+    if layer in model.delta_layers:
+        split, shared = _delta_saved(model, s, b, e), 0.0
+    else:
+        split, shared = _attention_saved(model, train, s, b, cp, keep_core)
+    # MLP block
+    whole += norm + hidden_mask  # norm input, dropout mask
+    if model.is_moe_layer(layer):
+        # Router input and logits, then each token's copy for each of its top-k experts: under
+        # EP every rank processes (on average) s*b*k token copies for its local experts.
+        cf = train.capacity_factor or 1.0
+        tokens = sb * model.top_k * cf
+        whole += e * sb * h + 4 * sb * model.experts  # router input, fp32 router logits
+        split += _mlp_saved(model, model.moe_ffn, tokens, e, train.fused)
+        if model.shared_ffn:
+            whole += e * sb * h
+            split += _mlp_saved(model, model.shared_ffn, sb, e, train.fused)
+    else:
+        whole += e * sb * h  # fc1 input
+        split += _mlp_saved(model, model.ffn, sb, e, train.fused) - e * sb * h
+    return LayerActivations(whole=whole, split=split, shared=shared)
+
+
+def _attention_saved(model: ModelShape, train: TrainShape, s: float, b: int, cp: int,
+                     keep_core: bool) -> tuple[float, float]:
+    """The attention's split and shared terms of one layer (see the module docstring)."""
+    e, m, sb = DTYPE_BYTES[train.dtype], train.mask_bytes, s * b
+    rope = not model.learned_positions
     mixed = model.q_dim + 2 * model.kv_dim  # the QKV projection's output, pinned by V
     qkv = model.q_dim + model.kv_dim + mixed if rope else mixed
     shared = 0.0
@@ -142,24 +177,25 @@ def layer_activations(model: ModelShape, train: TrainShape, layer: int, *, cp: i
         # QKV buffer only feed the gather, which keeps nothing.
         qkv = (model.q_dim if rope else mixed) + model.q_dim + 4 * model.heads / e
         gathered_kv = e * train.seq_len * b * 2 * model.kv_dim
+    gate = e * sb * model.q_dim if model.attn_gate else 0.0  # the output gate's input
     # ... + output projection input
-    split = e * sb * qkv + e * sb * model.q_dim + split_scores + gathered_kv
-    # MLP block
-    whole += norm + hidden_mask  # norm input, dropout mask
-    if model.is_moe_layer(layer):
-        # Router input and logits, then each token's copy for each of its top-k experts: under
-        # EP every rank processes (on average) s*b*k token copies for its local experts.
-        cf = train.capacity_factor or 1.0
-        tokens = sb * model.top_k * cf
-        whole += e * sb * h + 4 * sb * model.experts  # router input, fp32 router logits
-        split += _mlp_saved(model, model.moe_ffn, tokens, e, train.fused)
-        if model.shared_ffn:
-            whole += e * sb * h
-            split += _mlp_saved(model, model.shared_ffn, sb, e, train.fused)
-    else:
-        whole += e * sb * h  # fc1 input
-        split += _mlp_saved(model, model.ffn, sb, e, train.fused) - e * sb * h
-    return LayerActivations(whole=whole, split=split, shared=shared)
+    return e * sb * qkv + e * sb * model.q_dim + split_scores + gathered_kv + gate, shared
+
+
+def _delta_saved(model: ModelShape, s: float, b: int, e: int) -> float:
+    """A gated DeltaNet layer (Qwen3-Next's linear attention) as the CUDA kernels (causal-conv1d,
+    fla's chunked rule) keep it, all split over TP by heads: the fused input projection's output
+    (q, k, v, output gate, beta, decay), the convolution's output, fp32 decay and beta, the
+    rule's fp32 in-chunk matrix (64 wide per value head) and its output, the gated norm's
+    output (the output projection's input); plus the recurrent state at every chunk boundary
+    (fp32 k_dim x v_dim per value head), which backward holds. Linear in s: no s x s term."""
+    dn, sb = model.delta, s * b
+    assert dn is not None
+    heads, out = dn.v_heads, dn.v_heads * dn.v_dim
+    saved = e * sb * (dn.in_features + dn.conv_channels + 2 * out)
+    saved += 4 * sb * heads * (2 + DELTA_CHUNK)  # fp32 decay, beta, in-chunk matrix
+    states = 4 * math.ceil(s / DELTA_CHUNK) * b * heads * dn.k_dim * dn.v_dim
+    return saved + states
 
 
 def _mlp_saved(model: ModelShape, ffn: int, tokens: float, e: int, fused: bool) -> float:

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from toolkit import runtime
-from toolkit.models import gemma
+from toolkit.models import delta_net, gemma, llama4
 from toolkit.models.attention import core_attention
 from toolkit.models.gpt import GPTModel
 from toolkit.models.kernels import Kernels
@@ -77,6 +77,7 @@ def layer_spec(
     post_norms: bool = False,
     local_rotary_base: float | None = None,
     multi_latent_attention: bool = False,
+    llama4_attention: dict[str, Any] | None = None,
 ) -> ModuleSpec:
     """megatron-core's local layer spec with TorchNorm in every norm slot (SP-safe) and the core
     attention ``attention`` picks (``toolkit.models.attention``: SDPA on CUDA by default).
@@ -103,6 +104,9 @@ def layer_spec(
     sub.pre_mlp_layernorm = norm
     attn = sub.self_attention.submodules
     attn.core_attention = core_attention(attention, latent=multi_latent_attention)
+    if llama4_attention is not None:
+        attn.core_attention = ModuleSpec(module=llama4.llama4_attention(attn.core_attention),
+                                         params=dict(llama4_attention))
     for slot in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if getattr(attn, slot, IdentityOp) is not IdentityOp:
             setattr(attn, slot, norm)
@@ -175,20 +179,41 @@ def dense_variant(spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
+def linear_attention_pattern(config: TransformerConfig) -> list[int] | None:
+    """megatron-core's ``linear_attention_freq`` per global layer (1 = gated DeltaNet), or None
+    for a model without linear-attention layers."""
+    if config.experimental_attention_variant != "gated_delta_net":
+        return None
+    freq = config.linear_attention_freq
+    pattern = ([int((i + 1) % freq != 0) for i in range(config.num_layers)]
+               if isinstance(freq, int) else [int(x) for x in freq])
+    if len(pattern) != config.num_layers:
+        raise ValueError(f"linear_attention_freq has {len(pattern)} entries for "
+                         f"{config.num_layers} layers.")
+    return pattern
+
+
+def delta_net_variant(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with the gated DeltaNet in the self-attention slot (its norms kept)."""
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=delta_net.spec(TorchNorm)))
+
+
 def block_spec(config: TransformerConfig, spec: ModuleSpec,
                vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """The decoder block of one (virtual) stage, with the layers' norm as the final norm.
 
     With MoE and a ``moe_layer_freq`` that leaves some layers dense (as megatron-core's own
-    ``get_gpt_decoder_block_spec`` reads it), those layers get the dense MLP.
+    ``get_gpt_decoder_block_spec`` reads it), those layers get the dense MLP; with
+    ``linear_attention_freq`` (Qwen3-Next), its linear layers get the gated DeltaNet.
     """
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    specs = [spec] * n
-    pattern = moe_layer_pattern(config)
-    if pattern is not None:
-        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        dense = dense_variant(spec)
-        specs = [spec if pattern[offset + j] else dense for j in range(n)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    moe, linear = moe_layer_pattern(config), linear_attention_pattern(config)
+    specs = []
+    for layer in range(offset, offset + n):
+        one = spec if moe is None or moe[layer] else dense_variant(spec)
+        specs.append(delta_net_variant(one) if linear is not None and linear[layer] else one)
     return TransformerBlockSubmodules(layer_specs=specs,
                                       layer_norm=spec.submodules.input_layernorm)
 

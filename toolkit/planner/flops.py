@@ -9,6 +9,7 @@ credited. The planner adds recomputation's extra forward on top (hardware FLOPs)
 from __future__ import annotations
 
 from toolkit.memory import ModelShape
+from toolkit.memory.activations import DELTA_CHUNK
 from toolkit.memory.model import EXPERT, VOCAB
 
 
@@ -34,10 +35,30 @@ def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     N = ``matmul_params_per_token`` (active parameters, non-embedding, plus the LM head); the
     second term is attention's score and value matmuls (QK^T and AV: 2 matmuls x 2 FLOPs per
     multiply-add x 3 for forward + backward, over L layers of H = heads * head_dim attention width
-    and s keys). With LoRA (``shape.lora``) the frozen weights need no weight gradient:
-    4 * N (the adapters' own FLOPs are left out, as biases and norms are)."""
+    and s keys) - only the layers with softmax attention; gated DeltaNet layers add
+    3 x ``delta_forward_flops`` instead. With LoRA (``shape.lora``) the frozen weights need no
+    weight gradient: 4 * N (the adapters' own FLOPs are left out, as biases and norms are)."""
     weights = 4.0 if shape.lora else 6.0
-    return weights * matmul_params_per_token(shape) + 12.0 * shape.layers * shape.q_dim * seq_len
+    attention = 12.0 * attention_layers(shape, range(shape.layers)) * shape.q_dim * seq_len
+    delta = 3.0 * len(shape.delta_layers) * delta_forward_flops(shape)
+    return weights * matmul_params_per_token(shape) + attention + delta
+
+
+def attention_layers(shape: ModelShape, layers: range | tuple[int, ...]) -> int:
+    """How many of ``layers`` have softmax attention (s x s scores), not a gated DeltaNet."""
+    return sum(1 for i in layers if i not in shape.delta_layers)
+
+
+def delta_forward_flops(shape: ModelShape) -> float:
+    """One token's forward FLOPs in one gated DeltaNet layer besides its projections (fla's
+    chunked rule, chunk C = 64): per value head, the in-chunk products (K K^T, Q K^T, the
+    triangular solve for K and V, A V: about C * (2 dk + 2 dv) multiply-adds) and the state's
+    read, correction and update (3 dk x dv). Linear in the sequence: no s term."""
+    dn = shape.delta
+    if dn is None:
+        return 0.0
+    per_head = DELTA_CHUNK * (2 * dn.k_dim + 2 * dn.v_dim) + 3 * dn.k_dim * dn.v_dim
+    return 2.0 * dn.v_heads * per_head
 
 
 def layer_matmul_params(shape: ModelShape) -> list[float]:

@@ -30,6 +30,7 @@ from toolkit.planner.cost import (
     tp_collectives_per_layer,
     zero_traffic,
 )
+from toolkit.planner.flops import attention_layers, delta_forward_flops
 from toolkit.planner.zeropp import Zero3Group, ZeroPP, kernel_bytes, ring_split, zero3_transfers
 
 # -- the step, one named part each ---------------------------------------------------------------
@@ -95,7 +96,9 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
     s, e = st.work.seq_len, st.e
     matmul, elem, head_flops = model_terms(model)
     fwd_mm = sum(2.0 * matmul[i] for i in layers) * tokens / c.tp
-    fwd_att = 4.0 * model.q_dim * s * tokens / c.tp * len(layers)
+    softmax = attention_layers(model, layers)
+    fwd_att = (4.0 * model.q_dim * s * softmax + delta_forward_flops(model)
+               * (len(layers) - softmax)) * tokens / c.tp
     frozen = 1 if model.lora and passes > 1 else 0  # LoRA: frozen weights, no weight gradient
     mm, att = (passes - frozen) * fwd_mm, passes * fwd_att
     if c.recompute == "selective":
@@ -105,7 +108,7 @@ def stage_compute(st: StepInputs, layers: tuple[int, ...], is_last: bool, passes
     if not st.work.flash:  # eager attention: the s x s scores go through memory
         score_passes = passes + (1 if c.recompute == "selective" else 0)
         elem_bytes += (EAGER_SCORE_PASSES * e * model.heads / c.tp * s * tokens
-                       * len(layers) * score_passes)
+                       * softmax * score_passes)
     if is_last:  # the head is not recomputed: forward and backward (or forward only)
         mm += (min(passes, 3) - frozen) * head_flops * tokens / c.tp
         elem_bytes += eff.logits_bytes * tokens * model.padded_vocab(c.tp) / c.tp

@@ -66,7 +66,7 @@ def local_slice(plan: TensorPlan, source: Any) -> torch.Tensor:
     out = (torch.zeros if covered != numel else torch.empty)(plan.shape, dtype=torch.float32)
     for piece in plan.pieces:
         part = source.read(piece.source, piece.src).float()
-        out[tuple(slice(a, b) for a, b in piece.dst)] = part.t() if piece.transpose else part
+        out[tuple(slice(a, b) for a, b in piece.dst)] = piece.to_local(part)
     return out
 
 
