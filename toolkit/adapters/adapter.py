@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.adapters.family import Dims, Family
-from toolkit.adapters.hfconfig import HFConfig, UnsupportedModel, declared_dtype
+from toolkit.adapters.hfconfig import HFConfig, UnsupportedModel, config_text, declared_dtype
 from toolkit.adapters.registry import SEQ_CLS, family_of
 from toolkit.checkpoint.torchfree import dtypes
 from toolkit.checkpoint.torchfree.dtypes import to_torch
@@ -263,8 +263,6 @@ class Adapter:
         transformers reads with another model type's class is written back as read; a reward
         model's: HF's sequence-classification class of the family, one label."""
         if self.written_config is not None:
-            from toolkit.adapters.spec import config_text
-
             cfg = HFConfig(json.loads(config_text(self.written_config,
                                                   dtype or self.hf_dtype)))
         else:

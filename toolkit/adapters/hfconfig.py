@@ -369,3 +369,18 @@ def sigmoid_routing(hf: Any, value: Callable[[Any, str], Any], top_k: int) -> di
             "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
             "moe_router_num_groups": value(hf, "n_group"),
             "moe_router_group_topk": value(hf, "topk_group")}
+
+
+def config_text(config: Mapping[str, Any] | HFConfig, dtype: Any = None) -> str:
+    """A config as the JSON mdtk writes (keys sorted). With ``dtype`` (the weights' dtype):
+    ``dtype`` (and the older ``torch_dtype``, when present) set to it and the fp8
+    ``quantization_config`` dropped (the weights written are not quantized): what a conversion
+    writes, without importing transformers (~2 s: its config classes pull in torch._dynamo)."""
+    data = config.to_dict() if isinstance(config, HFConfig) else copy.deepcopy(dict(config))
+    if dtype is not None:
+        name = dtypes.name_of(dtype) or str(dtype).removeprefix("torch.")
+        data["dtype"] = name
+        data.pop("quantization_config", None)
+        if "torch_dtype" in data:
+            data["torch_dtype"] = name
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"

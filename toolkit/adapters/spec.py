@@ -15,7 +15,6 @@ line to FILE for each config read and each mapping built, which is how the tests
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -26,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.adapters.family import Dims, Family
-from toolkit.adapters.hfconfig import HFConfig, HFConfigError, UnsupportedModel, declared_dtype
+from toolkit.adapters.hfconfig import (
+    HFConfig,
+    HFConfigError,
+    UnsupportedModel,
+    config_text,
+    declared_dtype,
+)
 from toolkit.adapters.presets import MODEL_PRESETS, get_preset
 from toolkit.adapters.registry import family_of
 from toolkit.adapters.shape import ModelShape
@@ -86,21 +91,6 @@ def read_hf_config(folder_or_file: str | Path) -> HFConfig:
     if not isinstance(data, dict):
         raise HFConfigError(f"{file} holds a JSON {type(data).__name__}, not an object.")
     return HFConfig(data, file)
-
-
-def config_text(config: Mapping[str, Any] | HFConfig, dtype: Any = None) -> str:
-    """A config as the JSON mdtk writes (keys sorted). With ``dtype`` (the weights' dtype):
-    ``dtype`` (and the older ``torch_dtype``, when present) set to it and the fp8
-    ``quantization_config`` dropped (the weights written are not quantized): what a conversion
-    writes, without importing transformers (~2 s: its config classes pull in torch._dynamo)."""
-    data = config.to_dict() if isinstance(config, HFConfig) else copy.deepcopy(dict(config))
-    if dtype is not None:
-        name = dtypes.name_of(dtype) or str(dtype).removeprefix("torch.")
-        data["dtype"] = name
-        data.pop("quantization_config", None)
-        if "torch_dtype" in data:
-            data["torch_dtype"] = name
-    return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
 def write_config(folder: str | Path, config: Any, dtype: Any = None, *,

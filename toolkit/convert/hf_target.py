@@ -4,7 +4,7 @@ The shard layout is planned up front (``HFWriter(plan=...)``), so each tensor go
 soon as it is read and memory holds one tensor. A source whose HF config transformers wrote
 (it names a ``transformers_version``; carried unchanged through mdtk's Megatron formats) and
 that has a ``generation_config.json`` gets both back as they are, with the weights' dtype
-(``spec.config_text``): no transformers import, which is ~2 s of a conversion's start-up (more
+(``hfconfig.config_text``): no transformers import, which is ~2 s of a conversion's start-up (more
 than a 1B model's data copy). Other sources (an HF config mdtk derived from Megatron-LM's args;
 no generation config) have them written by transformers' own config classes, which fill in
 transformers' defaults, imported in a thread while the data is copied (from the source's

@@ -19,8 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from toolkit.adapters.hfconfig import config_text
 from toolkit.adapters.registry import family_for
-from toolkit.adapters.spec import config_text, has_config, write_config
+from toolkit.adapters.spec import has_config, write_config
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import copy_side_files
 from toolkit.checkpoint.megatron_layout import HF_CONFIG_DIR
