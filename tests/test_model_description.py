@@ -11,6 +11,7 @@ their published sizes. ``mdtk estimate`` / ``ds-config`` must not import torch o
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def test_param_count_from_family_equals_hf_model(name, tmp_path):
         assert shape.layer_params(i) == hf_layer, f"{name} layer {i}"
     # The mapping table the adapter loads weights with describes the same elements.
     table = adapter_for(config).table(1)
-    mapped = sum(_numel(s) for s in table.hf_shapes().values())
+    mapped = sum(math.prod(s) for s in table.hf_shapes().values())
     assert mapped == shape.num_params()
 
 
@@ -93,11 +94,6 @@ def _stored(model) -> dict:
     return out
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # Published sizes: the parameter counts of the hub checkpoints (model pages / safetensors
@@ -250,7 +246,7 @@ def test_model_spec_reads_once_and_builds_one_mapping_per_dtype(tmp_path, monkey
     assert spec.adapter(vocab_multiple=128).padded_vocab(2) % 256 == 0
     assert type(first.hf_config).__name__ == "HFConfig"  # plain JSON: no transformers
     assert spec.shape == model_shape_from_hf(read_hf_config(tmp_path / "llama"))
-    assert spec.shape.num_params() == sum(_numel(s) for s in first.expected_tensors().values())
+    assert spec.shape.num_params() == sum(math.prod(s) for s in first.expected_tensors().values())
     copy = pickle.loads(pickle.dumps(spec))
     assert copy.config == spec.config and copy.source == spec.source
     assert copy.adapter() is not first and copy.adapter().table(2) == first.table(2)

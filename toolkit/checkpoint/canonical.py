@@ -26,6 +26,7 @@ of one rule, filled from any reader) and ``hf_from_shards`` (HF tensors of a rul
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -204,13 +205,13 @@ class McoreFullSource:
                 bad.append(f"{key}: {tuple(shape)}, expected {want}")
                 continue
             for piece in rule.pieces(0, 1):
-                total = _numel(self._shapes[piece.source])
+                total = math.prod(self._shapes[piece.source])
                 if covered.get(piece.source, 0) >= total:
                     continue  # already provided by an earlier key (tied weights)
                 self._by_hf.setdefault(piece.source, []).append((key, piece))
                 covered[piece.source] = covered.get(piece.source, 0) + piece.numel
         for name, shape in self._shapes.items():
-            if covered.get(name, 0) < _numel(shape):
+            if covered.get(name, 0) < math.prod(shape):
                 holders = [k for k, r in self._rules.items() if name in r.sources]
                 missing.append(f"{name} (from {' or '.join(holders)})")
         used = set(self._rules)
@@ -289,7 +290,7 @@ class McoreFullSource:
             if where is None:
                 return None
             file, start = where
-            inner = _numel(tuple(full[1:])) * itemsize
+            inner = math.prod(tuple(full[1:])) * itemsize
             (a, b) = piece.dst[0]
             out.append((file, start + a * inner, (b - a) * inner))
             row = piece.src[0][1]
@@ -317,15 +318,10 @@ class McoreFullSource:
             out[tuple(slice(a - r0, b - r0) for (a, b), (r0, _) in zip(sub, region,
                                                                       strict=True))] = (
                 part.t() if piece.transpose else part)
-            filled += _numel(tuple(b - a for a, b in sub))
+            filled += math.prod(tuple(b - a for a, b in sub))
         if filled != out.numel():
             raise CheckpointError(f"{name}{list(region)}: only {filled} of {out.numel()} "
                                   "elements are held by megatron-core tensors (mapping gap).")
         return out
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
