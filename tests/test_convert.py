@@ -3,8 +3,8 @@
 Conversion needs no ranks: everything runs in this process on real files (safetensors,
 megatron-core torch_dist, legacy ``mp_rank_XX`` files). Per family, one chain visits every
 format pair and re-shards between layouts; the HF folders at both ends must be bit-identical to
-the original. Logits of converted Megatron checkpoints are checked against transformers in one
-subprocess (megatron-core's CPU mode must not be switched on in the pytest process).
+the original. Logits of converted Megatron checkpoints are checked against transformers in the
+session's one-rank pool (megatron-core's CPU mode must not be switched on in the pytest process).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -30,7 +28,6 @@ from toolkit.checkpoint.torchfree.safe_load import load_torch
 from toolkit.convert import convert, inspect
 from toolkit.parallel.layout import ParallelLayout as L
 
-ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = list({**ac.tiny_configs(), **ac.tiny_moe_configs(), **ac.tiny_open_moe_configs()})
 MOE = {*ac.tiny_moe_configs(), *ac.tiny_open_moe_configs()}
 TOL = 1e-4
@@ -122,7 +119,7 @@ def test_megatron_files_have_the_layouts_asked_for(chains, tiny_root):
         f"mp_rank_00_{p:03d}_{e:03d}" for p in range(2) for e in range(4)]
 
 
-def test_converted_checkpoints_give_the_hf_logits(chains, tiny_root):
+def test_converted_checkpoints_give_the_hf_logits(chains, tiny_root, rank_pool_1):
     """`mdtk verify`'s runners, every family: the torch_dist checkpoint loaded by megatron-core's
     own dist_checkpointing.load, and a re-sharded legacy checkpoint; a tampered copy must fail."""
     ok = [f for f in FAMILIES if "error" not in chains[f]]
@@ -152,7 +149,9 @@ def test_converted_checkpoints_give_the_hf_logits(chains, tiny_root):
             hits += 1
     assert hits == 4  # global layer 1, replicated in each expert rank's file of stage 0
     pairs.append((str(tiny_root / "deepseek_v3"), f"megatron-legacy:{biased}"))
-    *good, bad, bad_bias = convert_checks.verify_in_subprocess(pairs)
+    [rows] = rank_pool_1.run(convert_checks.verify_many, pairs, timeout=600)
+    assert len(rows) == len(pairs)
+    *good, bad, bad_bias = rows
     worst = {r["spec"]: r["max_abs"] for r in good if not r["max_abs"] <= TOL}
     assert not worst, f"logits differ from HF beyond {TOL}: {worst}"
     assert all(r["layers"] == 4 for r in good)
@@ -160,15 +159,16 @@ def test_converted_checkpoints_give_the_hf_logits(chains, tiny_root):
     assert bad_bias["max_abs"] > 1e-2, bad_bias
 
 
-def test_mdtk_verify_cli_after_conversion(chains, tiny_root):
+def test_mdtk_verify_cli_after_conversion(chains, tiny_root, rank_pool_1):
+    """`mdtk verify` (the typer app) in the one-rank pool's rank: HF against the converted
+    torch_dist checkpoint."""
     assert "error" not in chains["qwen3"], chains["qwen3"].get("error")
     converted = tiny_root / "out" / "qwen3" / "m_tp1"
-    proc = subprocess.run([sys.executable, "-m", "toolkit.cli", "verify",
-                           f"hf:{tiny_root / 'qwen3'}", f"mcore:{converted}",
-                           "--tol", str(TOL)], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert "OK: logits match" in proc.stdout
+    [(code, output)] = rank_pool_1.run(convert_checks.run_cli, [
+        "verify", f"hf:{tiny_root / 'qwen3'}", f"mcore:{converted}", "--tol", str(TOL)],
+        timeout=600)
+    assert code == 0, output[-3000:]
+    assert "OK: logits match" in output
 
 
 def test_dtype_cast_and_workers(tiny_root, tmp_path, monkeypatch):

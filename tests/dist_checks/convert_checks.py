@@ -1,10 +1,12 @@
 """Helpers for the converter tests that must run outside the pytest process.
 
 ``verify_many`` runs ``toolkit.convert.verify``'s runners (the ones behind ``mdtk verify``) on
-converted checkpoints: the HF references first (transformers must load before mdtk's CPU mode is
-on in a process), then every megatron checkpoint (megatron-core's own
-``dist_checkpointing.load`` for torch_dist, mdtk's reader for legacy files). Run as a script it
-reads a JSON list of ``[reference HF folder, spec]`` pairs and prints one JSON line of results.
+converted checkpoints: the HF references first, then every megatron checkpoint (megatron-core's
+own ``dist_checkpointing.load`` for torch_dist, mdtk's reader for legacy files). test_convert
+runs it (and ``run_cli``) in the session's one-rank pool, whose rank has mdtk's CPU mode on
+(transformers' models are unchanged by it: test_cpu_compat); run as a script it reads a JSON
+list of ``[reference HF folder, spec]`` pairs and prints one JSON line of results (a fresh
+process that switches the CPU mode on itself: test_fp8).
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ def verify_in_subprocess(pairs: list[tuple[str, str]]) -> list[dict]:
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == len(pairs)
     return rows
+
+
+def run_cli(args: list[str]) -> tuple[int, str]:
+    """``mdtk ARGS`` (the typer app, as the console script runs it) in this process: its exit
+    code and output, with the traceback of an unexpected exception."""
+    import traceback
+
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+
+    result = CliRunner().invoke(app, args)
+    error = result.exc_info and not isinstance(result.exception, SystemExit)
+    return result.exit_code, result.output + ("".join(traceback.format_exception(
+        *result.exc_info)) if error else "")
 
 
 # -- DeepSpeed: a real trainer run whose ZeRO checkpoint the converter must read ---------------
