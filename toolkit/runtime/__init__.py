@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -54,7 +55,21 @@ def enable_cpu_mode() -> bool:
     if torch.cuda.is_available():
         # MDTK_DEVICE=cpu on a CUDA machine: megatron-core still calls CUDA, which works there.
         return False
+    _eager_on_cpu()
     return cpu_compat.enable()
+
+
+def _eager_on_cpu() -> None:
+    """megatron-core's fused helpers (``jit_fuser`` = torch.compile: MoE routing and experts,
+    gated attention's output gate) run eagerly on CPU: a first compile builds C++ with the
+    system compiler (4-7 s per process, measured) for element-wise ops that take microseconds.
+    ``TORCH_COMPILE_DISABLE=0`` set by the user keeps torch.compile on."""
+    if os.environ.get("TORCH_COMPILE_DISABLE") is not None:
+        return
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read when torch._dynamo is imported
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # already imported: its config is read at each compiled call
+        dynamo.config.disable = True
 
 
 def have_transformer_engine() -> bool:
