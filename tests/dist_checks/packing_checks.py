@@ -89,16 +89,21 @@ def logits_vs_hf(cases: list[tuple[str, Layout]], models: dict[str, str], seq: i
                  ) -> dict[str, float]:
     """{case: max relative logit difference over every example}: the examples of packed rows
     (and, for ``eod`` cases, documents cut at EOS by ``segments.eod_positions``) through mdtk
-    at the layout vs transformers on each example alone."""
+    at the layout vs transformers on each example alone. Consecutive cases of one model and
+    layout share one load; transformers' model of each path is loaded once."""
     from toolkit import parallel
     from toolkit.adapters.live import forward_logits
     from toolkit.train.data.segments import eod_positions
 
     lengths = [[9, 17, 6, 11], [30, 13], [seq]]  # short and long examples; padding; a full row
-    out = {}
-    for name, lay in cases:
-        model = models[name.split(":")[0]]
-        chunks, adapter = _load(model, lay)
+    out: dict[str, float] = {}
+    hf: dict[str, Any] = {}  # transformers' model of each path, loaded once (rank 0)
+    keys = [(models[name.split(":")[0]], lay) for name, lay in cases]
+    loaded: tuple = ()  # chunks and adapter, kept for the next case of one model and layout
+    for i, (name, lay) in enumerate(cases):
+        model = keys[i][0]
+        loaded = loaded or _load(model, lay)
+        chunks, adapter = loaded
         vocab = adapter.dims.vocab
         tokens, pos, spans = packed_rows(lengths, seq, vocab)
         if name.endswith(":eod"):  # EOS (id 0) ends a document; the next starts at 0
@@ -106,18 +111,27 @@ def logits_vs_hf(cases: list[tuple[str, Layout]], models: dict[str, str], seq: i
             pos = torch.from_numpy(eod_positions(tokens.numpy(), 0))
             spans = [(0, 0, 9), (0, 9, 17), (0, 26, 6), (0, 32, seq - 32)]
         logits = forward_logits(chunks, tokens, vocab, position_ids=pos)
-        parallel.destroy()
+        if keys[i + 1:i + 2] != keys[i:i + 1]:  # the next case needs another model or layout
+            loaded = ()
+            parallel.destroy()
         key = f"{name}@{lay.name}"
-        out[key] = _worst_vs_hf(model, logits, tokens, spans) if dist.get_rank() == 0 else 0.0
+        out[key] = _worst_vs_hf(_hf(hf, model), logits, tokens, spans) if dist.get_rank() == 0 \
+            else 0.0
     return out
 
 
-def _worst_vs_hf(model: str, logits: torch.Tensor, tokens: torch.Tensor,
-                 spans: list[tuple[int, int, int]]) -> float:
+def _hf(cache: dict[str, Any], model: str):
+    """transformers' fp32 eager model of ``model``, loaded once per ``cache``."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+    if model not in cache:
+        cache[model] = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32, attn_implementation="eager").eval()
+    return cache[model]
+
+
+def _worst_vs_hf(hf: Any, logits: torch.Tensor, tokens: torch.Tensor,
+                 spans: list[tuple[int, int, int]]) -> float:
     worst = 0.0
     with torch.no_grad():
         for r, a, n in spans:

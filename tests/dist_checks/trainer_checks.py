@@ -292,7 +292,8 @@ def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[Case],
     out: dict[str, Any] = {"refs": run_cases(refs, assets, workdir)}
     resume = Case("resume_dp1", steps=6, zero=2, overrides=(f"checkpoint.resume={checkpoint}",))
     out["resume_dp_change"] = run_case(resume, assets, workdir)  # resharded (train.reshard)
-    out["sft"] = sft_loss_by_hand(assets, workdir)
+    (ref_sft,) = [r for r in out["refs"] if r["case"] == "ref_sft"]
+    out["sft"] = sft_loss_by_hand(assets, workdir, ref_sft["losses"][0])
     out["sft_validation"] = {m: sft_validation(m, assets, workdir) for m in SFT_MODELS}
     return out
 
@@ -310,17 +311,18 @@ def sft_validation(model: str, assets: dict[str, str], workdir: str,
     return trainer.run(config(case, assets, Path(workdir) / case.name, mode="sft")).val_losses
 
 
-def sft_loss_by_hand(assets: dict[str, str], workdir: str) -> dict[str, float]:
-    """The trainer's first SFT loss vs cross-entropy computed with transformers on the same
-    samples, counting only the response tokens (loss mask), token-weighted over the global
-    batch (the sum of token losses over its loss tokens: docs/training.md, issue 26)."""
+def sft_loss_by_hand(assets: dict[str, str], workdir: str, first_loss: float,
+                     ) -> dict[str, float]:
+    """The trainer's first SFT loss (``first_loss``: step 1 of the ``ref_sft`` run, the dense
+    model's SFT config; its first loss is taken before any update) vs cross-entropy computed
+    with transformers on the same samples, counting only the response tokens (loss mask),
+    token-weighted over the global batch (the sum of token losses over its loss tokens:
+    docs/training.md, issue 26)."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.train import trainer
     from toolkit.train.data import DataSettings, GlobalBatchSampler, prepare_data
 
     cfg = config(Case("sft", steps=1), assets, Path(workdir) / "sft", mode="sft")
-    result = trainer.run(cfg)
     data = prepare_data(DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.data_cache_dir)
     sampler = GlobalBatchSampler(len(data.train), GLOBAL, MICRO, 1, 0, cfg.train.seed)
     hf = AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32,
@@ -335,5 +337,5 @@ def sft_loss_by_hand(assets: dict[str, str], workdir: str) -> dict[str, float]:
             mask = b["loss_mask"]
             loss_sum += float((ce.double() * mask).sum())
             kept, total = kept + int(mask.sum()), total + mask.numel()
-    return {"trainer": result.losses[0], "by_hand": loss_sum / kept,
+    return {"trainer": first_loss, "by_hand": loss_sum / kept,
             "kept_tokens": kept, "all_tokens": total}
