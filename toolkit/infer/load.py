@@ -37,6 +37,14 @@ class Loaded:
     eos_ids: list[int]
     max_positions: int  # the longest prompt + completion the model takes
 
+    @classmethod
+    def of(cls, chunks: list[Any], adapter: Adapter, spec: ModelSpec, tokenizer: Any,
+           folder: Path) -> Loaded:
+        """Chunks already built (a load, or a training run's live ones) with what generation
+        reads from the model: its end ids (``folder``'s generation config first) and length."""
+        return cls(chunks, adapter, spec, tokenizer, eos_ids(spec, folder, tokenizer),
+                   int(spec.config.get("max_position_embeddings") or 2048))
+
 
 def load(source: str, layout: ParallelLayout, *, dtype: torch.dtype | None = None,
          tokenizer: str | None = None) -> Loaded:
@@ -64,8 +72,7 @@ def load(source: str, layout: ParallelLayout, *, dtype: torch.dtype | None = Non
         chunks, adapter, spec = _from_checkpoint(path, layout, dtype)
         words = spec.source or path
     tok = _tokenizer(tokenizer, words, source)
-    return Loaded(chunks, adapter, spec, tok, eos_ids(spec, words, tok),
-                  int(spec.config.get("max_position_embeddings") or 2048))
+    return Loaded.of(chunks, adapter, spec, tok, words)
 
 
 def _resolve(source: str) -> Path:

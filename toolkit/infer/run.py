@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,13 @@ def _check_lengths(prompts: list, sampling: Sampling, limit: int, where: str) ->
 
 def check_tasks(tasks: list[str], include_path: str | None) -> Any:
     """lm-eval's task manager with ``include_path``; UserError naming unknown tasks (before
-    anything is loaded)."""
+    anything is loaded). The same request gives the same manager (a training run checks its
+    config, then its eval section builds on it: one index, not two)."""
+    return _task_manager(tuple(tasks), include_path)
+
+
+@lru_cache(maxsize=4)
+def _task_manager(tasks: tuple[str, ...], include_path: str | None) -> Any:
     from lm_eval.tasks import TaskManager
 
     from toolkit import bundled
@@ -142,7 +149,7 @@ def check_tasks(tasks: list[str], include_path: str | None) -> Any:
         include_path = bundled.resolve(include_path)
         if not Path(include_path).is_dir():
             raise UserError(f"--include-path {include_path} is not a folder of task YAMLs.")
-    if include_path is not None:  # local tasks only: no index of lm-eval's registry (~6 s)
+        # local tasks only: no index of lm-eval's registry (~6 s)
         manager = TaskManager(include_path=include_path, include_defaults=False)
         if set(tasks) <= set(manager.all_tasks):
             return manager

@@ -55,14 +55,11 @@ class Evals:
         return metrics
 
     def _loaded(self) -> Any:
-        from toolkit.infer.load import Loaded, eos_ids
+        from toolkit.infer.load import Loaded
 
         s = self.state
-        spec = s.model.spec
         folder = Path(s.cfg.model.path) if s.cfg.model.path else Path(s.cfg.tokenizer_path)
-        return Loaded(s.chunks, s.adapter, spec, self.tokenizer,
-                      eos_ids(spec, folder, self.tokenizer),
-                      int(spec.config.get("max_position_embeddings") or 2048))
+        return Loaded.of(s.chunks, s.adapter, s.model.spec, self.tokenizer, folder)
 
     def _tasks(self, log: Any, step: int) -> dict[str, float]:
         from toolkit.infer.run import metric_names, run_tasks
