@@ -63,7 +63,7 @@ class Completion:
 
     completion_ids: list[int]
     finish_reason: str  # "eos" | "length"
-    logprobs: list[float] | None = None  # of the sampled tokens, when asked for
+    logprobs: list[float] | None = None  # of the sampled tokens (at the sampling temperature)
 
 
 class _Tokens:
@@ -94,6 +94,24 @@ def _controller(base: type) -> type:
                                               *args, **kwargs)
 
     return Controller
+
+
+def _scaling(base: type) -> type:
+    """megatron-core's model wrapper with its logits divided by the sampling temperature: the
+    controller then samples at temperature 1 from the same distribution and returns the
+    log-probabilities of that distribution (its own are of the unscaled logits), which is what
+    an RL trainer compares with its own (TRL's are at the sampling temperature)."""
+
+    class Wrapper(base):
+        logit_scale = 1.0
+
+        def run_one_forward_step(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().run_one_forward_step(*args, **kwargs)
+            if self.logit_scale != 1.0 and isinstance(out, torch.Tensor):
+                out = out * self.logit_scale
+            return out
+
+    return Wrapper
 
 
 @contextmanager
@@ -143,8 +161,9 @@ class Generator:
             hidden_size=config.hidden_size, params_dtype=config.params_dtype,
             inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size,
             inference_max_requests=max_batch, inference_max_seq_length=max_seq_len)
-        wrapped = GPTInferenceWrapper(model, wrapper_config,
-                                      StaticInferenceContext(max_batch, max_seq_len))
+        wrapped = _scaling(GPTInferenceWrapper)(model, wrapper_config,
+                                                StaticInferenceContext(max_batch, max_seq_len))
+        self.wrapped = wrapped
         self.controller = _controller(TextGenerationController)(
             wrapped, _Tokens(self.eos_ids[0], decode))
         self.controller.real_vocab = vocab_size
@@ -170,8 +189,11 @@ class Generator:
                     f" positions, the model takes {self.max_seq_len}. Shorten the prompt or "
                     "lower max_new_tokens.")
         greedy = sampling.temperature == 0.0
+        # with log-probabilities: the logits scaled here, so they are the sampled distribution's
+        scaled = logprobs and not greedy and sampling.temperature != 1.0
+        self.wrapped.logit_scale = 1.0 / sampling.temperature if scaled else 1.0
         params = SamplingParams(
-            temperature=1.0 if greedy else float(sampling.temperature),
+            temperature=1.0 if greedy or scaled else float(sampling.temperature),
             top_k=1 if greedy else int(sampling.top_k),
             top_p=0.0 if greedy or sampling.top_p >= 1.0 else float(sampling.top_p),
             num_tokens_to_generate=sampling.max_new_tokens, return_log_probs=logprobs,

@@ -56,7 +56,12 @@ from toolkit.train.loop.step_values import StepResult
 from toolkit.train.loop.validation import validation_metrics
 from toolkit.train.loop.zero3_release import destroy_engine
 from toolkit.train.model import RunModel, build_model, check_packing, run_kernels
-from toolkit.train.objectives.registry import ObjectiveSetup, before_policy, objective_for
+from toolkit.train.objectives.registry import (
+    ObjectiveSetup,
+    before_policy,
+    objective_data,
+    objective_for,
+)
 from toolkit.train.run_state import RunState, TrainResult
 from toolkit.train.run_state import log as _log
 from toolkit.train.variants import variant_for
@@ -128,7 +133,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     """Data, the checked DeepSpeed config, then the model (the costly part comes last)."""
     layout = run_plan.layout
     t0 = time.perf_counter()
-    data = with_reset_at_eod(prepare_data_distributed(
+    data = objective_data(cfg) or with_reset_at_eod(prepare_data_distributed(
         DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.data_cache_dir,
         cfg.data.num_proc), cfg.data.reset_at_eod)
     if getattr(data.train, "packed", False) or data.train.reset_eod is not None:
@@ -159,7 +164,8 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
     sampler = GlobalBatchSampler(num_samples, run_plan.global_batch, run_plan.micro_batch,
                                  layout.dp, dp_rank, cfg.train.seed, shuffle)
     objective = objective_for(ObjectiveSetup(cfg, layout, mpu, ds_config, model.spec,
-                                             list(chunks), run_plan.global_batch, precomputed))
+                                             list(chunks), run_plan.global_batch, precomputed,
+                                             data))
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
                     notes, total, objective, variant)
 

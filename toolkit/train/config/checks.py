@@ -16,12 +16,14 @@ from toolkit.parallel.layout import LayoutError
 from toolkit.train.config.schema import (
     DistillSection,
     DpoSection,
+    GrpoSection,
     KtoSection,
     RewardSection,
     TrainConfig,
 )
 from toolkit.train.objectives import spec as post_spec
 from toolkit.train.objectives.dpo import spec as dpo_spec
+from toolkit.train.objectives.grpo import spec as grpo_spec
 
 #: the modes whose rows are not SFT's (no packing, no SFT formats): what they read
 ROW_MODES = {"dpo": "prompt/chosen/rejected rows, one pair per sample",
@@ -85,6 +87,15 @@ def check_deepspeed(cfg: TrainConfig) -> None:
 
 def check_data(cfg: TrainConfig) -> None:
     d = cfg.data
+    if d.mode == "grpo" and cfg.grpo.rollouts:
+        if d.sources:
+            raise ConfigError("data.sources with grpo.rollouts: the recorded rollouts hold the "
+                              "prompts; remove data.sources (or grpo.rollouts, to generate).")
+        return
+    if d.mode == "grpo" and d.validation_sources:
+        raise ConfigError("data.validation_sources with data.mode=grpo: GRPO has no validation "
+                          "loss (its completions are made while training); evaluate with the "
+                          "eval: section instead.")
     if not d.sources:
         raise ConfigError("data.sources is empty: list data files (json/jsonl/parquet/txt), "
                           "globs, folders or hub dataset names.")
@@ -142,6 +153,10 @@ def check_post_training(cfg: TrainConfig) -> None:
              "distill": post_spec.check_distill}.get(cfg.data.mode)
     if check is not None:
         check(cfg)
+
+
+def check_grpo(cfg: TrainConfig) -> None:
+    grpo_spec.check_grpo(cfg, GrpoSection())
 
 
 def check_train(cfg: TrainConfig) -> None:
@@ -239,7 +254,8 @@ def check_eval(cfg: TrainConfig) -> None:
 
 CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
     check_output_dir, check_model, check_parallel, check_deepspeed, check_data, check_dpo,
-    check_post_training, check_train, check_optim, check_checkpoint, check_peft, check_logging,
+    check_post_training, check_grpo, check_train, check_optim, check_checkpoint, check_peft,
+    check_logging,
     check_eval,
 )
 

@@ -72,4 +72,6 @@ def total_steps(cfg: TrainConfig, num_train_samples: int, global_batch: int) -> 
         return cfg.train.steps
     if num_train_samples < 1:
         raise ConfigError("the training set is empty: check data.sources and data.seq_len.")
-    return max(1, -(-int(cfg.train.epochs * num_train_samples) // global_batch))
+    steps = max(1, -(-int(cfg.train.epochs * num_train_samples) // global_batch))
+    # GRPO: a generation batch serves grpo.num_iterations optimizer steps
+    return steps * (cfg.grpo.num_iterations if cfg.data.mode == "grpo" else 1)

@@ -167,6 +167,41 @@ class DistillSection:
 
 
 @dataclass
+class GrpoSection:
+    """Online RL from verifiable rewards (``data.mode: grpo``: prompt rows), TRL's
+    ``GRPOConfig`` names and meanings. ``num_generations``: completions per prompt (a group;
+    ``train.global_batch`` counts completions). ``loss_type``: TRL's formula and normalisation
+    (grpo, dr_grpo, dapo, bnpo, cispo); ``importance_sampling_level: sequence`` is GSPO.
+    ``beta``: the weight of the k3 KL to the reference (the starting model, frozen; with LoRA
+    the policy with its adapters off), times the ratio with ``use_bias_correction_kl``.
+    ``epsilon`` / ``epsilon_high``: the clip range (null:
+    ``epsilon``; cispo clips the ratio at ``epsilon_high`` alone). ``num_iterations``: optimizer
+    steps per generation batch. ``scale_rewards``: the advantage's divisor (group: the group's
+    std, batch: the batch's, none). ``rewards``: ``{function: "module:name" | "mdtk:name",
+    weight, args}`` with TRL's signature ``f(prompts, completions, completion_ids, **columns)``.
+    ``rollouts``: a JSONL of recorded rollouts (prompt, completion_ids or completion, reward)
+    trained on instead of generating."""
+
+    num_generations: int = opt(8, minimum=1)
+    max_completion_length: int = opt(256, minimum=1)
+    temperature: float = opt(1.0, minimum=0.0)
+    top_p: float = opt(1.0, minimum=0.0)
+    top_k: int = opt(0, minimum=0)
+    loss_type: str = opt("dapo", choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo"))
+    importance_sampling_level: str = opt("token", choices=("token", "sequence"))
+    beta: float = opt(0.0, minimum=0.0)
+    use_bias_correction_kl: bool = True
+    epsilon: float = opt(0.2, minimum=0.0)
+    epsilon_high: float | None = opt(None, minimum=0.0)
+    num_iterations: int = opt(1, minimum=1)
+    scale_rewards: str = opt("group", choices=("group", "batch", "none"))
+    mask_truncated_completions: bool = False
+    rewards: list[dict[str, Any]] = opt(factory=list)
+    rollouts: str | None = None
+    engine: str = opt("megatron", choices=("megatron", "vllm"))
+
+
+@dataclass
 class OptimSection:
     """AdamW (DeepSpeed's CPU Adam when offloading). ``clip_grad: 0`` turns clipping off."""
 
@@ -304,6 +339,7 @@ class TrainConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     kto: KtoSection = field(default_factory=KtoSection)
     distill: DistillSection = field(default_factory=DistillSection)
+    grpo: GrpoSection = field(default_factory=GrpoSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

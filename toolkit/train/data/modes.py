@@ -26,7 +26,8 @@ SAMPLE_MODES: dict[str, Tokenize] = {"sft": sft, "dpo": dpo, "reward": reward, "
                                      "distill": functools.partial(sft, final_turn=True)}
 #: the modes whose rows are SFT's (formats, templates, packing)
 SFT_ROWS = ("sft", "distill")
-MODES: tuple[str, ...] = ("pretrain", *SAMPLE_MODES)
+#: ``grpo`` reads prompts (or recorded rollouts) whole: ``data.grpo``, no samples
+MODES: tuple[str, ...] = ("pretrain", *SAMPLE_MODES, "grpo")
 
 
 def tokenize_split(parts: Sequence[RowsPart], tokenizer, settings: DataSettings, num_proc: int,

@@ -10,7 +10,8 @@ from typing import Any
 
 from toolkit.train.objectives.base import Objective
 
-__all__ = ["BUILDERS", "Objective", "ObjectiveSetup", "before_policy", "objective_for"]
+__all__ = ["BUILDERS", "Objective", "ObjectiveSetup", "before_policy", "objective_data",
+           "objective_for"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class ObjectiveSetup:
     chunks: list[Any]  # this rank's policy chunks
     global_batch: int
     precomputed: Any = None  # DPO: the reference log-probabilities computed before the policy
+    data: Any = None  # the run's prepared data (GRPO: its prompts or recorded rollouts)
 
 
 def _plain(s: ObjectiveSetup) -> Objective:
@@ -73,16 +75,33 @@ def _distill(s: ObjectiveSetup) -> Objective:
     return DistillObjective(GkdLoss(s.cfg.distill.beta, s.policy.shape.vocab), model)
 
 
+def _grpo(s: ObjectiveSetup) -> Objective:
+    from toolkit.train.objectives.grpo.build import grpo_objective
+
+    return grpo_objective(s)
+
+
 #: data.mode -> the objective's builder
 BUILDERS: dict[str, Callable[[ObjectiveSetup], Objective]] = {
     "pretrain": _plain, "sft": _plain, "dpo": _dpo, "reward": _reward, "kto": _kto,
-    "distill": _distill,
+    "distill": _distill, "grpo": _grpo,
 }
 
 
 def objective_for(setup: ObjectiveSetup) -> Objective:
     """The run's objective (``data.mode``), built after the policy."""
     return BUILDERS[setup.cfg.data.mode](setup)
+
+
+def objective_data(cfg: Any) -> Any:
+    """The data of a mode that does not read tokenised samples (GRPO: prompts or recorded
+    rollouts, ``data.grpo``), or None: the samples ``data.prepare_data_distributed`` makes."""
+    if cfg.data.mode != "grpo":
+        return None
+    from toolkit.train.data import DataSettings
+    from toolkit.train.data.grpo import prepare
+
+    return prepare(DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.grpo, cfg.train.seq_len)
 
 
 def before_policy(cfg: Any, layout: Any, mpu: Any, ds_config: dict[str, Any], data: Any,

@@ -1,0 +1,101 @@
+"""Rank functions for the GRPO checks (``toolkit.train.trainer.run`` with ``data.mode: grpo``).
+
+Recorded rollouts (``make_rollouts``): 6 prompts of the bundled SFT rows, 4 completions each
+(random token ids of random lengths, most ending with the EOS token, some truncated; random
+rewards with one tied group), so 3 generation batches of 2 prompts x 4 completions. The same
+rows go to TRL's GRPOTrainer through its ``rollout_func`` (tests/test_trainer_grpo.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STEPS, GROUP, PROMPTS, SEQ, LR = 3, 4, 2, 48, 1e-3
+GLOBAL = GROUP * PROMPTS
+#: the TRL-compared runs: name -> the grpo settings (TRL's names)
+RUNS: dict[str, dict[str, Any]] = {
+    "dapo": {"loss_type": "dapo"},
+    "grpo_kl_it2": {"loss_type": "grpo", "beta": 0.04, "num_iterations": 2, "temperature": 0.7},
+    "dr_grpo_batch": {"loss_type": "dr_grpo", "scale_rewards": "batch", "num_iterations": 2,
+                      "max_completion_length": 12},
+    "bnpo_kl": {"loss_type": "bnpo", "beta": 0.04, "num_iterations": 2, "epsilon": 0.1,
+                "scale_rewards": "none"},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 1.02, "num_iterations": 2},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04,
+             "num_iterations": 2, "mask_truncated_completions": True, "epsilon": 3e-4,
+             "epsilon_high": 4e-4},
+}
+
+
+@dataclass(frozen=True)
+class GrpoCase:
+    run: str  # a RUNS entry
+    name: str = ""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sp: bool = False
+    zero: int = 1
+    micro: int = GLOBAL
+    model: str = "dense"
+    overrides: tuple[str, ...] = field(default=())
+
+    @property
+    def label(self) -> str:
+        return self.name or self.run
+
+
+def make_rollouts(root: Path, tokenizer_path: str) -> dict[str, str]:
+    """The recorded rollouts file and the prompts file (in the test process)."""
+    from toolkit import bundled
+    from toolkit.train.data import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_path)
+    rows = [json.loads(x) for x in
+            bundled.path("bundled:examples/data/dpo_text.jsonl").read_text().splitlines()]
+    prompts = [r["prompt"] for r in rows if isinstance(r.get("prompt"), str)][:PROMPTS * STEPS]
+    rnd = random.Random(7)
+    out = []
+    for p, prompt in enumerate(prompts):
+        for k in range(GROUP):
+            n = rnd.randint(3, 10)
+            ids = [rnd.randint(5, len(tok) - 1) for _ in range(n)]
+            if (p + k) % 3:
+                ids[-1] = tok.eos_token_id  # ended; else truncated
+            reward = 0.5 if p == 1 else round(rnd.uniform(-1, 2), 3)  # group 1: zero std
+            out.append({"prompt": prompt, "completion_ids": ids, "reward": reward})
+    path = root / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    prompts_path = root / "prompts.jsonl"
+    prompts_path.write_text("".join(json.dumps({"prompt": p, "answer": "4"}) + "\n"
+                                    for p in prompts))
+    return {"rollouts": str(path), "prompts": str(prompts_path)}
+
+
+def config(case: GrpoCase, assets: dict[str, str], out: Path):
+    from dist_checks import trainer_checks as tc
+
+    settings = [f"grpo.{k}={v}" for k, v in RUNS[case.run].items()]
+    if not any(o.startswith("grpo.rewards") for o in case.overrides):
+        settings += [f"grpo.rollouts={assets['rollouts']}", "data.sources=[]"]
+    settings += ["data.mode=grpo", f"grpo.num_generations={GROUP}",
+                 f"train.micro_batch={case.micro}", f"train.global_batch={GLOBAL}", f"train.seq_len={SEQ}", f"optim.lr={LR}",
+                 f"model.path={assets[case.model]}", *case.overrides]
+    base = tc.Case(case.label, tp=case.tp, pp=case.pp, ep=case.ep, sp=case.sp, zero=case.zero,
+                   steps=STEPS, overrides=tuple(settings))
+    return tc.config(base, assets, out)
+
+
+def run_case(case: GrpoCase, assets: dict[str, str], workdir: str) -> dict[str, Any]:
+    from toolkit.train import trainer
+
+    result = trainer.run(config(case, assets, Path(workdir) / case.label))
+    return {"case": case.label, "losses": result.losses, "metrics": result.metrics}
+
+
+def run_cases(cases: list[GrpoCase], assets: dict[str, str], workdir: str) -> list[dict]:
+    return [run_case(c, assets, workdir) for c in cases]

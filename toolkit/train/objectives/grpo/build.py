@@ -1,0 +1,75 @@
+"""The run's GRPO objective from its config: the rollout source (recorded, or the generation
+engine on the live policy), the reward functions, the reference (``beta != 0``: the starting
+model frozen, or with LoRA the policy with its adapters off) and the loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolkit.errors import ConfigError
+from toolkit.train.objectives.grpo import rewards as rw
+from toolkit.train.objectives.grpo.loss import GrpoLoss
+from toolkit.train.objectives.grpo.objective import GrpoObjective, Rows
+from toolkit.train.objectives.grpo.rollouts import Generated, Recorded
+from toolkit.train.objectives.grpo.spec import BATCH_METRICS, metric_names, reward_function
+
+
+def grpo_objective(s: Any) -> GrpoObjective:
+    cfg, g, data = s.cfg, s.cfg.grpo, s.data
+    if s.global_batch % g.num_generations:
+        raise ConfigError(f"the global batch of {s.global_batch} completions is not a multiple "
+                          f"of grpo.num_generations={g.num_generations}: set train.global_batch "
+                          "to prompts per step x num_generations.")
+    tok = data.tokenizer
+    ends = set(_eos_ids(s.policy, tok)) | ({tok.pad_token_id} - {None})
+    if data.groups is not None:
+        source: Any = Recorded(data.groups, ends)
+    else:
+        source = _generated(s, data, [rw.RewardFn(*reward_function(r)) for r in g.rewards])
+    names = metric_names(cfg, list(source.names))
+    batch_names = tuple(n for n in names if n in BATCH_METRICS or n.startswith("rewards/"))
+    loss = GrpoLoss(g.loss_type, s.policy.shape.vocab, names, batch_names,
+                    temperature=g.temperature or 1.0, beta=g.beta, epsilon=g.epsilon,
+                    epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
+                    sequence_level=g.importance_sampling_level == "sequence",
+                    max_completion_length=g.max_completion_length,
+                    bias_correction_kl=g.use_bias_correction_kl)
+    reference = None
+    if g.beta != 0.0:
+        from toolkit.train.objectives.dpo.objective import reference_model
+
+        reference = reference_model(cfg, s.layout, s.mpu, s.ds_config, s.policy, s.chunks, None)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return GrpoObjective(loss, source, global_batch=s.global_batch, group=g.num_generations,
+                         num_iterations=g.num_iterations, scale_rewards=g.scale_rewards,
+                         rows=Rows(cfg.train.seq_len, int(pad), g.mask_truncated_completions),
+                         policy=s.chunks, reference=reference)
+
+
+def _eos_ids(policy: Any, tok: Any) -> list[int]:
+    from pathlib import Path
+
+    from toolkit.infer.load import eos_ids
+
+    return eos_ids(policy, Path(str(policy.source or ".")), tok)
+
+
+def _generated(s: Any, data: Any, fns: list[rw.RewardFn]) -> Generated:
+    """Rollouts sampled by the generation engine on the policy's live chunks."""
+    from toolkit.infer.engine import Generator, Sampling
+
+    cfg, g = s.cfg, s.cfg.grpo
+    if len(s.chunks) != 1:
+        raise ConfigError(f"grpo rollouts on the training ranks with parallel.vpp="
+                          f"{cfg.parallel.vpp}: the generation engine runs one model chunk per "
+                          "rank; drop vpp or train on recorded rollouts (grpo.rollouts).")
+    rows = s.global_batch // s.layout.dp
+    engine = Generator(s.chunks, eos_ids=_eos_ids(s.policy, data.tokenizer),
+                       vocab_size=s.policy.shape.vocab, max_seq_len=cfg.train.seq_len + 1,
+                       max_batch=rows)
+    for chunk in s.chunks:
+        chunk.train()
+    sampling = Sampling(max_new_tokens=g.max_completion_length, temperature=g.temperature,
+                        top_p=g.top_p, top_k=g.top_k, seed=cfg.train.seed)
+    return Generated(data.prompts, g.num_generations, fns, engine, sampling, data.tokenizer,
+                     shuffle=cfg.data.shuffle, seed=cfg.train.seed, chunks=s.chunks)
