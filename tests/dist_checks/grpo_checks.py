@@ -83,7 +83,8 @@ def config(case: GrpoCase, assets: dict[str, str], out: Path):
     if not any(o.startswith("grpo.rewards") for o in case.overrides):
         settings += [f"grpo.rollouts={assets['rollouts']}", "data.sources=[]"]
     settings += ["data.mode=grpo", f"grpo.num_generations={GROUP}",
-                 f"train.micro_batch={case.micro}", f"train.global_batch={GLOBAL}", f"train.seq_len={SEQ}", f"optim.lr={LR}",
+                 f"train.micro_batch={case.micro}", f"train.global_batch={GLOBAL}",
+                 f"train.seq_len={SEQ}", f"optim.lr={LR}",
                  f"model.path={assets[case.model]}", *case.overrides]
     base = tc.Case(case.label, tp=case.tp, pp=case.pp, ep=case.ep, sp=case.sp, zero=case.zero,
                    steps=STEPS, overrides=tuple(settings))

@@ -115,6 +115,23 @@ def _scaling(base: type) -> type:
 
 
 @contextmanager
+def _sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
+    """A training model's sequence parallelism switched off while it generates (megatron-core's
+    static batch refuses it: one decode token cannot be split over the tp ranks) and back on
+    after; the weights are the same, only the communication pattern changes."""
+    if not getattr(model.config, "sequence_parallel", False):
+        yield
+        return
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+    set_model_to_sequence_parallel(model, False)
+    try:
+        yield
+    finally:
+        set_model_to_sequence_parallel(model, True)
+
+
+@contextmanager
 def megatron_quiet() -> Iterator[None]:
     """megatron-core's notes that do not apply here, on every call and rank: the static
     engine's deprecation, and CUDA_DEVICE_MAX_CONNECTIONS (an overlap hint for training)."""
@@ -153,6 +170,7 @@ class Generator:
             raise GenerationError("the model names no end-of-sequence token (eos_token_id in "
                                   "its config.json or generation_config.json).")
         model = chunks[0]
+        self.model = model
         model.eval()
         mask_vocab_padding(chunks, vocab_size)
         config = model.config
@@ -206,7 +224,7 @@ class Generator:
             requests.append(InferenceRequest(request_id=self._next_id, prompt="",
                                              prompt_tokens=list(prompt), sampling_params=params))
             self._next_id += 1
-        with megatron_quiet():
+        with megatron_quiet(), _sequence_parallel_off(self.model):
             done = self.engine.generate(inference_requests=requests)
         return [self._completion(r, sampling.max_new_tokens, logprobs) for r in done]
 

@@ -122,6 +122,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         items = value if isinstance(value, (list, tuple)) else [value]
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(items)]
+    if origin is dict:  # a free-form mapping (e.g. a reward function's entry): checked by its
+        if not isinstance(value, dict):  # section's check
+            raise ConfigError(f"{key}={value!r}: expected a mapping, e.g. {{function: ...}}.")
+        return dict(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}={value!r}: expected a list of {len(args)} values, "

@@ -101,7 +101,15 @@ def objective_data(cfg: Any) -> Any:
     from toolkit.train.data import DataSettings
     from toolkit.train.data.grpo import prepare
 
-    return prepare(DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.grpo, cfg.train.seq_len)
+    data = prepare(DataSettings.from_config(cfg), cfg.tokenizer_path, cfg.grpo,
+                   cfg.train.seq_len)
+    if cfg.grpo.rewards:
+        from toolkit.train.objectives.grpo import rewards
+        from toolkit.train.objectives.grpo.spec import reward_function
+
+        rewards.probe([rewards.RewardFn(*reward_function(r)) for r in cfg.grpo.rewards],
+                      data.prompts)
+    return data
 
 
 def before_policy(cfg: Any, layout: Any, mpu: Any, ds_config: dict[str, Any], data: Any,

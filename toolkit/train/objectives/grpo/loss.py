@@ -138,8 +138,9 @@ class GrpoLoss:
                 high = (coef_1 > 1 + self.epsilon_high) & (adv > 0)
                 out.update({"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
                             "clip_ratio/region_mean": mean(low | high)})
-            if GAP in self.metric_names:
-                out[GAP] = mean((logp - batch["sampling_logps"].to(logp)).abs())
+            if GAP in self.metric_names:  # the trainer's forward when the batch was made
+                mine = batch["old_logps"].to(logp) if "old_logps" in batch else logp
+                out[GAP] = mean((mine - batch["sampling_logps"].to(logp)).abs())
             micro = float(counts.num_microbatches * counts.dp)
             values = batch["batch_metrics"][0].to(share.device) / micro
             out.update(zip(self.batch_names, values, strict=True))

@@ -102,3 +102,14 @@ def columns_of(rows: Sequence[Any]) -> dict[str, list]:
     """The prompt rows' other columns as lists (TRL passes every column but the prompt)."""
     keys = sorted({k for r in rows for k in r.columns})
     return {k: [r.columns.get(k) for r in rows] for k in keys}
+
+
+def probe(fns: Sequence[RewardFn], rows: Sequence[Any]) -> None:
+    """Each reward function called once on the first prompt rows with empty completions, so
+    one that fails or returns the wrong number of rewards is refused before any model or
+    engine is built (TRL finds out at the first generation)."""
+    rows = list(rows[:2])
+    conversational = isinstance(rows[0].prompt, list)
+    completions = [[{"role": "assistant", "content": ""}] if conversational else ""
+                   for _ in rows]
+    score(fns, [r.prompt for r in rows], completions, [[] for _ in rows], columns_of(rows))

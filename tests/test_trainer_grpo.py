@@ -1,0 +1,168 @@
+"""GRPO (``data.mode: grpo``) through the real trainer, equal to TRL's GRPOTrainer.
+
+- TRL: recorded rollouts (the same prompts, completion ids and rewards) given to TRL's
+  GRPOTrainer through its ``rollout_func`` and a reward function, 3 steps (fp32, the same initial
+  weights, constant LR, AdamW, one micro-batch per step as TRL's defaults run it): the losses and
+  TRL's metrics (``reward``, ``reward_std``, ``kl``, ``clip_ratio/region_mean`` or
+  ``cispo_clip_ratio``, ``entropy``, ...) within 1e-5 for loss_type grpo, dr_grpo, dapo, bnpo
+  and cispo, GSPO (sequence-level ratios), beta 0 and 0.04, num_iterations 1 and 2, a sampling
+  temperature, scale_rewards group / batch / none, masked truncated completions.
+- Layouts: the same rollouts (2 micro-batches per step, beta 0.04, num_iterations 2) at tp2 + SP,
+  pp2, dp2 ZeRO-3, tp2 x pp2, an MoE at ep2, and LoRA at tp2 (the reference: adapters off)
+  equal the single-rank run within 1e-5.
+- Colocated rollouts at tp2 + SP: the engine's log-probabilities of its sampled tokens equal the
+  trainer's forward on the same tokens within 1e-5 at every generation.
+Bad input is tests/test_grpo_units.py (no ranks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dist_checks import grpo_checks as gc
+from dist_checks.grpo_checks import GrpoCase
+
+RTOL = 1e-5
+LAYOUT_RUN = "grpo_kl_it2"
+LORA = ("peft.method=lora", "peft.r=4", "peft.alpha=8")
+GENERATE = ('grpo.rewards=[{function: "mdtk:format_regex", args: {pattern: "e"}}]',
+            "grpo.max_completion_length=8")
+SINGLE = [*(GrpoCase(r) for r in gc.RUNS),
+          GrpoCase(LAYOUT_RUN, "ref_dense", micro=2),
+          GrpoCase(LAYOUT_RUN, "ref_moe", micro=2, model="moe"),
+          GrpoCase(LAYOUT_RUN, "ref_lora", micro=2, overrides=LORA)]
+LAYOUTS = {"tp2_sp": ("ref_dense", GrpoCase(LAYOUT_RUN, "tp2_sp", tp=2, sp=True, micro=2)),
+           "pp2": ("ref_dense", GrpoCase(LAYOUT_RUN, "pp2", pp=2, micro=2)),
+           "dp2_zero3": ("ref_dense", GrpoCase(LAYOUT_RUN, "dp2_zero3", zero=3, micro=2)),
+           "ep2": ("ref_moe", GrpoCase(LAYOUT_RUN, "ep2", ep=2, micro=2, model="moe")),
+           "lora_tp2": ("ref_lora", GrpoCase(LAYOUT_RUN, "lora_tp2", tp=2, micro=2,
+                                              overrides=LORA))}
+FOUR = {"tp2_pp2": ("ref_dense", GrpoCase(LAYOUT_RUN, "tp2_pp2", tp=2, pp=2, micro=2))}
+
+
+@pytest.fixture(scope="module")
+def assets(trainer_assets) -> dict[str, str]:
+    base, root = trainer_assets
+    return {**base, **gc.make_rollouts(root, base["tokenizer"]), "work": str(root / "grpo")}
+
+
+def _generated(assets) -> GrpoCase:
+    return GrpoCase(LAYOUT_RUN, "generated_tp2_sp", tp=2, sp=True, micro=2,
+                    overrides=(f"data.sources=[{assets['prompts']}]", *GENERATE))
+
+
+@pytest.fixture(scope="module")
+def single(rank_pool_1, assets) -> dict[str, dict]:
+    (out,) = rank_pool_1.run(gc.run_cases, SINGLE, assets, assets["work"], timeout=600)
+    return {r["case"]: r for r in out}
+
+
+@pytest.fixture(scope="module")
+def layouts(rank_pool_2, rank_pool_4, assets) -> dict[str, dict]:
+    cases = [c for _, c in LAYOUTS.values()] + [_generated(assets)]
+    out = {r["case"]: r for r in rank_pool_2.run(gc.run_cases, cases, assets, assets["work"],
+                                                 timeout=900)[0]}
+    four = [c for _, c in FOUR.values()]
+    out.update({r["case"]: r for r in rank_pool_4.run(gc.run_cases, four, assets,
+                                                      assets["work"], timeout=600)[0]})
+    return out
+
+
+# -- TRL -------------------------------------------------------------------------------------------
+
+def _trl(run: str, assets: dict[str, str]) -> list[dict]:
+    """TRL's logged steps for ``run``: the recorded groups in file order through
+    ``rollout_func``, their rewards through a reward function named like mdtk's."""
+    import transformers as tf
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from toolkit.train.data import load_tokenizer
+
+    tok = load_tokenizer(assets["tokenizer"])
+    rows = [json.loads(x) for x in Path(assets["rollouts"]).read_text().splitlines()]
+    groups = [rows[i:i + gc.GROUP] for i in range(0, len(rows), gc.GROUP)]
+    queue = list(groups)
+
+    def rollout_func(prompts, trainer):
+        picked = []
+        for i in range(0, len(prompts), gc.GROUP):
+            group = queue.pop(0)
+            assert all(p == group[0]["prompt"] for p in prompts[i:i + gc.GROUP])
+            picked += group
+        return {"prompt_ids": [tok(r["prompt"])["input_ids"] for r in picked],
+                "completion_ids": [r["completion_ids"] for r in picked],
+                "logprobs": [[0.0] * len(r["completion_ids"]) for r in picked],
+                "recorded_reward": [r["reward"] for r in picked]}
+
+    def recorded(prompts, completions, completion_ids, recorded_reward, **kw):
+        return recorded_reward
+
+    args = GRPOConfig(output_dir=str(Path(assets["work"]) / "trl" / run), use_cpu=True,
+                      bf16=False, report_to=[], disable_tqdm=True,
+                      per_device_train_batch_size=gc.GLOBAL, num_generations=gc.GROUP,
+                      learning_rate=gc.LR, lr_scheduler_type="constant", adam_beta2=0.95,
+                      max_grad_norm=1.0, weight_decay=0.0, logging_steps=1, max_steps=gc.STEPS,
+                      save_strategy="no", shuffle_dataset=False, seed=1234, **gc.RUNS[run])
+    model = tf.AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=[recorded], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": g[0]["prompt"]}
+                                                           for g in groups]),
+                          processing_class=tok, rollout_func=rollout_func)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",
+            "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+            "cispo_clip_ratio", "completions/mean_length", "completions/clipped_ratio",
+            "rewards/recorded/mean", "rewards/recorded/std")
+
+
+@pytest.mark.parametrize("run", list(gc.RUNS))
+def test_equal_to_trl(single, assets, run):
+    mine, theirs = single[run], _trl(run, assets)
+    assert len(theirs) == gc.STEPS == len(mine["losses"])
+    assert mine["losses"] == pytest.approx([h["loss"] for h in theirs], rel=RTOL, abs=1e-7)
+    for step, (metrics, logged) in enumerate(zip(mine["metrics"], theirs, strict=True)):
+        names = [n for n in COMPARED if n in logged]
+        assert "entropy" in names and ("kl" in names) == (gc.RUNS[run].get("beta", 0) != 0)
+        for name in names:  # TRL's names, TRL's values
+            assert metrics[name] == pytest.approx(float(logged[name]), rel=RTOL, abs=1e-6), \
+                (step, name)
+    clipped = [m.get("clip_ratio/region_mean", m.get("cispo_clip_ratio")) for m in
+               mine["metrics"]]
+    if gc.RUNS[run].get("num_iterations", 1) > 1:  # the second update of a batch is off-policy
+        assert clipped[1] > 0, clipped
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *FOUR])
+def test_layout_matches_single_rank(single, layouts, name):
+    ref, case = {**LAYOUTS, **FOUR}[name]
+    mine, base = layouts[case.label], single[ref]
+    assert mine["losses"] == pytest.approx(base["losses"], rel=RTOL, abs=1e-7)
+    for a, b in zip(mine["metrics"], base["metrics"], strict=True):
+        for key in ("kl", "entropy", "clip_ratio/region_mean", "reward"):
+            assert a[key] == pytest.approx(b[key], rel=RTOL, abs=1e-6), (name, key)
+    assert base["losses"][1] != base["losses"][0]
+
+
+def test_colocated_rollouts_log_probs_equal_the_trainers(layouts):
+    """The engine sampled at the training layout (tp2 + SP; generation switches SP off and
+    back on); its log-probabilities of the sampled tokens against the trainer's forward when
+    the batch was made (TRL's ``sampling/sampling_logp_difference/mean``)."""
+    run = layouts["generated_tp2_sp"]
+    gaps = [m[gc_gap()] for m in run["metrics"]]
+    assert max(gaps) < 1e-5, gaps
+    lengths = [m["completions/mean_length"] for m in run["metrics"]]
+    assert all(0 < n <= 8 for n in lengths), lengths
+    assert all(abs(x) < 1e3 for x in run["losses"]) and run["losses"][1] != 0.0
+
+
+def gc_gap() -> str:
+    from toolkit.train.objectives.grpo.spec import GAP
+
+    return GAP
