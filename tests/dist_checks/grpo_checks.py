@@ -100,3 +100,17 @@ def run_case(case: GrpoCase, assets: dict[str, str], workdir: str) -> dict[str, 
 
 def run_cases(cases: list[GrpoCase], assets: dict[str, str], workdir: str) -> list[dict]:
     return [run_case(c, assets, workdir) for c in cases]
+
+
+def run_example(model: str, workdir: str, steps: int) -> dict[str, Any]:
+    """The bundled example (bundled:examples/grpo_tiny.yaml) on the demo's tiny Llama (random
+    weights) for ``steps`` steps: its per-step mean rewards."""
+    from toolkit.train import trainer
+    from toolkit.train.config import load_config
+
+    cfg = load_config("bundled:examples/grpo_tiny.yaml", [
+        f"model.path={model}", f"model.tokenizer={model}", f"output_dir={workdir}/grpo_tiny",
+        "checkpoint.resume=none", f"train.steps={steps}"])
+    result = trainer.run(cfg)
+    return {"case": "example", "rewards": [m["reward"] for m in result.metrics],
+            "metrics": result.metrics}

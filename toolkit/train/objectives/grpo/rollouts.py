@@ -84,8 +84,11 @@ class Generated:
         rows = [int(i) for i in mine]
         sampling = dataclasses.replace(self.sampling, seed=self.seed * 7919 + gen * 104729
                                        + rows[0])
-        done = self.engine.generate([list(prompts[i].ids) for i in rows], sampling,
-                                    logprobs=True)
+        from toolkit.infer.run import no_progress_bars
+
+        with no_progress_bars():  # the training run's bar is the one shown
+            done = self.engine.generate([list(prompts[i].ids) for i in rows], sampling,
+                                        logprobs=True)
         for chunk in self.chunks:
             chunk.train()
         ids: list[tuple[int, ...] | None] = [None] * len(prompts)
