@@ -313,7 +313,10 @@ def test_mxfp4_experts_dequantized_as_transformers(tiny_root, results_open, tmp_
 
 STREAM_BUCKET = 2**16  # 64 KiB: a dozen or more buckets of the tiny models; the embedding alone
 STREAM_CASES = (("llama", {"tp": 2, "pp": 2}, 4), ("mixtral", {"ep": 2}, 2),
-                ("gpt_oss", {"ep": 2}, 2))
+                ("gpt_oss", {"ep": 2}, 2), ("deepseek_v3", {"ep": 2}, 2))
+#: DeepSeek-V3's multi-token-prediction layer (``ac.add_mtp_layer``): no model holds it, the
+#: stream ends with it, read from the source folder as the export copies it.
+MTP = "model.layers.4."
 #: transformers 5 holds Mixtral's experts fused in its modules (the per-expert checkpoint
 #: names are converted by from_pretrained): load_state_dict takes the other two as streamed.
 STREAM_LOADABLE = ("llama", "gpt_oss")
@@ -348,11 +351,12 @@ def _check_buckets(s: dict, family: str, where: str) -> None:
 
 @pytest.mark.parametrize("family", [c[0] for c in STREAM_CASES])
 def test_weight_stream_equals_the_export_bit_for_bit(stream_rows, family):
-    """Llama (tied, vocab padded) at tp2 x pp2, Mixtral and GPT-OSS (fused stacked experts) at
-    ep2: buckets of at most 64 KiB (a larger tensor alone) to rank 0 and to every rank, each
-    tensor bit-equal (name, dtype, values) to export_hf's folder and to the source checkpoint,
-    every name once; the other ranks get as many empty buckets; a rank outside the world as
-    ``dst`` is refused, naming the fix."""
+    """Llama (tied, vocab padded) at tp2 x pp2, Mixtral, GPT-OSS (fused stacked experts) and
+    DeepSeek-V3 (its MTP layer kept from the source, last) at ep2: buckets of at most 64 KiB
+    (a larger tensor alone) to rank 0 and to every rank, each tensor bit-equal (name, dtype,
+    values) to export_hf's folder and to the source checkpoint, every name once; the other
+    ranks get as many empty buckets; a rank outside the world as ``dst`` is refused, naming
+    the fix."""
     rows = stream_rows[family]
     r0 = rows[0]
     _check_buckets(r0["to_rank0"], family, "dst=0")
@@ -365,6 +369,19 @@ def test_weight_stream_equals_the_export_bit_for_bit(stream_rows, family):
         assert r["refused"] and "not a rank of this world" in r["refused"], r["refused"]
     if family == "gpt_oss":  # its experts stream as the folder stores them: stacked
         assert "model.layers.0.mlp.experts.gate_up_proj" in r0["to_rank0"]["names"]
+    if family == "deepseek_v3":
+        names = r0["to_rank0"]["names"]
+        kept = [i for i, n in enumerate(names) if n.startswith(MTP)]
+        assert len(kept) > 10 and kept == list(range(len(names) - len(kept), len(names))), kept
+
+
+def test_weight_stream_refuses_a_bad_bucket_size():
+    """Checked at the call, before any communication: the error names the setting and a fix."""
+    from toolkit.adapters.stream import StreamError, hf_buckets
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(StreamError, match="bucket_bytes=.*positive number of bytes"):
+            hf_buckets([], None, bucket_bytes=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("family", STREAM_LOADABLE)
