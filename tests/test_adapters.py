@@ -307,3 +307,107 @@ def test_mxfp4_experts_dequantized_as_transformers(tiny_root, results_open, tmp_
             got = weights[f"model.layers.0.mlp.experts.{proj}"]
             assert got.dtype == dtype and torch.equal(got, want.to(dtype)), (folder, proj)
         assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+
+
+# -- the weight stream (issue 38): buckets of HF-named tensors out of the live model ------------
+
+STREAM_BUCKET = 2**16  # 64 KiB: a dozen or more buckets of the tiny models; the embedding alone
+STREAM_CASES = (("llama", {"tp": 2, "pp": 2}, 4), ("mixtral", {"ep": 2}, 2),
+                ("gpt_oss", {"ep": 2}, 2), ("deepseek_v3", {"ep": 2}, 2))
+#: DeepSeek-V3's multi-token-prediction layer (``ac.add_mtp_layer``): no model holds it, the
+#: stream ends with it, read from the source folder as the export copies it.
+MTP = "model.layers.4."
+#: transformers 5 holds Mixtral's experts fused in its modules (the per-expert checkpoint
+#: names are converted by from_pretrained): load_state_dict takes the other two as streamed.
+STREAM_LOADABLE = ("llama", "gpt_oss")
+
+
+@pytest.fixture(scope="session")
+def stream_rows(tiny_root, rank_pool_2, rank_pool_4, tmp_path_factory):
+    from dist_checks import stream_checks
+
+    out = tmp_path_factory.mktemp("stream")
+    pools = {2: rank_pool_2, 4: rank_pool_4}
+    by_layout: dict = defaultdict(list)
+    for family, layout, world in STREAM_CASES:
+        by_layout[(world, tuple(layout.items()))].append(family)
+    rows = {}
+    for (world, layout), families in by_layout.items():
+        per_rank = pools[world].run(stream_checks.stream_cases, str(tiny_root), families,
+                                    dict(layout), STREAM_BUCKET, str(out / str(world)))
+        for family in families:
+            rows[family] = [r[family] for r in per_rank]
+    return rows
+
+
+def _check_buckets(s: dict, family: str, where: str) -> None:
+    assert s["count"] >= 4, f"{family} {where}: {s['count']} buckets"
+    assert s["export_names"] == s["source_names"], family  # export_hf's folder = the source's
+    assert sorted(s["names"]) == s["export_names"], f"{family} {where}: names differ"
+    assert s["export_unequal"] == [] and s["source_unequal"] == [], (family, where, s)
+    for total, largest in zip(s["bytes"], s["largest"], strict=True):
+        assert total <= STREAM_BUCKET or total == largest, (family, where, total, largest)
+
+
+@pytest.mark.parametrize("family", [c[0] for c in STREAM_CASES])
+def test_weight_stream_equals_the_export_bit_for_bit(stream_rows, family):
+    """Llama (tied, vocab padded) at tp2 x pp2, Mixtral, GPT-OSS (fused stacked experts) and
+    DeepSeek-V3 (its MTP layer kept from the source, last) at ep2: buckets of at most 64 KiB
+    (a larger tensor alone) to rank 0 and to every rank, each tensor bit-equal (name, dtype,
+    values) to export_hf's folder and to the source checkpoint, every name once; the other
+    ranks get as many empty buckets; a rank outside the world as ``dst`` is refused, naming
+    the fix."""
+    rows = stream_rows[family]
+    r0 = rows[0]
+    _check_buckets(r0["to_rank0"], family, "dst=0")
+    for rank, r in enumerate(rows):
+        assert r["to_rank0"]["count"] == r0["to_rank0"]["count"], (family, rank)
+        if rank:
+            assert r["to_rank0"]["names"] == [], (family, rank)  # empty lists, in step
+        _check_buckets(r["everywhere"], family, f"dst=None rank {rank}")
+        assert r["everywhere"]["names"] == r0["to_rank0"]["names"], (family, rank)  # one order
+        assert r["refused"] and "not a rank of this world" in r["refused"], r["refused"]
+    if family == "gpt_oss":  # its experts stream as the folder stores them: stacked
+        assert "model.layers.0.mlp.experts.gate_up_proj" in r0["to_rank0"]["names"]
+    if family == "deepseek_v3":
+        names = r0["to_rank0"]["names"]
+        kept = [i for i, n in enumerate(names) if n.startswith(MTP)]
+        assert len(kept) > 10 and kept == list(range(len(names) - len(kept), len(names))), kept
+
+
+def test_weight_stream_refuses_a_bad_bucket_size():
+    """Checked at the call, before any communication: the error names the setting and a fix."""
+    from toolkit.adapters.stream import StreamError, hf_buckets
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(StreamError, match="bucket_bytes=.*positive number of bytes"):
+            hf_buckets([], None, bucket_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", STREAM_LOADABLE)
+def test_weight_stream_loads_into_transformers(stream_rows, tiny_root, family):
+    """The buckets streamed to rank 0, loaded one by one into a fresh transformers model
+    (``load_state_dict(bucket, strict=False)``: no unexpected key; every key loaded once, the
+    tied LM head through its embedding), give the live model's logits within 1e-5 (fp32)."""
+    from collections import Counter
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    r0 = stream_rows[family][0]
+    config = AutoConfig.from_pretrained(tiny_root / family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    loaded: Counter = Counter()
+    for bucket in r0["buckets"]:
+        result = model.load_state_dict(dict(bucket), strict=False)
+        assert result.unexpected_keys == [], result.unexpected_keys
+        loaded.update(name for name, _ in bucket)
+    assert set(loaded.values()) == {1}
+    missing = set(model.state_dict()) - set(loaded)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    assert missing == tied, missing
+    with torch.no_grad():
+        logits = model(ac.tokens()).logits
+    diff = (logits - r0["logits"]).abs().max().item()
+    assert diff <= 1e-5, diff

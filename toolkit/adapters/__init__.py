@@ -9,6 +9,8 @@
   of ``config.json`` (``read_hf_config``, ``write_config``);
 - ``adapter`` (torch): ``Adapter`` (the mapping; ``spec.adapter`` / ``adapter_for`` build it);
 - ``live`` (torch, megatron-core): load an HF checkpoint into live chunks and export them.
+- ``stream`` (torch): the live chunks' weights as buckets of HF-named tensors (rollout
+  engines); ``live.export_hf`` writes that stream.
 
 Torch-free names are imported eagerly; the torch-needing ones resolve on first access through
 ``__getattr__``, so ``mdtk estimate`` and ``ds-config`` import neither torch nor transformers.
@@ -29,6 +31,7 @@ _LAZY = {
                     "toolkit.adapters.adapter"),
     **dict.fromkeys(("build_model", "current_coord", "export_hf", "fill_chunks",
                      "forward_logits", "load_hf"), "toolkit.adapters.live"),
+    **dict.fromkeys(("StreamError", "hf_buckets", "hf_tensors"), "toolkit.adapters.stream"),
 }
 
 __all__ = ["FAMILIES", "ConfigKeyError", "Dims", "Family", "HFConfig", "HFConfigError",

@@ -1,15 +1,14 @@
 """Live HF <-> megatron-core: load an HF checkpoint into this rank's chunks, export chunks to HF.
 
 ``load_hf`` builds the calling rank's GPTModel chunks (all virtual stages) and fills them reading
-only this rank's slices of the safetensors files. ``export_hf`` gathers a live model of any
-layout to one rank tensor by tensor and streams it into a new HF folder; it needs only the
-adapter (config), not the original checkpoint. Both follow the adapter's per-rank plans
-(``toolkit.mapping``), so loading and export cannot disagree.
+only this rank's slices of the safetensors files. ``export_hf`` writes the weight stream of a
+live model of any layout (``stream.hf_tensors``: gathered to one rank tensor by tensor) into a
+new HF folder; it needs only the adapter (config), not the original checkpoint. Both follow
+the adapter's per-rank plans (``toolkit.mapping``), so loading and export cannot disagree.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,15 @@ import torch
 import torch.distributed as dist
 
 from toolkit.adapters.adapter import Adapter
+from toolkit.adapters.local import chunk_params, current_coord
 from toolkit.adapters.spec import ConfigFile, ModelSpec
+from toolkit.adapters.stream import hf_tensors
 from toolkit.checkpoint import CheckpointError
 from toolkit.checkpoint.hf import GENERATION_CONFIG, HFReader, open_reader
 from toolkit.checkpoint.hf_writer import HFWriter
 from toolkit.checkpoint.source import TensorSource
-from toolkit.checkpoint.stacked import StackingWriter
 from toolkit.checkpoint.torchfree.dtypes import to_torch
-from toolkit.mapping import EXPERTS, Coord, MappingError, TensorPlan, coalesce, stage_layers
+from toolkit.mapping import Coord, MappingError, TensorPlan, coalesce, stage_layers
 from toolkit.parallel.layout import LayoutError, ParallelLayout
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
@@ -42,21 +42,6 @@ def resolve_source(source: str | Path, *, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(text, revision=revision, allow_patterns=HUB_PATTERNS))
-
-
-def current_coord() -> Coord:
-    """This rank's position, read from megatron-core's parallel state."""
-    from megatron.core import parallel_state as ps
-
-    return Coord(
-        tp_rank=ps.get_tensor_model_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
-        ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
-        etp_rank=ps.get_expert_tensor_parallel_rank(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
-    )
 
 
 def layout_in_use(layout: ParallelLayout | None) -> ParallelLayout:
@@ -141,22 +126,9 @@ def open_weights(adapter: Adapter, folder: str | Path, config: Any = None) -> Te
                        base_prefix=adapter.family.base_prefix)
 
 
-#: Persistent buffers that are checkpoint weights (DeepSeek's ``e_score_correction_bias``).
-WEIGHT_BUFFERS = ("mlp.router.expert_bias",)
-
-
-def _params(chunks: list[Any]) -> dict[tuple[int, str], torch.Tensor]:
-    """The chunks' parameters and weight buffers (``WEIGHT_BUFFERS``), by (chunk, name)."""
-    out: dict[tuple[int, str], torch.Tensor] = {}
-    for i, chunk in enumerate(chunks):
-        out.update(((i, n), p) for n, p in chunk.named_parameters())
-        out.update(((i, n), b) for n, b in chunk.named_buffers() if n.endswith(WEIGHT_BUFFERS))
-    return out
-
-
 def check_plans(chunks: list[Any], plans: list[TensorPlan], coord: Coord, num_layers: int) -> None:
     """The plans must name exactly the chunks' parameters, with the same shapes and layers."""
-    params = _params(chunks)
+    params = chunk_params(chunks)
     planned = {(t.chunk, t.name): t for t in plans}
     no_rule = sorted(f"chunk {c}: {n}" for c, n in params.keys() - planned.keys())
     no_param = sorted(f"chunk {c}: {n}" for c, n in planned.keys() - params.keys())
@@ -182,7 +154,7 @@ def fill_chunks(chunks: list[Any], adapter: Adapter, reader: HFReader, *,
     names = names or adapter.match_checkpoint({n: reader.shape(n) for n in reader.names})
     plans = adapter.plan(coord)
     check_plans(chunks, plans, coord, adapter.dims.layers)
-    params = _params(chunks)
+    params = chunk_params(chunks)
     with torch.no_grad():
         for t in plans:
             param = params[(t.chunk, t.name)]
@@ -217,45 +189,19 @@ def export_hf(
 ) -> Path | None:
     """Gather the live model (any layout) to rank ``dst`` and write an HF folder there.
 
-    Collective: every rank of the world calls it. Tensors travel one megatron-core shard at a
-    time (point-to-point to ``dst``); ``dst`` holds at most one HF tensor group plus one output
-    shard. Vocab padding is stripped. Returns the folder on ``dst``, None elsewhere.
+    Collective: every rank of the world calls it. The folder is the weight stream
+    (``stream.hf_tensors``: HF names, vocab padding stripped, stacked experts stacked, kept
+    tensors last) written by ``HFWriter``; ``dst`` holds at most one HF tensor group plus one
+    output shard. Returns the folder on ``dst``, None elsewhere.
     """
-    coords, owners = _owners(adapter)
-    table = adapter.table(coords[0].tp)
-    params = _params(chunks)
+    writer = _open_writer(out_dir, max_shard_bytes, overwrite, dst)
     dtype = to_torch(dtype or adapter.hf_dtype)
-    writer = _open_writer(out_dir, max_shard_bytes, overwrite, dst, adapter.stacks)
-    written: set[str] = set()
-    # HF tensors being assembled (several rules fill one stacked tensor: Llama 4's experts),
-    # with the elements the rules cover so far (the same count on every rank)
-    out: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = defaultdict(int)
-    covered: dict[str, int] = defaultdict(int)
     try:
-        for key, rule in table.items():
-            shapes = rule.hf_shapes()
-            if set(shapes) <= written:
-                continue  # tied output layer: its tensor is the embedding, already written
-            _gather(key, rule, owners.get(key, {}), coords[0], params, dtype, dst,
-                    out if writer is not None else None, filled)
-            for piece in rule.pieces(0, 1):
-                covered[piece.source] += piece.numel
-            for name, shape in shapes.items():
-                if covered[name] >= math.prod(shape):
-                    written.add(name)
-                    if writer is not None:
-                        if filled[name] != math.prod(shape):
-                            raise MappingError(f"{name}: export filled {filled[name]} of "
-                                               f"{math.prod(shape)} elements (mapping gap).")
-                        writer.add(name, out.pop(name))
-        if gap := [n for n, c in covered.items() if n not in written]:
-            raise MappingError(f"{gap[0]}: the mapping covers {covered[gap[0]]} of its "
-                               "elements (mapping gap).")
+        for item in hf_tensors(chunks, adapter, dtype=dtype, dst=dst):
+            if writer is not None:
+                writer.add(item.name, item.tensor)
         result = None
         if writer is not None:
-            for name, tensor in kept_tensors(adapter):  # e.g. DeepSeek-V3's MTP layers
-                writer.add(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
             result = writer.finish(ConfigFile(adapter.export_config(dtype)),
                                    generation_config=generation_config(adapter.source,
                                                                        adapter.hf_config),
@@ -268,81 +214,19 @@ def export_hf(
     return result
 
 
-def _owners(adapter: Adapter
-            ) -> tuple[list[Coord], dict[str, dict[int, tuple[int, TensorPlan]]]]:
-    """Every rank's coordinate, and for each HF key the rank (and plan) holding each shard."""
-    coords: list[Coord] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(coords, current_coord())
-    plans_of: dict[Coord, list[TensorPlan]] = {}
-    owners: dict[str, dict[int, tuple[int, TensorPlan]]] = defaultdict(dict)
-    for r, c in enumerate(coords):
-        if c not in plans_of:
-            plans_of[c] = adapter.plan(c)
-        for t in plans_of[c]:
-            owners[t.key].setdefault(t.shard, (r, t))
-    return coords, owners
-
-
-def _open_writer(out_dir: str | Path, max_shard_bytes: int, overwrite: bool, dst: int,
-                 stacks: Any = ()) -> HFWriter | StackingWriter | None:
+def _open_writer(out_dir: str | Path, max_shard_bytes: int, overwrite: bool, dst: int
+                 ) -> HFWriter | None:
     """The writer on ``dst`` (None elsewhere); a failure to open it is raised on every rank."""
     writer, problem = None, [None]
     if dist.get_rank() == dst:
         try:
             writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
-            if stacks:  # GPT-OSS's experts: members gathered into their stored tensors
-                writer = StackingWriter(writer, stacks)
         except (OSError, ValueError) as err:
             problem = [f"{type(err).__name__}: {err}"]
     dist.broadcast_object_list(problem, src=dst)  # fail on every rank, not only on dst
     if problem[0] is not None:
         raise CheckpointError(f"export to {out_dir} on rank {dst}: {problem[0]}")
     return writer
-
-
-def _gather(key: str, rule: Any, shards: dict[int, tuple[int, TensorPlan]], coord: Coord,
-            params: dict[tuple[int, str], torch.Tensor], dtype: torch.dtype, dst: int,
-            out: dict[str, torch.Tensor] | None, filled: dict[str, int]) -> None:
-    """The HF tensors of one table entry assembled on ``dst`` (into ``out``, made there when
-    missing; ``filled`` counts the elements written) from their owners' shards (one
-    point-to-point send each); ``out`` is None elsewhere."""
-    rank = dist.get_rank()
-    split = coord.etp if f".{EXPERTS}." in key else coord.tp
-    if len(shards) != (split if rule.split else 1):
-        raise MappingError(f"{key}: no rank holds all of its shards ({sorted(shards)}).")
-    if out is not None:
-        for n, s in rule.hf_shapes().items():
-            if n not in out:
-                out[n] = torch.empty(s, dtype=dtype)
-    for shard in sorted(shards):
-        owner, t = shards[shard]
-        local = None
-        if rank == owner:
-            local = params[(t.chunk, t.name)].detach().contiguous()
-            if rank != dst:
-                dist.send(local, dst)
-        elif rank == dst:
-            local = torch.empty(t.shape, dtype=next(iter(params.values())).dtype)
-            dist.recv(local, owner)
-        if rank != dst or out is None:
-            continue
-        for piece in t.pieces:
-            part = local[tuple(slice(a, b) for a, b in piece.dst)]
-            if piece.transpose:
-                part = part.t()
-            out[piece.source][tuple(slice(a, b) for a, b in piece.src)] = part
-            filled[piece.source] += piece.numel
-
-
-def kept_tensors(adapter: Adapter) -> Any:
-    """The tensors of the adapter's source HF folder that no model holds (``Adapter.kept``:
-    DeepSeek-V3's MTP layers), one at a time, so an export writes them back unchanged."""
-    src = adapter.source
-    if src is None or not (any(src.glob("*.safetensors")) or any(src.glob("*.bin"))):
-        return
-    with HFReader(src) as reader:
-        for name in adapter.kept(reader.names):
-            yield name, reader.read(name, tuple((0, n) for n in reader.shape(name)))
 
 
 def generation_config(source: Path | None, hf: Any) -> Any:

@@ -106,63 +106,89 @@ def stacked(reader: TensorSource, stacks: Sequence[Stack], base_prefix: str = ""
     return StackedReader(reader, stacks, base_prefix) if stacks else reader
 
 
+class Stacker:
+    """Members collected into their stored tensors: ``add`` hands back what is ready to write.
+
+    A member goes into its stack's full tensor (made at its first member); the stack comes back
+    once its last member arrives; any other tensor comes back at once. A member given as None
+    is only counted (a rank that does not hold the data stays in step with one that does: its
+    stack comes back as None at the same point). Memory: the stacks being filled.
+    """
+
+    def __init__(self, stacks: Sequence[Stack]):
+        self.members = {m.name: (s, m) for s in stacks for m in s.members}
+        self.filling: dict[str, tuple[torch.Tensor | None, set[str]]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor | None
+            ) -> list[tuple[str, torch.Tensor | None]]:
+        """What ``name`` completes: ``[(name, tensor)]`` for a tensor of no stack, its stack's
+        ``[(stored, full)]`` for the last member of a stack, else ``[]``."""
+        if name not in self.members:
+            return [(name, tensor)]
+        stack, m = self.members[name]
+        if stack.stored not in self.filling:
+            full = None if tensor is None else torch.empty(stack.shape, dtype=tensor.dtype)
+            self.filling[stack.stored] = (full, set())
+        full, done = self.filling[stack.stored]
+        if name in done:
+            raise CheckpointError(f"tensor {name!r} written twice.")
+        if full is not None and tensor is not None:
+            if tensor.dtype != full.dtype or tuple(tensor.shape) != stack.member_shape(m):
+                raise CheckpointError(f"{name}: {tuple(tensor.shape)} {tensor.dtype}, its stack "
+                                      f"{stack.stored} needs {stack.member_shape(m)} "
+                                      f"{full.dtype}.")
+            _view(full[m.index], m).copy_(tensor)
+        done.add(name)
+        if len(done) < len(stack.members):
+            return []
+        del self.filling[stack.stored]
+        return [(stack.stored, full)]
+
+    def unfinished(self) -> str | None:
+        """Why the stacks cannot be written yet (a stack missing members), or None."""
+        if not self.filling:
+            return None
+        stored, (_, done) = next(iter(self.filling.items()))
+        total = sum(1 for s, _ in self.members.values() if s.stored == stored)
+        return f"{stored}: only {len(done)} of its {total} members were written."
+
+
 class StackingWriter:
     """An ``HFWriter`` that takes members and writes their stored tensors (module docstring)."""
 
     def __init__(self, inner: Any, stacks: Sequence[Stack]):
         self.inner = inner
-        self.members = {m.name: (s, m) for s in stacks for m in s.members}
-        self._filling: dict[str, tuple[torch.Tensor, set[str]]] = {}
+        self.stacker = Stacker(stacks)
 
     @property
     def out_dir(self) -> Any:
         return self.inner.out_dir
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name not in self.members:
-            self.inner.add(name, tensor)
-            return
-        stack, m = self.members[name]
-        if stack.stored not in self._filling:
-            self._filling[stack.stored] = (torch.empty(stack.shape, dtype=tensor.dtype), set())
-        full, done = self._filling[stack.stored]
-        if name in done:
-            raise CheckpointError(f"tensor {name!r} written twice.")
-        if tensor.dtype != full.dtype or tuple(tensor.shape) != stack.member_shape(m):
-            raise CheckpointError(f"{name}: {tuple(tensor.shape)} {tensor.dtype}, its stack "
-                                  f"{stack.stored} needs {stack.member_shape(m)} {full.dtype}.")
-        _view(full[m.index], m).copy_(tensor)
-        done.add(name)
-        if len(done) == len(stack.members):
-            del self._filling[stack.stored]
-            self.inner.add(stack.stored, full)
+        for stored, full in self.stacker.add(name, tensor):
+            self.inner.add(stored, full)
 
     def add_segments(self, name: str, segments: list) -> None:
-        if name in self.members:
+        if name in self.stacker.members:
             raise CheckpointError(f"{name} is part of a stacked tensor: it cannot be copied as "
                                   "bytes.")
         self.inner.add_segments(name, segments)
 
     def finish(self, config: Any, **kwargs: Any) -> Any:
-        if self._filling:
-            stored, (_, done) = next(iter(self._filling.items()))
+        if (problem := self.stacker.unfinished()) is not None:
             self.abort()
-            raise CheckpointError(f"{stored}: only {len(done)} of its "
-                                  f"{len(self.members_of(stored))} members were written.")
+            raise CheckpointError(problem)
         return self.inner.finish(config, **kwargs)
 
-    def members_of(self, stored: str) -> list[str]:
-        return [n for n, (s, _) in self.members.items() if s.stored == stored]
-
     def abort(self) -> None:
-        self._filling.clear()
+        self.stacker.filling.clear()
         self.inner.abort()
 
     def __getattr__(self, name: str) -> Any:  # fsync and the other writer settings
         return getattr(self.inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("inner", "members", "_filling"):
+        if name in ("inner", "stacker"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.inner, name, value)
