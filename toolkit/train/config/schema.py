@@ -183,7 +183,7 @@ class GrpoSection:
     trained on instead of generating."""
 
     num_generations: int = opt(8, minimum=1)
-    max_completion_length: int = opt(256, minimum=1)
+    max_completion_length: int = opt(512, minimum=1)
     temperature: float = opt(1.0, minimum=0.0)
     top_p: float = opt(1.0, minimum=0.0)
     top_k: int = opt(0, minimum=0)

@@ -77,7 +77,7 @@ class GrpoLoss:
     epsilon: float = 0.2
     epsilon_high: float = 0.2
     sequence_level: bool = False
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     bias_correction_kl: bool = True
     wants_logits = True
 
