@@ -291,7 +291,8 @@ def _step_log(state: RunState, result: TrainResult, writer: MetricsWriter | None
                          * state.objective.rows_per_sample),
         flops_per_token=model_flops_per_token(state.model.shape, cfg.train.seq_len),
         world=dist.get_world_size(), peak=peak_tflops(device_name(), cfg.logging.peak_tflops),
-        writer=writer, progress=progress, record=record, extra=extra)
+        writer=writer, progress=progress, record=record, extra=extra,
+        shown=state.objective.shown_metrics)
 
 
 def _write_json(path: Path, obj: Any) -> None:

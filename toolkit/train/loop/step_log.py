@@ -34,6 +34,7 @@ class StepLog:
     progress: Any  # the rank-0 progress bar (``update(done, loss, val)``) or None
     record: Callable[[StepResult], None]  # called once per step, in order, when it is read
     extra: Callable[[int, StepResult], dict[str, Any]] = lambda done, res: {}  # more fields
+    shown: tuple[str, ...] = ()  # the objective's metrics the progress bar shows beside the loss
     pending: list[PendingStep] = field(default_factory=list)
     last: StepResult | None = None
     _since: float = field(default_factory=time.perf_counter)
@@ -83,8 +84,10 @@ class StepLog:
                 mfu=tp.mfu, mem_per_rank=mem, step_time_s=seconds, consumed_samples=consumed,
                 val_loss=val, **extra))
         if self.progress is not None:
+            metrics = extra.get("extra", {})
             self.progress.update(done, res.loss, val, {
-                k[5:]: v for k, v in extra.get("extra", {}).items() if k.startswith("eval/")})
+                k[5:]: v for k, v in metrics.items() if k.startswith("eval/")},
+                {k: metrics[k] for k in self.shown if k in metrics})
         self._since, self._paused, self._steps = time.perf_counter(), 0.0, 0
 
 
@@ -102,12 +105,15 @@ class Progress:
         self.bar.start()
 
     def update(self, done: int, loss: float | None, val: float | None,
-               evals: dict[str, float] | None = None) -> None:
+               evals: dict[str, float] | None = None,
+               shown: dict[str, float] | None = None) -> None:
         """``loss``: the latest step's that was read (None before the first); ``evals``: the
         eval section's metrics of this step, the first shown until the next ones (the line
-        must fit a terminal: all of them are in the log line and metrics.jsonl)."""
+        must fit a terminal: all of them are in the log line and metrics.jsonl); ``shown``:
+        the objective's headline metrics of the step (GRPO's reward)."""
         self._evals = dict(list((evals or {}).items())[:1]) or self._evals
-        info = ("" if loss is None else f"loss {loss:.4f}") + (
+        info = ("" if loss is None else f"loss {loss:.4f}") + "".join(
+            f" {k} {v:.3g}" for k, v in (shown or {}).items()) + (
             f" val {val:.4f}" if val is not None else "") + "".join(
             f" {k} {v:.3g}" for k, v in self._evals.items())
         self.bar.update(self.task, completed=done, info=info)

@@ -17,6 +17,7 @@ from toolkit.train.loop.loss import LossFn, token_mean
 
 class Objective:
     rows_per_sample = 1
+    shown_metrics: tuple[str, ...] = ()  # beside the loss in the progress bar (GRPO: reward)
     loss_fn: LossFn = staticmethod(token_mean)
 
     def batches(self, split_name: str, split: Any, index_lists: Sequence[np.ndarray],

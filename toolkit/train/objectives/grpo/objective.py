@@ -76,6 +76,8 @@ def micro_batch(rollout: Rollout, rows: Sequence[int], adv: torch.Tensor,
 
 
 class GrpoObjective(Objective):
+    shown_metrics = ("reward",)
+
     def __init__(self, loss_fn: GrpoLoss, source: Any, *, global_batch: int, group: int,
                  num_iterations: int, scale_rewards: str, rows: Rows,
                  policy: Sequence[torch.nn.Module], reference: Any = None):
