@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from toolkit import bundled
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, UserError
 from toolkit.memory import TrainShape, ZeroOptions, estimate, model_shape_from_hf
 from toolkit.parallel.layout import ParallelLayout
 from toolkit.train.config import config_from_dict
@@ -139,6 +139,75 @@ def test_kto_kl_pairs_rotate_as_trl_does(trainer_models, tmp_path):
     shown = render(split, 0, load_tokenizer(trainer_models["tokenizer"]))
     assert shown.startswith("(desirable) " if rows[0]["label"] else "(undesirable) ")
     assert "[[" + rows[0]["completion"] in shown
+
+
+def test_data_preview_of_grpo_prompts_and_recorded_rollouts(trainer_models, tmp_path):
+    """``mdtk data preview`` of a GRPO run: each prompt as the model sees it (a chat prompt
+    rendered by the template with the generation prompt), its token count and the columns the
+    reward functions receive; recorded groups with each completion decoded and its reward;
+    counts over all of them. A reward function that cannot read the rows is refused there."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+    from toolkit.train.data import load_tokenizer
+
+    tok = load_tokenizer(trainer_models["tokenizer"])
+    rows = [{"prompt": "two plus three is", "answer": "five"},
+            {"prompt": [{"role": "user", "content": "one plus one?"}], "answer": "two"},
+            {"prompt": "seven minus two is", "answer": "five", "level": 2}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ids = [tok(rows[0]["prompt"])["input_ids"], tok.apply_chat_template(
+        rows[1]["prompt"], tokenize=True, return_dict=True, add_generation_prompt=True)[
+        "input_ids"], tok(rows[2]["prompt"])["input_ids"]]
+    raw = {"output_dir": str(tmp_path / "out"),
+           "model": {"path": trainer_models["dense"], "tokenizer": trainer_models["tokenizer"]},
+           "data": {"mode": "grpo", "sources": [str(prompts)]},
+           "train": {"steps": 1, "seq_len": 64, "global_batch": 4},
+           "grpo": {"num_generations": 2, "max_completion_length": 8,
+                    "rewards": [{"function": "mdtk:answer_prefix"}]}}
+
+    def preview(config: dict, *more: str):
+        path = tmp_path / "grpo.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return CliRunner().invoke(app, ["data", "preview", str(path), "--rows", "2", *more])
+
+    res = preview(raw)
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    first = next(i for i, line in enumerate(lines)  # (after datasets' progress bar)
+                 if line.endswith(f"--- prompt 0 ({prompts}:1), {len(ids[0])} tokens ---"))
+    # the columns as the reward functions get them (a column another row has: null here)
+    assert lines[first + 1:first + 3] == [tok.decode(ids[0]), 'reward columns: {"answer": '
+                                                              '"five", "level": null}']
+    assert f"--- prompt 1 ({prompts}:2), {len(ids[1])} tokens ---" in lines
+    assert tok.decode(ids[1]) in res.output and "<|assistant|>" in tok.decode(ids[1])
+    assert "--- prompt 2" not in res.output  # --rows 2
+    n = [len(i) for i in ids]
+    assert (f"prompts 3, prompt tokens: min {min(n)}, mean {sum(n) / 3:.1f}, max {max(n)}"
+            in lines)
+    # recorded rollouts: groups of num_generations, completions as ids or text
+    recorded = tmp_path / "rollouts.jsonl"
+    group = [{"prompt": "two plus three is", "completion": " five", "reward": 1.0},
+             {"prompt": "two plus three is", "completion_ids": [5, 6, 7], "reward": 0.25},
+             {"prompt": "one and one", "completion": " two", "reward": 0.5},
+             {"prompt": "one and one", "completion": " three", "reward": 0.0}]
+    recorded.write_text("".join(json.dumps(r) + "\n" for r in group))
+    res = preview({**raw, "data": {"mode": "grpo"},
+                   "grpo": {"num_generations": 2, "rollouts": str(recorded)}})
+    assert res.exit_code == 0, res.output
+    five = tok(" five", add_special_tokens=False)["input_ids"]
+    assert f"  completion 0 ({len(five)} tokens, reward 1): {tok.decode(five)}" in res.output
+    assert f"  completion 1 (3 tokens, reward 0.25): {tok.decode([5, 6, 7])}" in res.output
+    assert "--- group 1: prompt" in res.output
+    assert "rewards: mean 0.4375, min 0, max 1" in res.output
+    # a reward function reading a column the rows lack: refused before any model is built
+    res = preview({**raw, "grpo": {**raw["grpo"], "rewards": [
+        {"function": "mdtk:answer_prefix", "args": {"column": "solution"}}]}})
+    assert isinstance(res.exception, UserError), res.output  # mdtk prints it as one error line
+    assert "reads the rows' 'solution' column; the data has ['answer', 'level']" in str(
+        res.exception)
 
 
 BAD_KTO = {
