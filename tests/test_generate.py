@@ -81,6 +81,38 @@ def test_sampling_with_a_seed_is_the_same_at_1_rank_and_tp2(generated):
     assert one != greedy  # it did sample (temperature 0.9 over a random model's flat logits)
 
 
+def test_memory_model_kv_cache_is_what_the_static_context_allocated(generated, tiny_root):
+    """GRPO's rollout KV cache (``memory.estimate``) = the bytes of the key / value tensors
+    megatron-core's ``StaticInferenceContext`` allocated on each rank, at 1 rank, tp2 (kv heads
+    split), pp2 (each stage its layers), tp2 x pp2, ep2 (MoE) and Gemma 3 (sliding layers)."""
+    import re
+
+    from toolkit.adapters.spec import ModelSpec
+    from toolkit.memory import TrainShape, ZeroOptions, estimate
+    from toolkit.memory.estimate import kv_cache_bytes
+    from toolkit.memory.states import rank_params
+    from toolkit.parallel import ParallelLayout
+
+    seen = 0
+    for key, per_rank in _cases(generated):
+        family, knobs = key.split(":")
+        layout_args = {k: int(v) for k, v in re.findall(r"([a-z]+)(\d+)", knobs)}
+        layout = ParallelLayout(**layout_args).resolve(len(per_rank))
+        shape = ModelSpec.of(tiny_root / family).shape
+        train = TrainShape(seq_len=gc.MAX_SEQ - 1, micro_batch=gc.MAX_BATCH,
+                           global_batch=gc.MAX_BATCH * layout.dp, dtype="fp32", grpo=True,
+                           rollout_cache=True)
+        for stage, measured in (r["kv_cache"] for r in per_rank):
+            layers = rank_params(shape, layout, stage).layers
+            assert measured > 0 and kv_cache_bytes(shape, layers, layout.tp, gc.MAX_BATCH,
+                                                   gc.MAX_SEQ, "fp32") == measured, key
+            est = estimate(shape, train, layout, ZeroOptions(stage=0), pipeline_stage=stage)
+            item = [i for i in est.items if i.what.startswith("rollout KV cache")]
+            assert [i.bytes for i in item] == [measured], (key, item)
+            seen += 1
+    assert seen == 1 + 2 * 5 + 4
+
+
 def test_lm_eval_at_tp2_scores_as_lm_evals_hf_model(demo_model, rank_pool_2):
     import lm_eval
     from lm_eval.tasks import TaskManager

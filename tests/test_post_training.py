@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from toolkit import bundled
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, UserError
 from toolkit.memory import TrainShape, ZeroOptions, estimate, model_shape_from_hf
 from toolkit.parallel.layout import ParallelLayout
 from toolkit.train.config import config_from_dict
@@ -139,6 +139,75 @@ def test_kto_kl_pairs_rotate_as_trl_does(trainer_models, tmp_path):
     shown = render(split, 0, load_tokenizer(trainer_models["tokenizer"]))
     assert shown.startswith("(desirable) " if rows[0]["label"] else "(undesirable) ")
     assert "[[" + rows[0]["completion"] in shown
+
+
+def test_data_preview_of_grpo_prompts_and_recorded_rollouts(trainer_models, tmp_path):
+    """``mdtk data preview`` of a GRPO run: each prompt as the model sees it (a chat prompt
+    rendered by the template with the generation prompt), its token count and the columns the
+    reward functions receive; recorded groups with each completion decoded and its reward;
+    counts over all of them. A reward function that cannot read the rows is refused there."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+    from toolkit.train.data import load_tokenizer
+
+    tok = load_tokenizer(trainer_models["tokenizer"])
+    rows = [{"prompt": "two plus three is", "answer": "five"},
+            {"prompt": [{"role": "user", "content": "one plus one?"}], "answer": "two"},
+            {"prompt": "seven minus two is", "answer": "five", "level": 2}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ids = [tok(rows[0]["prompt"])["input_ids"], tok.apply_chat_template(
+        rows[1]["prompt"], tokenize=True, return_dict=True, add_generation_prompt=True)[
+        "input_ids"], tok(rows[2]["prompt"])["input_ids"]]
+    raw = {"output_dir": str(tmp_path / "out"),
+           "model": {"path": trainer_models["dense"], "tokenizer": trainer_models["tokenizer"]},
+           "data": {"mode": "grpo", "sources": [str(prompts)]},
+           "train": {"steps": 1, "seq_len": 64, "global_batch": 4},
+           "grpo": {"num_generations": 2, "max_completion_length": 8,
+                    "rewards": [{"function": "mdtk:answer_prefix"}]}}
+
+    def preview(config: dict, *more: str):
+        path = tmp_path / "grpo.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return CliRunner().invoke(app, ["data", "preview", str(path), "--rows", "2", *more])
+
+    res = preview(raw)
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    first = next(i for i, line in enumerate(lines)  # (after datasets' progress bar)
+                 if line.endswith(f"--- prompt 0 ({prompts}:1), {len(ids[0])} tokens ---"))
+    # the columns as the reward functions get them (a column another row has: null here)
+    assert lines[first + 1:first + 3] == [tok.decode(ids[0]), 'reward columns: {"answer": '
+                                                              '"five", "level": null}']
+    assert f"--- prompt 1 ({prompts}:2), {len(ids[1])} tokens ---" in lines
+    assert tok.decode(ids[1]) in res.output and "<|assistant|>" in tok.decode(ids[1])
+    assert "--- prompt 2" not in res.output  # --rows 2
+    n = [len(i) for i in ids]
+    assert (f"prompts 3, prompt tokens: min {min(n)}, mean {sum(n) / 3:.1f}, max {max(n)}"
+            in lines)
+    # recorded rollouts: groups of num_generations, completions as ids or text
+    recorded = tmp_path / "rollouts.jsonl"
+    group = [{"prompt": "two plus three is", "completion": " five", "reward": 1.0},
+             {"prompt": "two plus three is", "completion_ids": [5, 6, 7], "reward": 0.25},
+             {"prompt": "one and one", "completion": " two", "reward": 0.5},
+             {"prompt": "one and one", "completion": " three", "reward": 0.0}]
+    recorded.write_text("".join(json.dumps(r) + "\n" for r in group))
+    res = preview({**raw, "data": {"mode": "grpo"},
+                   "grpo": {"num_generations": 2, "rollouts": str(recorded)}})
+    assert res.exit_code == 0, res.output
+    five = tok(" five", add_special_tokens=False)["input_ids"]
+    assert f"  completion 0 ({len(five)} tokens, reward 1): {tok.decode(five)}" in res.output
+    assert f"  completion 1 (3 tokens, reward 0.25): {tok.decode([5, 6, 7])}" in res.output
+    assert "--- group 1: prompt" in res.output
+    assert "rewards: mean 0.4375, min 0, max 1" in res.output
+    # a reward function reading a column the rows lack: refused before any model is built
+    res = preview({**raw, "grpo": {**raw["grpo"], "rewards": [
+        {"function": "mdtk:answer_prefix", "args": {"column": "solution"}}]}})
+    assert isinstance(res.exception, UserError), res.output  # mdtk prints it as one error line
+    assert "reads the rows' 'solution' column; the data has ['answer', 'level']" in str(
+        res.exception)
 
 
 BAD_KTO = {
@@ -300,6 +369,97 @@ def test_memory_model_counts_the_teacher():
     kto = estimate(SHAPE, TrainShape(seq_len=1024, micro_batch=2, unpaired=True,
                                      reference_model=True), layout, ZeroOptions(stage=1))
     assert any(i.what.startswith("reference model") for i in kto.items)
+
+
+GRPO_REWARD = {"function": "mdtk:format_regex", "args": {"pattern": "[0-9]"}}
+
+
+def test_memory_model_counts_grpos_reference_and_rollout_cache(trainer_models):
+    """A GRPO run = SFT's items + the reference (grpo.beta != 0; none with LoRA: the policy
+    with its adapters off) + the generation engine's KV cache (without grpo.rollouts): 2 (key,
+    value) x layers on the rank x rows (global / dp) x (seq_len + 1) x kv heads / tp x head dim
+    x 2 bytes; exactly those items and nothing else."""
+    from toolkit.lora.spec import LoraSpec
+    from toolkit.memory.activations import GRPO_LOSS_LINE
+    from toolkit.memory.estimate import kv_cache_bytes
+    from toolkit.memory.states import rank_params
+    from toolkit.train.objectives.spec import train_shape_fields
+
+    def fields(**grpo):
+        if "rollouts" in grpo:  # the recorded rollouts hold the prompts
+            sections = {"grpo": grpo, "data": {"sources": []}}
+        else:
+            sections = {"grpo": {"rewards": [GRPO_REWARD], **grpo}}
+        return train_shape_fields(_config(trainer_models, "grpo", train={"global_batch": 8},
+                                          **sections))
+
+    generating = fields(beta=0.04)
+    assert generating == {"grpo": True, "reference_model": True, "rollout_cache": True}
+    assert fields() == {"grpo": True, "reference_model": False, "rollout_cache": True}
+    assert fields(rollouts="r.jsonl", beta=0.04) == {"grpo": True, "reference_model": True,
+                                                     "rollout_cache": False}
+    layout, zero = ParallelLayout(tp=2).resolve(4), ZeroOptions(stage=1)
+    base = {"seq_len": 1024, "micro_batch": 2, "global_batch": 8}
+
+    def added(shape, **more):  # GRPO's items beyond SFT's, and the difference of the totals
+        sft = estimate(shape, TrainShape(**base), layout, zero)
+        grpo = estimate(shape, TrainShape(**base, **more), layout, zero)
+        items = {i.what: i.bytes for i in grpo.items if i not in sft.items}
+        assert grpo.gpu - sft.gpu == sum(items.values())
+        return items
+
+    kv = 8 * 2 * 4 * 1025 * (8 // 2) * 64 * 2  # layers, k + v, rows, tokens, kv heads, dim, bf16
+    ref = {"reference model (frozen, bf16)": 2 * rank_params(SHAPE, layout, 0).total}
+    cache = {"rollout KV cache (4 rows x 1025 tokens)": kv}
+    loss = {GRPO_LOSS_LINE: 4 * 2 * 1024 * 32000 // 2}  # fp32, micro-batch, seq, vocab / tp
+    assert added(SHAPE, **generating) == {**ref, **cache, **loss}
+    assert added(SHAPE, **fields()) == {**cache, **loss}
+    assert added(SHAPE, **fields(rollouts="r.jsonl", beta=0.04)) == {**ref, **loss}
+    lora = model_shape_from_hf({"model_type": "llama", "hidden_size": 1024,
+                                "intermediate_size": 2816, "num_hidden_layers": 8,
+                                "num_attention_heads": 16, "num_key_value_heads": 8,
+                                "vocab_size": 32000}, lora=LoraSpec(targets=frozenset({"q_proj"})))
+    assert added(lora, **generating) == {**cache, **loss}
+    # a pipeline stage caches its own layers; kv heads split over tp, one a rank below tp
+    pp2 = ParallelLayout(tp=2, pp=2).resolve(8)
+    last = estimate(SHAPE, TrainShape(**base, **generating), pp2, zero, pipeline_stage=1)
+    assert [i.bytes for i in last.items if i.what.startswith("rollout")] == [kv // 2]
+    assert kv_cache_bytes(SHAPE, (0, 1), 1, 3, 10, "fp32") == 2 * 3 * 10 * 8 * 64 * 2 * 4
+    assert kv_cache_bytes(SHAPE, (0, 1), 16, 3, 10, "fp32") == 2 * 3 * 10 * 1 * 64 * 2 * 4
+
+
+def test_grpo_loss_saves_what_the_memory_model_counts():
+    """GRPO's loss (per-token log-probabilities of the vocabulary-parallel logits, fp32, with
+    the entropy) saves two fp32 tensors of the logits' size for backward at any temperature
+    (its exp and, kept by the gather, the log-softmax): the "final norm, logits and loss"
+    line's fp32 softmax plus GRPO's own line."""
+    from toolkit.memory.activations import GRPO_LOSS_LINE, activation_bytes
+    from toolkit.memory.states import rank_params
+    from toolkit.train.objectives.grpo.loss import token_logps
+
+    shape = model_shape_from_hf({"model_type": "llama", "hidden_size": 16,
+                                 "intermediate_size": 32, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2, "num_key_value_heads": 2,
+                                 "vocab_size": 40})
+    layout = ParallelLayout().resolve(1)
+    lines = activation_bytes(shape, TrainShape(seq_len=5, micro_batch=2, grpo=True), layout,
+                             rank_params(shape, layout), 0, 1)
+    counted = lines[GRPO_LOSS_LINE] + 4 * 2 * 5 * 40  # + the fp32 softmax of the logits line
+
+    logits = torch.randn(2, 5, 40, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 5))
+    for temperature in (1.0, 0.7):
+        saved: dict[int, int] = {}
+
+        def keep(t, saved=saved):
+            if t.numel() >= logits.numel() and t.data_ptr() != logits.data_ptr():
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            logp, _ = token_logps(logits, labels, 40, temperature, entropy=True)
+        assert logp.shape == (2, 5)
+        assert sum(saved.values()) == counted == 8 * logits.numel(), (temperature, saved)
 
 
 def test_estimate_counts_a_teacher():

@@ -11,6 +11,7 @@ import torch
 
 NEW = 10  # tokens generated per prompt
 EOS = 2  # the tiny configs' eos_token_id (tests/dist_checks/adapter_checks.py)
+MAX_SEQ, MAX_BATCH = 32, 4  # the engine's static batch: tokens and prompts its KV cache holds
 
 
 def prompts() -> list[list[int]]:
@@ -27,8 +28,18 @@ def _generator(root: Path, family: str, layout: dict[str, Any]):
 
     parallel.destroy()
     chunks, adapter = live.load_hf(root / family, ParallelLayout(**layout), dtype=torch.float32)
-    return Generator(chunks, eos_ids=[EOS], vocab_size=adapter.dims.vocab, max_seq_len=32,
-                     max_batch=4)
+    return Generator(chunks, eos_ids=[EOS], vocab_size=adapter.dims.vocab, max_seq_len=MAX_SEQ,
+                     max_batch=MAX_BATCH)
+
+
+def kv_cache(gen) -> tuple[int, int]:
+    """(this rank's pipeline stage, bytes of the KV cache its static context allocated): the
+    tensors megatron-core keeps in ``StaticInferenceContext.key_value_memory_dict``."""
+    from megatron.core import parallel_state as ps
+
+    held = gen.wrapped.inference_context.key_value_memory_dict.values()
+    return (ps.get_pipeline_model_parallel_rank(),
+            sum(t.numel() * t.element_size() for kv in held for t in kv))
 
 
 def generate_families(root: str, cases: list[tuple[str, dict[str, Any]]],
@@ -52,6 +63,7 @@ def generate_families(root: str, cases: list[tuple[str, dict[str, Any]]],
             sampled = gen.generate(prompts(), Sampling(max_new_tokens=NEW, temperature=0.9,
                                                        top_k=50, seed=seed), logprobs=True)
             out[key][f"seed{seed}"] = [c.completion_ids for c in sampled]
+        out[key]["kv_cache"] = kv_cache(gen)
         parallel.destroy()
     return out
 

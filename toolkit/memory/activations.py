@@ -50,6 +50,9 @@ from toolkit.memory.model import ModelShape
 from toolkit.memory.states import DTYPE_BYTES, RankParams, rank_params
 from toolkit.parallel.layout import ParallelLayout, ResolvedLayout
 
+#: GRPO's loss (``token_logps``) keeps a second fp32 tensor of the logits' size for backward
+GRPO_LOSS_LINE = "loss: GRPO's fp32 log-probabilities (kept for backward)"
+
 #: The chunk length of the chunked gated delta rule (fla's and transformers'; equals
 #: ``toolkit.models.delta_net.CHUNK``, which this torch-free module cannot import).
 DELTA_CHUNK = 64
@@ -73,6 +76,8 @@ class TrainShape:
     async_checkpoint: bool = False  # a host copy of the rank's checkpoint files, kept for the run
     unpaired: bool = False  # KTO: one row a sample (its KL row runs forward only), a reference
     teacher: ModelShape | None = None  # distillation: a frozen teacher (and its step's logits)
+    grpo: bool = False  # GRPO: prompt + completion rows (a reference with grpo.beta != 0)
+    rollout_cache: bool = False  # GRPO generating on the training ranks: the engine's KV cache
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -82,9 +87,12 @@ class TrainShape:
         if self.seq_len < 1 or self.micro_batch < 1:
             raise ValueError(f"seq_len={self.seq_len} and micro_batch={self.micro_batch} must be "
                              ">= 1.")
-        if self.reference_model and not (self.pairs or self.unpaired):
+        if self.reference_model and not (self.pairs or self.unpaired or self.grpo):
             raise ValueError("a reference model (reference_model=True) is DPO's: set pairs=True "
-                             "(or unpaired=True: KTO's).")
+                             "(or unpaired=True: KTO's, grpo=True: GRPO's).")
+        if self.rollout_cache and not self.grpo:
+            raise ValueError("a rollout KV cache (rollout_cache=True) is GRPO's generation "
+                             "engine: set grpo=True.")
         if self.global_batch is not None and self.global_batch < self.micro_batch:
             raise ValueError(f"global_batch={self.global_batch} is smaller than "
                              f"micro_batch={self.micro_batch}.")
@@ -263,6 +271,8 @@ def activation_bytes(model: ModelShape, train: TrainShape, layout: ParallelLayou
         whole = (norm + 1) * e * sb * model.hidden
         logits = 4 + (e if train.dtype != "fp32" else 0)
         out["final norm, logits and loss"] = whole / sp_div + logits * sb * vocab / tp
+        if train.grpo:  # its log-softmax: the fp32 exp and, kept by the gather, the fp32 result
+            out[GRPO_LOSS_LINE] = 4 * sb * vocab / tp
     return out
 
 

@@ -30,7 +30,7 @@ from toolkit.memory.states import (
 from toolkit.parallel.layout import LayoutError, ResolvedLayout
 
 GIB = 1024**3
-ACTIVATION_LINES = ("activations", "recompute", "final norm")
+ACTIVATION_LINES = ("activations", "recompute", "final norm", "loss")
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
 
 
@@ -155,6 +155,35 @@ def teacher_items(train: TrainShape, layout: ResolvedLayout, zero: ZeroOptions, 
     return items
 
 
+def kv_cache_bytes(model: ModelShape, layers: tuple[int, ...], tp: int, rows: int, tokens: int,
+                   dtype: str) -> int:
+    """What megatron-core 0.16.1's ``StaticInferenceContext`` holds once a static batch has run:
+    each attention layer of this rank allocates (``Attention._allocate_memory``) a key and a
+    value buffer of ``[tokens, rows, query groups per tp rank, head size]`` in the model's dtype
+    and keeps them for the context's life. Query groups per rank: kv_heads / tp, at least one
+    (kv_heads < tp: each rank holds one group); multi-latent attention caches every head's
+    whole key (nope + rope) and value. Gated DeltaNet layers keep no KV cache."""
+    if model.kv_lora:
+        groups, width = model.heads // tp, model.qk_nope + model.qk_rope + model.head_dim
+    else:
+        groups, width = max(1, model.kv_heads // tp), 2 * model.head_dim
+    attention = [i for i in layers if i not in model.delta_layers]
+    return len(attention) * tokens * rows * groups * width * DTYPE_BYTES[dtype]
+
+
+def rollout_cache_item(model: ModelShape, train: TrainShape, layout: ResolvedLayout,
+                       params: RankParams) -> Item:
+    """GRPO's generation engine on the training ranks (``infer.Generator``): one static batch
+    of this rank's rows of the global batch (global / dp completions), ``seq_len + 1`` tokens
+    each (prompt + completion), its KV cache held for the whole run (the engine keeps its
+    context between generation batches)."""
+    global_batch = train.global_batch or train.micro_batch * layout.dp
+    rows, tokens = global_batch // layout.dp, train.seq_len + 1
+    nbytes = kv_cache_bytes(model, params.layers, layout.tp, rows, tokens, train.dtype)
+    return Item(f"rollout KV cache ({rows} rows x {tokens} tokens)", GPU, nbytes,
+                note="GRPO's generation engine")
+
+
 def estimate(model: ModelShape, train: TrainShape, layout: ResolvedLayout, zero: ZeroOptions,
              pipeline_stage: int | None = None) -> Estimate:
     """The per-rank memory of ``pipeline_stage``, by default of the stage (first or last) that
@@ -179,6 +208,8 @@ def estimate(model: ModelShape, train: TrainShape, layout: ResolvedLayout, zero:
             params, zero, train.dtype)
         if train.reference_model and not params.frozen:  # LoRA: the policy, adapters off
             items += reference_items(params, zero, train.dtype)
+        if train.rollout_cache:
+            items.append(rollout_cache_item(model, train, layout, params))
         if train.teacher is not None:
             items += teacher_items(train, layout, zero, stage, m)
         if train.async_checkpoint:

@@ -10,10 +10,18 @@ keeps), ``||`` marks where an example (or, with ``data.reset_at_eod``, a documen
 ``<pad xN>`` is padding. ``summarize`` counts over the whole training split: rows read, dropped
 and truncated (per SFT format), sequences, examples, tokens, loss tokens, padding fraction and
 examples per sequence.
+
+GRPO (``data.mode: grpo``) trains on completions made during the run, so its preview shows what
+the generation starts from: each prompt as the model sees it (template rendered, special tokens
+kept), its token count and the columns its reward functions receive; or, for recorded rollouts
+(``grpo.rollouts``), each group: the prompt, every completion decoded with its reward. Prompts
+are listed in file order (the trainer draws them in a seeded order with ``data.shuffle``);
+recorded groups in the order the trainer takes them (the file's).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -145,4 +153,45 @@ def format_summary(summary: dict[str, Any]) -> list[str]:
     if "documents_cut_at_eos" in summary:
         lines.append(f"EOS tokens (attention and positions restart after each): "
                      f"{summary['documents_cut_at_eos']}")
+    return lines
+
+
+def grpo_listing(data: Any, rows: int) -> list[str]:
+    """The first ``rows`` prompts (or recorded groups) of a GRPO run's data
+    (``data.grpo.GrpoData``) as lines, then a summary over all of them."""
+    tok, lines = data.tokenizer, []
+    if data.groups is None:
+        for n, p in enumerate(data.prompts[:rows]):
+            lines.append(f"--- prompt {n} ({p.where}), {len(p.ids)} tokens ---")
+            lines.append(tok.decode(list(p.ids)))
+            lines.append(f"reward columns: {_columns(p.columns)}")
+    else:
+        for n, g in enumerate(data.groups[:rows]):
+            lines.append(f"--- group {n}: prompt ({g.prompt.where}), {len(g.prompt.ids)} "
+                         "tokens ---")
+            lines.append(tok.decode(list(g.prompt.ids)))
+            for k, (ids, reward) in enumerate(zip(g.completion_ids, g.rewards, strict=True)):
+                lines.append(f"  completion {k} ({len(ids)} tokens, reward {reward:g}): "
+                             f"{tok.decode(list(ids))}")
+    return lines + grpo_summary(data)
+
+
+def _columns(columns: dict[str, Any]) -> str:
+    return json.dumps(columns, ensure_ascii=False, default=str) if columns else "(none)"
+
+
+def grpo_summary(data: Any) -> list[str]:
+    """Counts over every prompt (and recorded completion): what a run's length limits meet."""
+    lengths = np.array([len(p.ids) for p in data.prompts])
+    lines = [f"--- summary ({'recorded rollouts' if data.groups else 'prompts'}) ---",
+             f"prompts {len(lengths)}, prompt tokens: min {lengths.min()}, mean "
+             f"{lengths.mean():.1f}, max {lengths.max()}"]
+    if data.groups:
+        done = np.array([len(c) for g in data.groups for c in g.completion_ids])
+        rewards = np.array([r for g in data.groups for r in g.rewards])
+        lines.append(f"groups {len(data.groups)} of {len(data.groups[0].completion_ids)} "
+                     f"completions; completion tokens: min {done.min()}, mean "
+                     f"{done.mean():.1f}, max {done.max()}")
+        lines.append(f"rewards: mean {rewards.mean():.4g}, min {rewards.min():g}, max "
+                     f"{rewards.max():g}")
     return lines

@@ -127,7 +127,9 @@ def tokenizer_difference(teacher: str, tokenizer: str) -> str | None:
 def train_shape_fields(cfg: Any) -> dict[str, Any]:
     """The memory model's fields of the run's objective (``memory.TrainShape``): DPO's pairs and
     reference (``dpo_fields``; none for the reference-free ORPO, SimPO), a reward model's pairs,
-    KTO's reference, distillation's teacher."""
+    KTO's reference, distillation's teacher, GRPO's reference (``grpo.beta != 0``; with LoRA
+    the memory model counts none: the policy with its adapters off) and, when it generates
+    (no ``grpo.rollouts``), the generation engine's KV cache."""
     from toolkit.memory import dpo_fields
     from toolkit.train.objectives.dpo.spec import REF_FREE
 
@@ -140,4 +142,7 @@ def train_shape_fields(cfg: Any) -> dict[str, Any]:
         return {"unpaired": True, "reference_model": True}
     if mode == "distill":
         return {"teacher": ModelSpec.named(cfg.distill.teacher).shape}
+    if mode == "grpo":
+        return {"grpo": True, "reference_model": cfg.grpo.beta != 0,
+                "rollout_cache": not cfg.grpo.rollouts}
     return {}
