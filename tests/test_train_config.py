@@ -51,13 +51,13 @@ def test_bundled_names_resolve_to_files_shipped_in_the_package():
     assert all(Path(p).is_file() for p in (cfg.model.config, *cfg.data.sources))
     assert bundled.shipped() == [
         "bundled:examples/data/dpo.jsonl", "bundled:examples/data/dpo_text.jsonl",
-        "bundled:examples/data/kto.jsonl",
+        "bundled:examples/data/grpo.jsonl", "bundled:examples/data/kto.jsonl",
         "bundled:examples/data/pretrain.jsonl", "bundled:examples/data/sft.jsonl",
         "bundled:examples/distill_tiny.yaml",
         "bundled:examples/dpo_tiny.yaml", "bundled:examples/eval/arithmetic.jsonl",
         "bundled:examples/eval/data.py", "bundled:examples/eval/mdtk_arithmetic.yaml",
         "bundled:examples/eval/mdtk_sentences.yaml", "bundled:examples/eval/prompts.jsonl",
-        "bundled:examples/eval/sentences.jsonl",
+        "bundled:examples/eval/sentences.jsonl", "bundled:examples/grpo_tiny.yaml",
         "bundled:examples/kto_tiny.yaml", "bundled:examples/lora_tiny.yaml",
         "bundled:examples/orpo_tiny.yaml", "bundled:examples/pretrain_tiny.yaml",
         "bundled:examples/reward_tiny.yaml",
@@ -145,7 +145,8 @@ def test_unknown_yaml_key_and_bad_file(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match=r"does not exist \(the examples that ship with mdtk: "
                                           r"bundled:examples/distill_tiny.yaml, bundled:examples/"
-                                          r"dpo_tiny.yaml, bundled:examples/kto_tiny.yaml, "
+                                          r"dpo_tiny.yaml, bundled:examples/grpo_tiny.yaml, "
+                                          r"bundled:examples/kto_tiny.yaml, "
                                           r"bundled:examples/lora_tiny.yaml, bundled:examples/"
                                           r"orpo_tiny.yaml, bundled:examples/pretrain_tiny.yaml, "
                                           r"bundled:examples/reward_tiny.yaml, bundled:"):
