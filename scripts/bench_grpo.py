@@ -11,6 +11,7 @@ spread (min-max over rounds) and its share of the step; the example's mean rewar
 (median over rounds) as a trend, written as an SVG plot with ``--plot``.
 
     python scripts/bench_grpo.py [--rounds 3] [--steps 60] [--json OUT] [--plot docs/x.svg]
+                                 [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="write the example's reward trend (SVG)")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="default: cuda when a GPU is visible, else cpu")
     args = parser.parse_args()
-    os.environ.setdefault("MDTK_DEVICE", "cpu")
+    if args.device:
+        os.environ["MDTK_DEVICE"] = args.device
     sys.path.insert(0, str(ROOT))
     from toolkit.demo import make_tiny_checkpoint
 

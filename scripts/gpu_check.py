@@ -159,6 +159,12 @@ PARTS: list[Part] = [
                        "--vocab", "32000", "--batch", "8", "--prompt-len", "128", "--new", "64",
                        "--rounds", "3", "--json", str(j)),
          _py("scripts/bench_generate.py", "--help"), default=False),
+    Part("grpo", "online RL step split (rollout on the training rank, reference / old "
+         "log-probs, update): bundled:examples/grpo_tiny.yaml on the demo's tiny Llama, one "
+         "round of 20 steps per setting", 40,
+         lambda j: _py("scripts/bench_grpo.py", "--device", "cuda", "--rounds", "1", "--steps",
+                       "20", "--json", str(j)),
+         _py("scripts/bench_grpo.py", "--help"), default=False),
     Part("train_mfu_zero0", "train_mfu at ZeRO-0 (DeepSpeed's bf16 optimizer, no partitions: "
          "what ZeRO-1 is at dp=1 without its flat-partition machinery)", 55,
          _train("--zero", "0"), _py("scripts/bench_train.py", "--help"), default=False),
