@@ -10,7 +10,7 @@
 - Layouts: the same rollouts (2 micro-batches per step, beta 0.04, num_iterations 2) at tp2 + SP,
   pp2, dp2 ZeRO-3, tp2 x pp2, an MoE at ep2, and LoRA at tp2 (the reference: adapters off)
   equal the single-rank run within 1e-5.
-- Colocated rollouts at tp2 + SP: the engine's log-probabilities of its sampled tokens equal the
+- Colocated rollouts at tp2 + SP and at ep2: the engine's log-probabilities of its sampled tokens equal the
   trainer's forward on the same tokens within 1e-5 at every generation.
 - The bundled example learns its task on 2 ranks (its reward rises by a stated margin).
 Bad input is tests/test_grpo_units.py (no ranks).
@@ -51,9 +51,12 @@ def assets(trainer_assets) -> dict[str, str]:
     return {**base, **gc.make_rollouts(root, base["tokenizer"]), "work": str(root / "grpo")}
 
 
-def _generated(assets) -> GrpoCase:
-    return GrpoCase(LAYOUT_RUN, "generated_tp2_sp", tp=2, sp=True, micro=2,
-                    overrides=(f"data.sources=[{assets['prompts']}]", *GENERATE))
+def _generated(assets) -> list[GrpoCase]:
+    """Rollouts sampled on the ranks: tp2 + SP, and an MoE at ep2 (its experts' all-to-all
+    spans the data-parallel ranks, so every rank samples the whole batch)."""
+    data = (f"data.sources=[{assets['prompts']}]", *GENERATE)
+    return [GrpoCase(LAYOUT_RUN, "generated_tp2_sp", tp=2, sp=True, micro=2, overrides=data),
+            GrpoCase(LAYOUT_RUN, "generated_ep2", ep=2, micro=2, model="moe", overrides=data)]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def single(rank_pool_1, assets) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def layouts(rank_pool_2, rank_pool_4, assets, demo_model) -> dict[str, dict]:
-    cases = [c for _, c in LAYOUTS.values()] + [_generated(assets)]
+    cases = [c for _, c in LAYOUTS.values()] + _generated(assets)
     out = {r["case"]: r for r in rank_pool_2.run(gc.run_cases, cases, assets, assets["work"],
                                                  timeout=900)[0]}
     out["example"] = rank_pool_2.run(gc.run_example, str(demo_model), assets["work"],
@@ -154,11 +157,12 @@ def test_layout_matches_single_rank(single, layouts, name):
     assert base["losses"][1] != base["losses"][0]
 
 
-def test_colocated_rollouts_log_probs_equal_the_trainers(layouts):
-    """The engine sampled at the training layout (tp2 + SP; generation switches SP off and
-    back on); its log-probabilities of the sampled tokens against the trainer's forward when
-    the batch was made (TRL's ``sampling/sampling_logp_difference/mean``)."""
-    run = layouts["generated_tp2_sp"]
+@pytest.mark.parametrize("case", ["generated_tp2_sp", "generated_ep2"])
+def test_colocated_rollouts_log_probs_equal_the_trainers(layouts, case):
+    """The engine sampled at the training layout (tp2 + SP: generation switches SP off and
+    back on; ep2); its log-probabilities of the sampled tokens against the trainer's forward
+    when the batch was made (TRL's ``sampling/sampling_logp_difference/mean``)."""
+    run = layouts[case]
     gaps = [m[gc_gap()] for m in run["metrics"]]
     assert max(gaps) < 1e-5, gaps
     lengths = [m["completions/mean_length"] for m in run["metrics"]]

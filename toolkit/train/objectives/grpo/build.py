@@ -11,7 +11,12 @@ from toolkit.train.objectives.grpo import rewards as rw
 from toolkit.train.objectives.grpo.loss import GrpoLoss
 from toolkit.train.objectives.grpo.objective import GrpoObjective, Rows
 from toolkit.train.objectives.grpo.rollouts import Generated, Recorded
-from toolkit.train.objectives.grpo.spec import BATCH_METRICS, metric_names, reward_function
+from toolkit.train.objectives.grpo.spec import (
+    BATCH_METRICS,
+    ZERO3_GENERATION,
+    metric_names,
+    reward_function,
+)
 
 
 def grpo_objective(s: Any) -> GrpoObjective:
@@ -59,11 +64,15 @@ def _generated(s: Any, data: Any, fns: list[rw.RewardFn]) -> Generated:
     from toolkit.infer.engine import Generator, Sampling
 
     cfg, g = s.cfg, s.cfg.grpo
+    stage = int(s.ds_config.get("zero_optimization", {}).get("stage", 0))
+    if stage == 3:
+        raise ConfigError(ZERO3_GENERATION.format(how="the DeepSpeed config generator chose it"))
     if len(s.chunks) != 1:
         raise ConfigError(f"grpo rollouts on the training ranks with parallel.vpp="
                           f"{cfg.parallel.vpp}: the generation engine runs one model chunk per "
                           "rank; drop vpp or train on recorded rollouts (grpo.rollouts).")
-    rows = s.global_batch // s.layout.dp
+    every_row = s.layout.ep > 1  # the experts' all-to-all spans data-parallel ranks
+    rows = s.global_batch if every_row else s.global_batch // s.layout.dp
     engine = Generator(s.chunks, eos_ids=_eos_ids(s.policy, data.tokenizer),
                        vocab_size=s.policy.shape.vocab, max_seq_len=cfg.train.seq_len + 1,
                        max_batch=rows)
@@ -72,4 +81,5 @@ def _generated(s: Any, data: Any, fns: list[rw.RewardFn]) -> Generated:
     sampling = Sampling(max_new_tokens=g.max_completion_length, temperature=g.temperature,
                         top_p=g.top_p, top_k=g.top_k, seed=cfg.train.seed)
     return Generated(data.prompts, g.num_generations, fns, engine, sampling, data.tokenizer,
-                     shuffle=cfg.data.shuffle, seed=cfg.train.seed, chunks=s.chunks)
+                     shuffle=cfg.data.shuffle, seed=cfg.train.seed, chunks=s.chunks,
+                     every_row=every_row)

@@ -60,7 +60,8 @@ class Generated:
 
     def __init__(self, prompts: Sequence[PromptRow], group: int, fns: Sequence[rw.RewardFn],
                  engine: Any, sampling: Any, tokenizer: Any, *, shuffle: bool, seed: int,
-                 chunks: Sequence[torch.nn.Module]):
+                 chunks: Sequence[torch.nn.Module], every_row: bool = False):
+        self.every_row = every_row  # expert parallelism: every rank samples the whole batch
         self.prompts, self.group, self.fns = list(prompts), group, list(fns)
         self.engine, self.sampling, self.tokenizer = engine, sampling, tokenizer
         self.shuffle, self.seed, self.chunks = shuffle, seed, list(chunks)
@@ -82,13 +83,16 @@ class Generated:
         prompts = [self._prompt(gen * prompts_per_batch + i)
                    for i in range(prompts_per_batch) for _ in range(self.group)]
         rows = [int(i) for i in mine]
+        # the experts' all-to-all runs over data-parallel ranks: they must run the same forwards
+        sampled = list(range(len(prompts))) if self.every_row else rows
         sampling = dataclasses.replace(self.sampling, seed=self.seed * 7919 + gen * 104729
-                                       + rows[0])
+                                       + sampled[0])
         from toolkit.infer.run import no_progress_bars
 
         with no_progress_bars():  # the training run's bar is the one shown
-            done = self.engine.generate([list(prompts[i].ids) for i in rows], sampling,
-                                        logprobs=True)
+            out = self.engine.generate([list(prompts[i].ids) for i in sampled], sampling,
+                                       logprobs=True)
+        done = [out[sampled.index(i)] for i in rows] if self.every_row else out
         for chunk in self.chunks:
             chunk.train()
         ids: list[tuple[int, ...] | None] = [None] * len(prompts)
