@@ -10,8 +10,8 @@
 - Layouts: the same rollouts (2 micro-batches per step, beta 0.04, num_iterations 2) at tp2 + SP,
   pp2, dp2 ZeRO-3, tp2 x pp2, an MoE at ep2, and LoRA at tp2 (the reference: adapters off)
   equal the single-rank run within 1e-5.
-- Colocated rollouts at tp2 + SP and at ep2: the engine's log-probabilities of its sampled tokens equal the
-  trainer's forward on the same tokens within 1e-5 at every generation.
+- Colocated rollouts at tp2 + SP and at ep2: the engine's log-probabilities of its sampled
+  tokens equal the trainer's forward on the same tokens within 1e-5 at every generation.
 - The bundled example learns its task on 2 ranks (its reward rises by a stated margin).
 Bad input is tests/test_grpo_units.py (no ranks).
 """
