@@ -262,7 +262,8 @@ def test_trls_names_and_defaults():
     assert (DpoSection().simpo_gamma, DpoSection().cpo_alpha) == (cpo.simpo_gamma,
                                                                   cpo.cpo_alpha)
     assert (DistillSection().beta, DistillSection().temperature) == (gkd.beta, gkd.temperature)
-    assert DistillSection().lmbda == 0.0  # offline: on-policy needs a generation engine
+    assert DistillSection().lmbda == 0.0  # offline unless asked (TRL's default is 0.5)
+    assert DistillSection().max_new_tokens == gkd.max_new_tokens
     assert RewardSection().center_rewards_coefficient == \
         RewardConfig(**kw).center_rewards_coefficient
 
@@ -286,8 +287,11 @@ def other_tokenizer_teacher(trainer_models, tmp_path_factory) -> str:
     ("distill", {"distill": {"teacher": "MODEL:other_tokenizer"}},
      ["its tokenizer is not the student's", "must share the tokenizer"]),
     ("distill", {}, ["data.mode=distill needs distill.teacher"]),
-    ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 0.5}},
-     ["on-policy distillation", "set distill.lmbda=0"]),
+    ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 0.5}, "data": {"pack": True}},
+     ["distill.lmbda > 0 with data.pack", "set data.pack=false"]),
+    ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 0.5},
+                 "deepspeed": {"zero_stage": 3}}, ["with ZeRO-3", "set distill.lmbda=0"]),
+    ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 1.5}}, ["must be in [0, 1]"]),
     ("distill", {"distill": {"teacher": "MODEL:dense", "beta": 1.5}}, ["must be in [0, 1]"]),
     ("kto", {}, ["set data.shuffle=false"]),
     ("kto", {"data": {"shuffle": False}, "train": {"global_batch": 1}},

@@ -40,9 +40,11 @@ LAYOUT_CASES = [PostCase(o, f"{o}_{name}", memory=(o, name) == ("distill", "dp2_
 # a tied causal LM (vocab 507, its own score head seeded) as a reward model at pp2, exported
 TIED = PostCase("reward", "reward_tied_pp2", pp=2, model="odd",
                 overrides=("export.hf_dir={work}/reward_tied_hf",))
+# on-policy distillation (lmbda 1: every step on the student's sampled completions)
+ON_POLICY = ("distill.lmbda=1.0", "distill.max_new_tokens=8")
 # the single-rank runs, the reward model exported
 SINGLE = [PostCase(o, overrides=("export.hf_dir={work}/reward_hf",) if o == "reward" else ())
-          for o in OBJECTIVES]
+          for o in OBJECTIVES] + [PostCase("distill", "distill_on_policy", overrides=ON_POLICY)]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,8 @@ def single(rank_pool_1, assets) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def layouts(rank_pool_2, assets) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
-    cases = _with_work([*LAYOUT_CASES, TIED], assets["work"])
+    cases = _with_work([*LAYOUT_CASES, TIED, PostCase("distill", "distill_on_policy_tp2", tp=2,
+                                                      overrides=ON_POLICY)], assets["work"])
     for rank_results in rank_pool_2.run(pc.run_cases, cases, assets, assets["work"],
                                         timeout=900):
         for r in rank_results:
@@ -241,3 +244,16 @@ def test_distillation_memory_with_a_teacher_twice_the_student(layouts, assets):
                       f"{measured}, predicted {predicted} ({100 * err:+.2f}%)")
         assert r["frozen_held"] > 0 and abs(err) < 0.05, report[-1]
     print("\n".join(report))
+
+
+def test_on_policy_distillation_samples_the_students_completions(single, layouts):
+    """distill.lmbda=1: every step trains on completions the student sampled on the ranks (the
+    dataset's are gone: its step losses differ from the offline run's while the validation
+    before training, on the dataset's rows, is the same), and at tp2 the same completions and
+    losses as on one rank (seeded sampling, the same at every layout)."""
+    on, off = single["distill_on_policy"], single["distill"]
+    assert on["val_losses"][0] == pytest.approx(off["val_losses"][0], rel=1e-7)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(on["losses"], off["losses"], strict=True))
+    (tp2, _) = layouts["distill_on_policy_tp2"]
+    assert tp2["losses"] == pytest.approx(on["losses"], rel=RTOL, abs=1e-7)
+    assert tp2["val_losses"][pc.STEPS] == pytest.approx(on["val_losses"][pc.STEPS], rel=RTOL)

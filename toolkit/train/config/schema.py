@@ -156,7 +156,8 @@ class DistillSection:
     an HF folder or hub id sharing the student's tokenizer (frozen, at the student's layout and
     precision). ``beta``: the generalized Jensen-Shannon divergence's interpolation (0: KL of
     the student from the teacher, forward KL; 1: reverse KL). ``lmbda``: the share of on-policy
-    (student-generated) completions: 0, the dataset's completions (offline).
+    (student-generated) completions: 0, the dataset's completions (offline); the share of steps
+    that sample the student's completions on the training ranks, up to ``max_new_tokens``.
     ``temperature``: GKD's sampling temperature for on-policy completions (the loss itself
     compares the distributions at temperature 1, as TRL's GKD does)."""
 
@@ -164,6 +165,7 @@ class DistillSection:
     beta: float = opt(0.5, minimum=0.0)
     temperature: float = opt(0.9, minimum=0.0)
     lmbda: float = opt(0.0, minimum=0.0)
+    max_new_tokens: int = opt(128, minimum=1)
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Knowledge distillation (``data.mode: distill``), as TRL's ``GKDTrainer`` computes it offline
-(``lmbda: 0``: the dataset's completions).
+"""Knowledge distillation (``data.mode: distill``), as TRL's ``GKDTrainer`` computes it: on the
+dataset's completions (``lmbda: 0``) and, with ``lmbda > 0``, on completions the student samples
+on the training ranks (``onpolicy``).
 
 A teacher model (``distill.teacher``: frozen, at the student's layout and precision, under ZeRO-3
 partitioned like it) runs forward over each step's micro-batches before the student's schedule;
@@ -120,12 +121,14 @@ collect_logits.wants_logits = True  # type: ignore[attr-defined]
 class DistillObjective(Objective):
     """One row per sample; each step's micro-batches get the teacher's logits first."""
 
-    def __init__(self, loss_fn: GkdLoss, teacher: ModelReference):
-        self.loss_fn, self.teacher = loss_fn, teacher
+    def __init__(self, loss_fn: GkdLoss, teacher: ModelReference, on_policy: Any = None):
+        self.loss_fn, self.teacher, self.on_policy = loss_fn, teacher, on_policy
 
     def batches(self, split_name: str, split: Any, index_lists: Sequence[np.ndarray],
                 ) -> Iterator[dict[str, Any]]:
         batches = [split.batch(i) for i in index_lists]
+        if self.on_policy is not None and split_name == "train":  # ``onpolicy``: lmbda > 0
+            self.on_policy.apply(batches)
         for batch, out in zip(batches, self.teacher.run(batches, collect_logits), strict=False):
             batch[TEACHER] = out["logits"]
         return iter(batches)

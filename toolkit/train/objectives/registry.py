@@ -72,7 +72,25 @@ def _distill(s: ObjectiveSetup) -> Objective:
                            name="teacher")
     model = frozen_model(s.cfg, s.layout, s.mpu, s.ds_config, teacher,
                          label="distillation teacher")
-    return DistillObjective(GkdLoss(s.cfg.distill.beta, s.policy.shape.vocab), model)
+    on_policy = _on_policy(s) if s.cfg.distill.lmbda > 0 else None
+    return DistillObjective(GkdLoss(s.cfg.distill.beta, s.policy.shape.vocab), model, on_policy)
+
+
+def _on_policy(s: ObjectiveSetup) -> Any:
+    """GKD's on-policy completions, sampled by the student on the training ranks."""
+    from toolkit.infer.engine import Sampling
+    from toolkit.train.data import load_tokenizer
+    from toolkit.train.objectives.onpolicy import OnPolicy
+    from toolkit.train.objectives.sampling import live_generator, policy_eos_ids
+
+    d, tok = s.cfg.distill, load_tokenizer(s.cfg.tokenizer_path)
+    rows = s.global_batch // s.layout.dp
+    engine = live_generator(s, rows, policy_eos_ids(s.policy, tok), "on-policy completions",
+                            " or set distill.lmbda=0")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return OnPolicy(engine, Sampling(max_new_tokens=d.max_new_tokens, temperature=d.temperature,
+                                     seed=s.cfg.train.seed),
+                    d.lmbda, s.cfg.train.seed, list(s.chunks), s.cfg.train.seq_len, int(pad))
 
 
 def _grpo(s: ObjectiveSetup) -> Objective:

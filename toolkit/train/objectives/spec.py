@@ -76,12 +76,30 @@ def check_distill(cfg: Any) -> None:
     if not 0.0 <= d.beta <= 1.0:
         raise ConfigError(f"distill.beta={d.beta} must be in [0, 1] (0: forward KL, 1: reverse "
                           "KL, between: the generalized Jensen-Shannon divergence).")
+    if not 0.0 <= d.lmbda <= 1.0:
+        raise ConfigError(f"distill.lmbda={d.lmbda} must be in [0, 1] (the share of steps on "
+                          "the student's own completions).")
     if d.lmbda > 0:
-        raise ConfigError(f"distill.lmbda={d.lmbda}: on-policy distillation (completions sampled "
-                          "from the student) needs a generation engine in the training loop, "
-                          "which this build does not have; set distill.lmbda=0 (the dataset's "
-                          "completions).")
+        check_on_policy(cfg)
     check_teacher(d.teacher, cfg.model.path or cfg.model.config, cfg.tokenizer_path)
+
+
+def check_on_policy(cfg: Any) -> None:
+    """What on-policy distillation (completions sampled on the training ranks) cannot run."""
+    from toolkit.train.objectives.sampling import ZERO3_GENERATION
+
+    instead = " or set distill.lmbda=0"
+    if cfg.deepspeed.zero_stage == 3:
+        raise ConfigError(ZERO3_GENERATION.format(what="on-policy completions",
+                                                  how="deepspeed.zero_stage=3", instead=instead))
+    if cfg.data.pack:
+        raise ConfigError("distill.lmbda > 0 with data.pack: a sampled completion replaces its "
+                          "row's; set data.pack=false.")
+    if cfg.parallel.ep > 1 or cfg.parallel.cp > 1:
+        key = "ep" if cfg.parallel.ep > 1 else "cp"
+        raise ConfigError(f"distill.lmbda > 0 with parallel.{key}="
+                          f"{getattr(cfg.parallel, key)}: on-policy sampling runs at tp / pp / "
+                          "dp layouts here; set distill.lmbda=0 or parallel." + key + "=1.")
 
 
 def check_teacher(teacher: str, student: str | None, tokenizer: str) -> None:

@@ -11,12 +11,8 @@ from toolkit.train.objectives.grpo import rewards as rw
 from toolkit.train.objectives.grpo.loss import GrpoLoss
 from toolkit.train.objectives.grpo.objective import GrpoObjective, Rows
 from toolkit.train.objectives.grpo.rollouts import Generated, Recorded
-from toolkit.train.objectives.grpo.spec import (
-    BATCH_METRICS,
-    ZERO3_GENERATION,
-    metric_names,
-    reward_function,
-)
+from toolkit.train.objectives.grpo.spec import BATCH_METRICS, metric_names, reward_function
+from toolkit.train.objectives.sampling import policy_eos_ids
 
 
 def grpo_objective(s: Any) -> GrpoObjective:
@@ -26,7 +22,7 @@ def grpo_objective(s: Any) -> GrpoObjective:
                           f"of grpo.num_generations={g.num_generations}: set train.global_batch "
                           "to prompts per step x num_generations.")
     tok = data.tokenizer
-    ends = set(_eos_ids(s.policy, tok)) | ({tok.pad_token_id} - {None})
+    ends = set(policy_eos_ids(s.policy, tok)) | ({tok.pad_token_id} - {None})
     if data.groups is not None:
         source: Any = Recorded(data.groups, ends)
     else:
@@ -51,33 +47,16 @@ def grpo_objective(s: Any) -> GrpoObjective:
                          policy=s.chunks, reference=reference)
 
 
-def _eos_ids(policy: Any, tok: Any) -> list[int]:
-    from pathlib import Path
-
-    from toolkit.infer.load import eos_ids
-
-    return eos_ids(policy, Path(str(policy.source or ".")), tok)
-
-
 def _generated(s: Any, data: Any, fns: list[rw.RewardFn]) -> Generated:
     """Rollouts sampled by the generation engine on the policy's live chunks."""
-    from toolkit.infer.engine import Generator, Sampling
+    from toolkit.infer.engine import Sampling
+    from toolkit.train.objectives.sampling import live_generator
 
     cfg, g = s.cfg, s.cfg.grpo
-    stage = int(s.ds_config.get("zero_optimization", {}).get("stage", 0))
-    if stage == 3:
-        raise ConfigError(ZERO3_GENERATION.format(how="the DeepSpeed config generator chose it"))
-    if len(s.chunks) != 1:
-        raise ConfigError(f"grpo rollouts on the training ranks with parallel.vpp="
-                          f"{cfg.parallel.vpp}: the generation engine runs one model chunk per "
-                          "rank; drop vpp or train on recorded rollouts (grpo.rollouts).")
     every_row = s.layout.ep > 1  # the experts' all-to-all spans data-parallel ranks
     rows = s.global_batch if every_row else s.global_batch // s.layout.dp
-    engine = Generator(s.chunks, eos_ids=_eos_ids(s.policy, data.tokenizer),
-                       vocab_size=s.policy.shape.vocab, max_seq_len=cfg.train.seq_len + 1,
-                       max_batch=rows)
-    for chunk in s.chunks:
-        chunk.train()
+    engine = live_generator(s, rows, policy_eos_ids(s.policy, data.tokenizer), "grpo rollouts",
+                            " or train on recorded rollouts (grpo.rollouts)")
     sampling = Sampling(max_new_tokens=g.max_completion_length, temperature=g.temperature,
                         top_p=g.top_p, top_k=g.top_k, seed=cfg.train.seed)
     return Generated(data.prompts, g.num_generations, fns, engine, sampling, data.tokenizer,

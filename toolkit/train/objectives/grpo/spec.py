@@ -17,14 +17,6 @@ BATCH_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/me
 GAP = "sampling/sampling_logp_difference/mean"  # the engine's log-probs vs the trainer's
 RECORDED = "recorded"  # the reward function name of recorded rewards
 
-#: why generated rollouts refuse ZeRO-3 (config checks and the chosen DeepSpeed config)
-ZERO3_GENERATION = (
-    "grpo rollouts generated on the training ranks with ZeRO-3 ({how}): megatron-core's engine "
-    "runs in torch.inference_mode, and the parameters ZeRO-3 gathers there cannot be used by "
-    "the next backward; use deepspeed.zero_stage 0-2, or train on recorded rollouts "
-    "(grpo.rollouts).")
-
-
 def metric_names(cfg: Any, reward_names: list[str]) -> tuple[str, ...]:
     """TRL's metric names of a run, in order: the loss's, then the generation batch's."""
     g = cfg.grpo
@@ -78,7 +70,11 @@ def check_grpo(cfg: Any, default: Any) -> None:
                           "terms (means, GSPO's ratio) need whole rows on a rank; set "
                           "parallel.cp=1.")
     if not g.rollouts and cfg.deepspeed.zero_stage == 3:
-        raise ConfigError(ZERO3_GENERATION.format(how="deepspeed.zero_stage=3"))
+        from toolkit.train.objectives.sampling import ZERO3_GENERATION
+
+        raise ConfigError(ZERO3_GENERATION.format(
+            what="grpo rollouts", how="deepspeed.zero_stage=3",
+            instead=", or train on recorded rollouts (grpo.rollouts)"))
     if cfg.data.pack:
         raise ConfigError("data.pack with data.mode=grpo: a completion row is one prompt and one "
                           "completion; remove data.pack.")
