@@ -3,7 +3,8 @@ distillation, each equal to TRL's trainer and the same at every layout.
 
 - TRL: each objective trains 3 steps on the same rows in order (fp32, the same initial weights,
   constant LR, AdamW) in mdtk on one rank and in TRL's ``RewardTrainer``, ``KTOTrainer``,
-  ``ORPOTrainer``, ``CPOTrainer(loss_type="simpo")`` and ``GKDTrainer`` (lmbda 0): the
+  ``ORPOTrainer``, ``CPOTrainer(loss_type="simpo")`` and ``GKDTrainer`` (lmbda 0; beta 0.5, and
+  0 and 1 for the losses and validations): the
   validation loss before the first step, the 3 training losses and the validation loss after
   them within 1e-5, and TRL's metrics (names and values) before and after.
 - The exported reward model, loaded by transformers, scores the validation pairs like mdtk's
@@ -43,8 +44,12 @@ TIED = PostCase("reward", "reward_tied_pp2", pp=2, model="odd",
 # on-policy distillation (lmbda 1: every step on the student's sampled completions)
 ON_POLICY = ("distill.lmbda=1.0", "distill.max_new_tokens=8")
 # the single-rank runs, the reward model exported
+# GKD at its ends (forward and reverse KL) through the trainer too, against GKDTrainer
+GKD_BETAS = (0.0, 1.0)
 SINGLE = [PostCase(o, overrides=("export.hf_dir={work}/reward_hf",) if o == "reward" else ())
-          for o in OBJECTIVES] + [PostCase("distill", "distill_on_policy", overrides=ON_POLICY)]
+          for o in OBJECTIVES] + [PostCase("distill", "distill_on_policy", overrides=ON_POLICY)] \
+    + [PostCase("distill", f"distill_beta{b:g}", overrides=(f"distill.beta={b}",))
+       for b in GKD_BETAS]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +90,7 @@ def _rows(path: str) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def _trl_trainer(objective: str, assets: dict[str, str]):
+def _trl_trainer(objective: str, assets: dict[str, str], gkd_beta: float = 0.5):
     """TRL's trainer of ``objective`` with mdtk's settings (post_checks.OBJECTIVES), CPU, fp32,
     AdamW with mdtk's betas, constant LR, clipping at 1, the rows in order."""
     import transformers as tf
@@ -131,22 +136,23 @@ def _trl_trainer(objective: str, assets: dict[str, str]):
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     return GKDTrainer(model=model, teacher_model=causal(assets["teacher"], dtype=torch.float32),
-                      args=GKDConfig(max_length=pc.SEQ + 1, beta=0.5, lmbda=0.0, **common),
+                      args=GKDConfig(max_length=pc.SEQ + 1, beta=gkd_beta, lmbda=0.0, **common),
                       **data)
 
 
 _TRL: dict[str, dict] = {}
 
 
-def _trl(objective: str, assets: dict[str, str]) -> dict:
+def _trl(objective: str, assets: dict[str, str], gkd_beta: float = 0.5) -> dict:
     """TRL's validation before training, its training losses and its validation after."""
-    if objective not in _TRL:
-        trainer = _trl_trainer(objective, assets)
+    key = f"{objective}_{gkd_beta}"
+    if key not in _TRL:
+        trainer = _trl_trainer(objective, assets, gkd_beta)
         before = trainer.evaluate()
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        _TRL[objective] = {"before": before, "losses": losses, "after": trainer.evaluate()}
-    return _TRL[objective]
+        _TRL[key] = {"before": before, "losses": losses, "after": trainer.evaluate()}
+    return _TRL[key]
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
@@ -257,3 +263,15 @@ def test_on_policy_distillation_samples_the_students_completions(single, layouts
     (tp2, _) = layouts["distill_on_policy_tp2"]
     assert tp2["losses"] == pytest.approx(on["losses"], rel=RTOL, abs=1e-7)
     assert tp2["val_losses"][pc.STEPS] == pytest.approx(on["val_losses"][pc.STEPS], rel=RTOL)
+
+
+@pytest.mark.parametrize("beta", GKD_BETAS)
+def test_gkd_at_forward_and_reverse_kl_equal_to_trl(single, assets, beta):
+    """distill.beta 0 (KL(teacher || student)) and 1 (KL(student || teacher)) through the
+    trainer: GKDTrainer's validation before and after and its 3 losses within 1e-5."""
+    mine, trl = single[f"distill_beta{beta:g}"], _trl("distill", assets, beta)
+    assert mine["losses"] == pytest.approx(trl["losses"], rel=RTOL, abs=1e-7)
+    for step, theirs in ((0, trl["before"]), (pc.STEPS, trl["after"])):
+        assert mine["val_losses"][step] == pytest.approx(theirs["eval_loss"], rel=RTOL,
+                                                         abs=1e-7), step
+    assert mine["losses"] != pytest.approx(single["distill"]["losses"], rel=1e-3)
