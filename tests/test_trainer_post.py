@@ -49,13 +49,23 @@ GKD_BETAS = (0.0, 1.0)
 SINGLE = [PostCase(o, overrides=("export.hf_dir={work}/reward_hf",) if o == "reward" else ())
           for o in OBJECTIVES] + [PostCase("distill", "distill_on_policy", overrides=ON_POLICY)] \
     + [PostCase("distill", f"distill_beta{b:g}", overrides=(f"distill.beta={b}",))
-       for b in GKD_BETAS]
+       for b in GKD_BETAS] \
+    + [PostCase("distill", "distill_teacher_ckpt",
+                overrides=("distill.teacher={work}/teacher_mcore_tp2",)),
+       PostCase("distill", "distill_teacher_bf16", overrides=("distill.teacher_dtype=bf16",))]
 
 
 @pytest.fixture(scope="module")
 def assets(trainer_assets) -> dict[str, str]:
+    """The objectives' rows and models; the teacher also as a megatron-core checkpoint at tp2
+    (``mdtk convert``'s), which a distillation run at one rank reads resharded."""
+    from toolkit.convert.run import convert
+
     base, root = trainer_assets
-    return {**pc.make_post_assets(base, root), "work": str(root / "post_runs")}
+    out = {**pc.make_post_assets(base, root), "work": str(root / "post_runs")}
+    convert(out["teacher"], Path(out["work"]) / "teacher_mcore_tp2", to="mcore",
+            layout=ParallelLayout(tp=2), workers=1, progress=False)
+    return out
 
 
 def _with_work(cases: list[PostCase], work: str) -> list[PostCase]:
@@ -275,3 +285,15 @@ def test_gkd_at_forward_and_reverse_kl_equal_to_trl(single, assets, beta):
         assert mine["val_losses"][step] == pytest.approx(theirs["eval_loss"], rel=RTOL,
                                                          abs=1e-7), step
     assert mine["losses"] != pytest.approx(single["distill"]["losses"], rel=1e-3)
+
+
+def test_teacher_from_a_checkpoint_of_another_layout_and_in_its_own_dtype(single):
+    """The teacher given as a megatron-core checkpoint written at tp2 (read at the student's
+    one rank) trains exactly as its HF folder; the teacher in bf16 beside an fp32 student
+    trains close to the fp32 teacher's losses but not equal (it did run in bf16)."""
+    hf, ckpt, bf16 = (single[k] for k in ("distill", "distill_teacher_ckpt",
+                                          "distill_teacher_bf16"))
+    assert ckpt["losses"] == pytest.approx(hf["losses"], rel=RTOL, abs=1e-7)
+    assert ckpt["val_losses"] == pytest.approx(hf["val_losses"], rel=RTOL)
+    assert bf16["losses"] == pytest.approx(hf["losses"], rel=3e-2)
+    assert bf16["losses"] != pytest.approx(hf["losses"], rel=1e-6, abs=1e-7)

@@ -153,8 +153,9 @@ class KtoSection:
 @dataclass
 class DistillSection:
     """Knowledge distillation (``data.mode: distill``), TRL's ``GKDConfig`` names. ``teacher``:
-    an HF folder or hub id sharing the student's tokenizer (frozen, at the student's layout and
-    precision). ``beta``: the generalized Jensen-Shannon divergence's interpolation (0: KL of
+    an HF folder or hub id, or an mdtk / Megatron checkpoint of any layout, sharing the
+    student's tokenizer (frozen, at the student's layout; ``teacher_dtype``: its precision,
+    auto = the run's). ``beta``: the generalized Jensen-Shannon divergence's interpolation (0: KL of
     the student from the teacher, forward KL; 1: reverse KL). ``lmbda``: the share of on-policy
     (student-generated) completions: 0, the dataset's completions (offline); the share of steps
     that sample the student's completions on the training ranks, up to ``max_new_tokens``.
@@ -166,6 +167,7 @@ class DistillSection:
     temperature: float = opt(0.9, minimum=0.0)
     lmbda: float = opt(0.0, minimum=0.0)
     max_new_tokens: int = opt(128, minimum=1)
+    teacher_dtype: str = opt("auto", choices=("auto", "bf16", "fp16", "fp32"))
 
 
 @dataclass

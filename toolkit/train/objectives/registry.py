@@ -63,17 +63,39 @@ def _kto(s: ObjectiveSetup) -> Objective:
 
 
 def _distill(s: ObjectiveSetup) -> Objective:
-    from toolkit.adapters import live
-    from toolkit.adapters.spec import ModelSpec
     from toolkit.train.objectives.distill import DistillObjective, GkdLoss
-    from toolkit.train.objectives.dpo.objective import frozen_model
 
-    teacher = ModelSpec.of(live.resolve_source(s.cfg.distill.teacher), live=True,
-                           name="teacher")
-    model = frozen_model(s.cfg, s.layout, s.mpu, s.ds_config, teacher,
-                         label="distillation teacher")
+    model = _teacher(s)
     on_policy = _on_policy(s) if s.cfg.distill.lmbda > 0 else None
     return DistillObjective(GkdLoss(s.cfg.distill.beta, s.policy.shape.vocab), model, on_policy)
+
+
+def _teacher(s: ObjectiveSetup) -> Any:
+    """The distillation teacher, frozen at the student's layout: an HF folder or hub id, or
+    an mdtk / Megatron checkpoint of any layout (resharded on load), in ``distill.teacher_dtype``
+    (auto: the run's precision)."""
+    from toolkit.adapters import live
+    from toolkit.adapters.spec import ModelSpec, has_config
+    from toolkit.errors import ConfigError
+    from toolkit.train.model import DTYPES
+    from toolkit.train.objectives.dpo.objective import frozen_chunks, frozen_model
+
+    d, label = s.cfg.distill, "distillation teacher"
+    dtype = DTYPES[s.cfg.train.precision if d.teacher_dtype == "auto" else d.teacher_dtype]
+    path = live.resolve_source(d.teacher)
+    if has_config(str(path)):
+        teacher = ModelSpec.of(path, live=True, name="teacher")
+        return frozen_model(s.cfg, s.layout, s.mpu, s.ds_config, teacher, label, dtype)
+    from toolkit.infer.load import load  # a checkpoint of any layout, read at this one
+
+    loaded = load(str(path), s.layout, dtype=dtype, tokenizer=s.cfg.tokenizer_path)
+    if loaded.spec.shape.vocab != s.policy.shape.vocab:
+        raise ConfigError(f"distill.teacher={d.teacher!r} has a vocabulary of "
+                          f"{loaded.spec.shape.vocab} tokens, the student "
+                          f"{s.policy.shape.vocab}: teacher and student must share the "
+                          "tokenizer.")
+    return frozen_chunks(s.cfg, s.mpu, s.ds_config, loaded.chunks, loaded.adapter.dims.vocab,
+                         label)
 
 
 def _on_policy(s: ObjectiveSetup) -> Any:

@@ -102,23 +102,41 @@ def check_on_policy(cfg: Any) -> None:
                           "dp layouts here; set distill.lmbda=0 or parallel." + key + "=1.")
 
 
+def teacher_folder(teacher: str) -> str | None:
+    """Where the teacher's config.json is: its HF folder, or the ``hf_config/`` of an mdtk or
+    Megatron checkpoint (a converted one, a training run's step folder or checkpoint root);
+    None for a hub id."""
+    if has_config(teacher):
+        return teacher
+    root = Path(teacher)
+    if not root.exists():
+        if teacher.startswith((".", "/", "~")) or teacher.count("/") != 1:
+            raise ConfigError(f"distill.teacher={teacher!r}: no HF folder or checkpoint there "
+                              "(give the teacher's HF folder, hub id or mdtk checkpoint).")
+        return None  # a hub id: its vocabulary is checked when it is loaded
+    latest = root / "latest"
+    step = root / latest.read_text().strip() if latest.is_file() else root
+    for folder in (step / "hf_config", root / "hf_config"):
+        if has_config(str(folder)):
+            return str(folder)
+    raise ConfigError(f"distill.teacher={teacher!r}: neither an HF folder (config.json) nor a "
+                      "checkpoint with its hf_config/ (an mdtk convert or mdtk train output).")
+
+
 def check_teacher(teacher: str, student: str | None, tokenizer: str) -> None:
     """The teacher exists and shares the student's vocabulary: its config's vocab_size and, when
     its folder holds a tokenizer, that tokenizer's tokens (compared when both are local)."""
-    if not has_config(teacher):
-        if Path(teacher).exists() or teacher.startswith((".", "/", "~")) or \
-                teacher.count("/") != 1:
-            raise ConfigError(f"distill.teacher={teacher!r}: no HF folder with a config.json "
-                              "there (give the teacher's folder or hub id).")
-        return  # a hub id: its vocabulary is checked when it is loaded
+    folder = teacher_folder(teacher)
+    if folder is None:
+        return
     mine = ModelSpec.of(Path(student)) if student and has_config(student) else None
-    theirs = ModelSpec.of(Path(teacher))
+    theirs = ModelSpec.of(Path(folder))
     if mine is not None and mine.shape.vocab != theirs.shape.vocab:
         raise ConfigError(f"distill.teacher={teacher!r} has a vocabulary of "
                           f"{theirs.shape.vocab} tokens, the student {mine.shape.vocab}: teacher "
                           "and student must share the tokenizer (their distributions are "
                           "compared token by token).")
-    different = tokenizer_difference(teacher, tokenizer)
+    different = tokenizer_difference(folder, tokenizer)
     if different:
         raise ConfigError(f"distill.teacher={teacher!r}: its tokenizer is not the student's "
                           f"({different}): teacher and student must share the tokenizer.")
@@ -159,7 +177,8 @@ def train_shape_fields(cfg: Any) -> dict[str, Any]:
     if mode == "kto":
         return {"unpaired": True, "reference_model": True}
     if mode == "distill":
-        return {"teacher": ModelSpec.named(cfg.distill.teacher).shape}
+        return {"teacher": ModelSpec.named(teacher_folder(cfg.distill.teacher)
+                                           or cfg.distill.teacher).shape}
     if mode == "grpo":
         return {"grpo": True, "reference_model": cfg.grpo.beta != 0,
                 "rollout_cache": not cfg.grpo.rollouts}

@@ -57,15 +57,23 @@ def build_model_reference(cfg, layout, mpu, ds_config: dict[str, Any], policy: M
 
 
 def frozen_model(cfg, layout, mpu, ds_config: dict[str, Any], model: ModelSpec,
-                 label: str = "DPO reference") -> ref.ModelReference:
-    """``model``'s chunks at the run's layout and precision, frozen, padded vocab masked; under
-    ZeRO-3 partitioned over the data-parallel group like the policy, else placed like it."""
+                 label: str = "DPO reference", dtype: Any = None) -> ref.ModelReference:
+    """``model``'s chunks at the run's layout and precision (or ``dtype``), frozen
+    (``frozen_chunks``)."""
     from toolkit.adapters import live
-    from toolkit.train.loop.engine import mask_vocab_padding
     from toolkit.train.model import DTYPES
 
-    chunks, adapter = live.load_hf(model, layout, dtype=DTYPES[cfg.train.precision])
-    mask_vocab_padding(chunks, adapter.dims.vocab)
+    chunks, adapter = live.load_hf(model, layout, dtype=dtype or DTYPES[cfg.train.precision])
+    return frozen_chunks(cfg, mpu, ds_config, chunks, adapter.dims.vocab, label)
+
+
+def frozen_chunks(cfg, mpu, ds_config: dict[str, Any], chunks: list[Any], vocab: int,
+                  label: str) -> ref.ModelReference:
+    """Loaded chunks frozen, padded vocab masked; under ZeRO-3 partitioned over the
+    data-parallel group like the policy, else placed like it."""
+    from toolkit.train.loop.engine import mask_vocab_padding
+
+    mask_vocab_padding(chunks, vocab)
     ref.freeze(chunks)
     engine = ref.partition(chunks, mpu, ds_config)
     return ref.ModelReference(chunks, cfg.train.seq_len, engine=engine, label=label)
