@@ -128,7 +128,9 @@ def test_bad_override_names_key_and_allowed_values(override, words):
     (["model.config=cfg.json"], ["exactly one of model.path", "model.config"]),
     (["checkpoint.resume=/no/ckpt"], ["checkpoint.resume='/no/ckpt'"]),
     (["output_dir=null"], ["output_dir is required"]),
-    (["parallel.tp=2", "parallel.etp=1"], ["parallel.etp=1 with tp=2", "etp equal to tp"]),
+    (["parallel.tp=2", "parallel.etp=1", "parallel.ep=2"],
+     ["parallel.etp=1 with tp=2 and ep=2", "etp=1 with ep=1"]),
+    (["parallel.tp=4", "parallel.etp=2"], ["parallel.etp=2 with tp=4", "Set parallel.etp to tp"]),
 ])
 def test_cross_key_errors(overrides, words):
     with pytest.raises(ConfigError) as e:

@@ -35,6 +35,10 @@ CASES_2 = [
     Case("moe_ep2", model="moe", ep=2),
     Case("dsv3_ep2", model="dsv3", ep=2),
     Case("gpt_oss_ep2", model="gpt_oss", ep=2),  # issue 39: sinks, biased clamped experts
+    # experts whole on both tp ranks (etp 1 < tp): their grads summed over tp, counted once in
+    # the clipping norm (GPT-OSS's biased experts need etp 1 at tp > 1)
+    Case("moe_tp2_sp_etp1", model="moe", tp=2, sp=True, overrides=("parallel.etp=1",)),
+    Case("gpt_oss_tp2_sp_etp1", model="gpt_oss", tp=2, sp=True, overrides=("parallel.etp=1",)),
     Case("tp2_odd_vocab", model="odd", tp=2),  # vocab 507 padded to 508
     Case("gemma3_tp2_sp", model="gemma3", tp=2, sp=True),  # post-norm grads summed over TP
     # ZeRO-0 with pp>1 is refused only while clipping is on (DeepSpeed's ZeRO-0 norm is wrong)

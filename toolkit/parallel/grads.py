@@ -6,7 +6,11 @@ DeepSpeed instead, so it does them here, on ``param.grad``, before the optimizer
   sequence parallelism, the MoE router under SP, q/k norms that see a rank's heads only, LoRA
   tensors marked ``tp_partial_grad``): sum over the TP group;
 - input embedding and output layer tied across the first and last pipeline stage: sum over the
-  embedding group.
+  embedding group;
+- expert weights not split over tp (expert-TP 1 < TP, no expert parallelism): each tp rank runs
+  the whole experts on its part of the tokens (sequence parallelism), so like the norms their
+  grads are summed over the TP group; DeepSpeed then treats them as the replicated weights they
+  are (reduced over data parallelism, counted once in the grad norm).
 """
 
 from __future__ import annotations
@@ -16,21 +20,34 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 
-def _needs_tp_sum(name: str, param: torch.nn.Parameter, sequence_parallel: bool) -> bool:
+def _needs_tp_sum(name: str, param: torch.nn.Parameter, sequence_parallel: bool,
+                  whole_experts: bool = False) -> bool:
     if sequence_parallel and getattr(param, "sequence_parallel", False):
+        return True
+    if whole_experts and ".experts." in f".{name}":
         return True
     if getattr(param, "tp_partial_grad", False):  # e.g. LoRA adapters (toolkit.lora.layers)
         return True
     return "q_layernorm" in name or "k_layernorm" in name
 
 
+def whole_experts_on_tp_ranks() -> bool:
+    """Expert-TP 1 below TP without expert parallelism: every tp rank holds all experts."""
+    if not ps.model_parallel_is_initialized():
+        return False
+    return (ps.get_expert_tensor_parallel_world_size() == 1
+            and ps.get_expert_model_parallel_world_size() == 1
+            and ps.get_tensor_model_parallel_world_size() > 1)
+
+
 def tp_replicated_grads(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
     """Grads of the TP-replicated weights whose grads must be summed over TP."""
     grads = []
+    whole = whole_experts_on_tp_ranks()
     for chunk in chunks:
         sp = bool(getattr(chunk.config, "sequence_parallel", False))
         for name, p in chunk.named_parameters():
-            if p.grad is not None and _needs_tp_sum(name, p, sp):
+            if p.grad is not None and _needs_tp_sum(name, p, sp, whole):
                 grads.append(p.grad)
     return grads
 

@@ -52,12 +52,14 @@ def check_parallel(cfg: TrainConfig) -> None:
         layout = cfg.parallel.layout()
     except LayoutError as e:
         raise ConfigError(f"parallel: {e}") from None
-    if layout.tp > 1 and layout.expert_tp != layout.tp:
-        # measured (issue 39): at tp=2, etp=1 the losses leave the one-rank run's after step 1
+    whole = layout.expert_tp == 1 and layout.ep == 1  # experts whole on every tp rank
+    if layout.tp > 1 and layout.expert_tp != layout.tp and not whole:
+        # measured (issue 39): DeepSpeed reduces and norms expert grads over an expert-data-
+        # parallel group that then spans tp ranks; only etp = tp, or etp 1 without ep, is exact
         raise ConfigError(
-            f"parallel.etp={layout.expert_tp} with tp={layout.tp}: the trainer reduces expert "
-            "gradients only with expert-TP equal to tp. Train with etp equal to tp, or split "
-            "the model by ep / pp / dp (models whose experts have biases, GPT-OSS: tp=1).")
+            f"parallel.etp={layout.expert_tp} with tp={layout.tp} and ep={layout.ep}: the "
+            "trainer reduces expert gradients exactly with expert-TP equal to tp, or expert-TP "
+            "1 without expert parallelism. Set parallel.etp to tp, or etp=1 with ep=1.")
 
 
 def check_deepspeed(cfg: TrainConfig) -> None:

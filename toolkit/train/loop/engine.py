@@ -184,7 +184,8 @@ def _register_expert_groups(experts: list[torch.nn.Parameter]) -> str:
 
 
 def mark_tensor_parallel_params(chunks: Sequence[torch.nn.Module]) -> int:
-    """Tag tensor-parallel weights as megatron-core's own initialisation would; returns how many.
+    """Tag tensor-parallel weights (and attention sinks, one per head of the rank) as
+    megatron-core's own initialisation would; returns how many.
 
     megatron-core (0.16) sets ``tensor_model_parallel`` / ``partition_dim`` on a weight only while
     initialising it: a model built with ``perform_initialization=False`` (filled from an HF
@@ -197,12 +198,27 @@ def mark_tensor_parallel_params(chunks: Sequence[torch.nn.Module]) -> int:
         VocabParallelEmbedding,
     )
 
+    from toolkit.parallel.grads import whole_experts_on_tp_ranks
+
     dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+    whole = whole_experts_on_tp_ranks()
     tagged = 0
     for chunk in chunks:
         for module in chunk.modules():
             dim = next((d for cls, d in dims if isinstance(module, cls)), None)
             weight = getattr(module, "weight", None)
+            sinks = getattr(module, "softmax_offset", None)  # attention sinks: one per head
+            if isinstance(sinks, torch.nn.Parameter) and not hasattr(sinks,
+                                                                     "tensor_model_parallel"):
+                sinks.tensor_model_parallel, sinks.partition_dim = True, 0
+                sinks.partition_stride = 1
+                tagged += 1
+            if dim is not None and weight is not None and whole and getattr(module, "is_expert",
+                                                                             False):
+                for t in (weight, getattr(module, "bias", None)):  # replicated on every tp
+                    if isinstance(t, torch.nn.Parameter):  # rank: counted once in the norm
+                        t.tensor_model_parallel = False
+                continue
             if dim is None or weight is None or hasattr(weight, "tensor_model_parallel"):
                 continue
             weight.tensor_model_parallel = True
