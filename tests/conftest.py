@@ -65,6 +65,18 @@ def pytest_runtest_teardown(item, nextitem):
             pool.close()
 
 
+def pytest_collection_finish(session):
+    """The rank pools' ranks are forked from one process that imported torch, megatron-core,
+    DeepSpeed and transformers once (``RankPool(preload=True)``; 7 ranks in the suite, each
+    ~6 CPU-s of imports otherwise): it starts now, when a collected test needs a pool, and
+    loads while the first tests run."""
+    if any(name.startswith("rank_pool_") for item in session.items
+           for name in item.fixturenames):
+        from toolkit.runtime.rankpool import start_preload_server
+
+        start_preload_server()
+
+
 @pytest.fixture(scope="session")
 def async_io_ready() -> str | None:
     """Wait for (or do) the async_io build; None when ready, else why NVMe cannot be tested."""
@@ -91,7 +103,7 @@ class _LazyPool:
     def run(self, fn, *args, timeout: float = 300.0, **kwargs):
         _prebuild_ops()
         if self.pool is None or self.pool.broken:
-            self.pool = RankPool(self.world_size)
+            self.pool = RankPool(self.world_size, preload=True)
             self.pool.start()
         job = functools.partial(pool_jobs.run_then_release, fn)  # its name says fn's too
         return self.pool.run(job, *args, timeout=timeout, **kwargs)

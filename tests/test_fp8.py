@@ -169,9 +169,10 @@ def test_inspect_shows_fp8(fp8_models, tiny_root):
     assert res.exit_code == 0 and "quantized:    fp8 e4m3" in res.output, res.output
 
 
-def test_fp8_logits_match_transformers_on_dequantized_weights(fp8_models):
+def test_fp8_logits_match_transformers_on_dequantized_weights(fp8_models, rank_pool_1):
     """megatron-core on the converted torch_dist checkpoints and on the FP8 folder loaded live
-    (``hf-mcore``) vs transformers on the fp32 dequantized folder."""
+    (``hf-mcore``) vs transformers on the fp32 dequantized folder (in the session's one-rank
+    pool, CPU mode on there, as test_convert's verify runners)."""
     pairs = []
     for family in FAMILIES:
         m = fp8_models[family]
@@ -179,7 +180,9 @@ def test_fp8_logits_match_transformers_on_dequantized_weights(fp8_models):
     m = fp8_models["llama"]
     pairs.append((str(m["ref32"]), f"hf-mcore:{m['fp8']}"))
     pairs.append((str(m["ref32"]), f"hf-mcore:{m['base'].parent.parent / 'llama'}"))
-    *good, unquantized = convert_checks.verify_in_subprocess(pairs)
+    [rows] = rank_pool_1.run(convert_checks.verify_many, pairs, timeout=600)
+    assert len(rows) == len(pairs)
+    *good, unquantized = rows
     worst = {r["spec"]: r["max_abs"] for r in good if not r["max_abs"] <= 1e-4}
     assert not worst, worst
     assert unquantized["max_abs"] > 1e-2  # the original weights differ: the check can fail

@@ -2,29 +2,26 @@
 ``ds_configs/*_hf_trainer.json`` preset as written, and the ZeRO-3 NVMe reader cuts optimizer sub
 groups exactly as DeepSpeed does.
 
-The presets run in ONE torchrun launch of 2 gloo ranks on CPU (``dist_checks/hf_presets_run.py``
-says what it does and the two machine edits). Marked ``nvme``: it runs after the other tests,
-when the background async_io build is done; without async_io the NVMe preset is only resolved
-(accelerate's plugin), not trained, and its training checks skip with the reason.
+The presets run in ONE job of the session's 2-rank pool (gloo ranks on CPU;
+``dist_checks/hf_presets_run.py`` says what it does and the two machine edits; rank 0's
+results are checked). Marked ``nvme``: it runs after the other tests, when the background
+async_io build is done; without async_io the NVMe preset is only resolved (accelerate's
+plugin), not trained, and its training checks skip with the reason.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from dist_checks import hf_presets_run
 
 from toolkit.checkpoint.nvme_swap import sub_groups
 from toolkit.dsconfig.presets import DS_PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "dist_checks" / "hf_presets_run.py"
 HF_PRESETS = [f"{n}_hf_trainer" for n in DS_PRESETS]
 LR = 1e-2  # hf_presets_run.LR
 # the loss on the same batch after the 3 steps: one AdamW update at lr 1e-2 from random init
@@ -32,16 +29,11 @@ MIN_DROP = 0.05
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory, async_io_ready) -> dict:
+def launch(tmp_path_factory, async_io_ready, rank_pool_2) -> dict:
     work = tmp_path_factory.mktemp("hf_presets")
-    out = work / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(SCRIPT), str(out), str(work)] + (["--no-nvme"] if async_io_ready else [])
-    env = {**os.environ, "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-6000:])
-    return {"results": json.loads(out.read_text()), "nvme_skip": async_io_ready}
+    rank0, _ = rank_pool_2.run(hf_presets_run.run_all, str(work), nvme=not async_io_ready,
+                               timeout=900)
+    return {"results": rank0, "nvme_skip": async_io_ready}  # rank 0's, as the launch wrote
 
 
 def _trained(launch: dict, name: str, tool: str) -> dict:

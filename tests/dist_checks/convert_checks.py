@@ -3,16 +3,12 @@
 ``verify_many`` runs ``toolkit.convert.verify``'s runners (the ones behind ``mdtk verify``) on
 converted checkpoints: the HF references first, then every megatron checkpoint (megatron-core's
 own ``dist_checkpointing.load`` for torch_dist, mdtk's reader for legacy files). test_convert
-runs it (and ``run_cli``) in the session's one-rank pool, whose rank has mdtk's CPU mode on
-(transformers' models are unchanged by it: test_cpu_compat); run as a script it reads a JSON
-list of ``[reference HF folder, spec]`` pairs and prints one JSON line of results (a fresh
-process that switches the CPU mode on itself: test_fp8).
+and test_fp8 run it (and ``run_cli``) in the session's one-rank pool, whose rank has mdtk's CPU
+mode on (transformers' models are unchanged by it: test_cpu_compat).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 
@@ -32,20 +28,6 @@ def verify_many(pairs: list[tuple[str, str]], batch: int = 2, seq_len: int = 16)
         out.append({"ref": ref, "spec": spec, "kind": kind, "max_abs": c.max_abs,
                     "max_rel": c.max_rel, "layers": len(c.layers)})
     return out
-
-
-def verify_in_subprocess(pairs: list[tuple[str, str]]) -> list[dict]:
-    """``verify_many(pairs)`` in a fresh process (megatron-core's CPU mode must not be switched
-    on in the pytest process); one row per pair."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent.parent
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(pairs)],
-                          capture_output=True, text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == len(pairs)
-    return rows
 
 
 def run_cli(args: list[str]) -> tuple[int, str]:
@@ -104,8 +86,3 @@ def train_for_conversion(assets: dict[str, str], workdir: str, cases: list) -> l
                     "export_dir": result.export_dir,
                     "export_max_abs_diff": result.export_max_abs_diff})
     return out
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    print(json.dumps(verify_many([tuple(p) for p in json.loads(sys.argv[1])])))

@@ -1,18 +1,17 @@
-"""torchrun script: every ``ds_configs/*_hf_trainer.json`` preset, as written, through the HF
-Trainer (``use_cpu=True``, default TrainingArguments but lr and batch size) and through
-accelerate's ``DeepSpeedPlugin`` with its ``DummyOptim`` / ``DummyScheduler``; 3 steps each on
-the same batch, all in one launch.
+"""Rank function (``run_all``, in the session's ``rank_pool_2``): every
+``ds_configs/*_hf_trainer.json`` preset, as written, through the HF Trainer (``use_cpu=True``,
+default TrainingArguments but lr and batch size) and through accelerate's ``DeepSpeedPlugin``
+with its ``DummyOptim`` / ``DummyScheduler``; 3 steps each on the same batch, all in one job.
 
-``python -m torch.distributed.run --nproc_per_node 2 hf_presets_run.py OUT.json WORK [--no-nvme]``
-writes, from rank 0, per preset: the 3 step losses of both runs, the loss on the same batch after
-them (``after``), the HF run's learning rates and the "auto" keys left in the configs they
-resolved. The presets' WarmupDecayLR starts at ``warmup_min_lr``, which both fill with 0, and its
-log warmup gives lr 0 at its first step too: the first two updates change nothing, the step
-losses are equal and only the third update (at the full lr) lowers the loss.
+It returns, per preset: the 3 step losses of both runs, the loss on the same batch after them
+(``after``), the HF run's learning rates and the "auto" keys left in the configs they resolved.
+The presets' WarmupDecayLR starts at ``warmup_min_lr``, which both fill with 0, and its log
+warmup gives lr 0 at its first step too: the first two updates change nothing, the step losses
+are equal and only the third update (at the full lr) lowers the loss.
 
 Only two edits adapt a preset to this machine: ``torch_adam`` where DeepSpeed would JIT-compile
 FusedAdam (no optimizer offload), and the NVMe preset's ``nvme_path`` (one folder per rank and
-run). ``--no-nvme``: the NVMe preset only resolves (no engine: DeepSpeed's async_io op is
+run). ``nvme=False``: the NVMe preset only resolves (no engine: DeepSpeed's async_io op is
 missing).
 """
 
@@ -21,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +118,16 @@ def accelerate_plugin(cfg: dict[str, Any], world: int, train: bool) -> dict[str,
     return out
 
 
-def main(argv: list[str]) -> None:
+def run_all(work: str, nvme: bool = True) -> dict[str, Any]:
+    """Every preset through both tools, on this rank's share of the batch: this rank's
+    results (the test reads rank 0's)."""
     import torch.distributed as dist
 
     from toolkit import runtime
     from toolkit.dsconfig.presets import DS_PRESETS, preset_configs
 
     runtime.prepare_deepspeed()  # CPU accelerator, gloo, no shm comm op
-    out_file, work = Path(argv[0]), Path(argv[1])
-    nvme = "--no-nvme" not in argv
-    world = dist.get_world_size()
+    world, work = dist.get_world_size(), Path(work)
     configs = preset_configs()
     results = {}
     for name in DS_PRESETS:
@@ -144,9 +142,4 @@ def main(argv: list[str]) -> None:
                                             world, train=engine),
         }
         dist.barrier()
-    if dist.get_rank() == 0:
-        out_file.write_text(json.dumps(results, indent=1))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return results

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from toolkit import rules
@@ -114,12 +115,19 @@ class Plan:
 MIN_BUCKET = 2048 * 2048
 
 
+@lru_cache(maxsize=256)
+def largest_tensor(model: ModelShape) -> int:
+    """Elements of the model's largest tensor (remembered: the planner asks once per
+    candidate, and it walks every tensor)."""
+    return max(t.numel for t in model.tensors())
+
+
 def zero_options(model: ModelShape, stage: int, opt: str = "none", param: str = "none"
                  ) -> ZeroOptions:
     """Bucket sizes from the hidden size (h*h, 0.9*h*h, 10*h as HF's integration does; reduce
     and all-gather buckets at least ``MIN_BUCKET``), ints."""
     h = model.hidden
-    largest = max(t.numel for t in model.tensors())
+    largest = largest_tensor(model)
     bucket = max(h * h, MIN_BUCKET)
     return ZeroOptions(
         stage=stage, offload_optimizer=opt, offload_param=param,

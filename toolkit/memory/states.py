@@ -24,6 +24,7 @@ tests/dist_checks/memory_checks.py):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from toolkit import rules
 from toolkit.checkpoint.torchfree.dtypes import PRECISIONS
@@ -126,9 +127,12 @@ def stage_layers(model: ModelShape, layout: ParallelLayout, stage: int) -> tuple
     )
 
 
+@lru_cache(maxsize=4096)
 def rank_params(model: ModelShape, layout: ResolvedLayout, stage: int = 0,
                 persistence_threshold: int = 0) -> RankParams:
-    """Count this pipeline stage's parameters on one tp/ep rank, split the megatron-core way."""
+    """Count this pipeline stage's parameters on one tp/ep rank, split the megatron-core way.
+    Remembered (all three types are frozen): the planner asks for the same model and layout
+    once per candidate setting, and each count walks every tensor of the model."""
     tp, etp = layout.tp, layout.expert_tp
     vocab = model.padded_vocab(tp) if uses_megatron(layout) else model.vocab
     layers = set(stage_layers(model, layout, stage))
