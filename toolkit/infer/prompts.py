@@ -4,7 +4,6 @@ ids; and the output rows, one per prompt in input order."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +31,10 @@ def read_prompts(path: str | Path, tokenizer: Any) -> list[Prompt]:
     if not path.is_file():
         raise PromptsError(f"prompts file {path} not found (JSON lines with 'prompt' or "
                            "'messages').")
-    out = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptsError(f"{where}: not JSON ({e.msg} at column {e.colno}).") from None
-        out.append(_prompt(row, tokenizer, where, number))
+    from toolkit.jsonl import json_rows
+
+    out = [_prompt(row, tokenizer, where, number)
+           for number, where, row in json_rows(path, PromptsError)]
     if not out:
         raise PromptsError(f"{path} holds no prompts.")
     return out

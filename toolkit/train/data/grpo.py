@@ -124,21 +124,15 @@ def read_rollouts(path: str | Path, tokenizer: Any, group: int) -> list[Recorded
     if not path.is_file():
         raise DataError(f"grpo.rollouts={str(path)!r}: no such file (a JSONL of recorded "
                         "rollouts: prompt, completion_ids or completion, reward).")
+    from toolkit.jsonl import json_rows
+
     rows: list[tuple[PromptRow, tuple[int, ...], float, str]] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg}).") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: a rollout row must be an object.")
-            rows.append((prompt_row(row, tokenizer, where, drop=("completion_ids", "completion",
-                                                                  "reward")),
-                         _completion(row, tokenizer, where), _reward(row, where), where))
+    for _, where, row in json_rows(path, DataError):
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: a rollout row must be an object.")
+        rows.append((prompt_row(row, tokenizer, where, drop=("completion_ids", "completion",
+                                                              "reward")),
+                     _completion(row, tokenizer, where), _reward(row, where), where))
     if not rows:
         raise DataError(f"grpo.rollouts={str(path)!r} holds no rows.")
     return _groups(rows, group, path)
