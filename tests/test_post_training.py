@@ -495,3 +495,38 @@ def test_each_objective_tells_the_memory_model_what_it_holds(trainer_models):
                                                         "reference_model": True}
     teacher = fields("distill", distill={"teacher": trainer_models["moe"]})["teacher"]
     assert teacher.experts == 4
+
+
+def test_plan_counts_grpos_rollout_cache_and_reference():
+    """``mdtk plan --grpo [--grpo-reference]``: the same plan's memory grows by exactly the
+    rollout KV cache, the loss's log-softmax line and (with the reference) the frozen model the
+    memory model counts for that plan; --emit is refused with the reason."""
+    from toolkit.memory import GPU
+    from toolkit.planner.emit import EmitError, emit
+    from toolkit.planner.report import PlanRequest, plan_layouts
+    from toolkit.planner.search import check_fit, train_shape
+
+    def plan(**kw):
+        req = PlanRequest("llama-3.1-8b", nodes=1, gpus_per_node=8, top=1, seq_len=2048,
+                          global_batch=64, **kw)
+        return plan_layouts(req)
+
+    sft, rl, rl_ref = plan(), plan(grpo=True), plan(grpo=True, grpo_reference=True)
+    for report in (rl, rl_ref):
+        best = report.result.plans[0]
+        shape = train_shape(report.work, best.candidate)
+        assert shape.grpo and shape.rollout_cache
+        assert shape.reference_model == (report is rl_ref)
+        names = {i.what for i in best.estimate.items}
+        assert any(n.startswith("rollout KV cache") for n in names)
+        assert any(n.startswith("reference model") for n in names) == (report is rl_ref)
+        # the same candidate without GRPO: the difference is exactly GRPO's own lines
+        plain = check_fit(report.setting.shape, sft.work, best.candidate, report.setting.cluster)
+        extra = [i for i in best.estimate.items if i not in plain.estimate.items]
+        assert {i.what.split(" (")[0] for i in extra} >= {"rollout KV cache"}
+        assert best.estimate.gpu - plain.estimate.gpu == sum(i.bytes for i in extra
+                                                              if i.device == GPU) > 0
+    with pytest.raises(EmitError, match="--emit with --grpo"):
+        emit(rl, Path("/tmp/unused_emit"), "llama-3.1-8b")
+    with pytest.raises(ValueError, match="--grpo-reference applies to --grpo"):
+        plan(grpo_reference=True)

@@ -40,6 +40,12 @@ DPO = typer.Option(False, "--dpo", help="Preference tuning (DPO): each sample is
 PRECOMPUTE_REF = typer.Option(False, "--precompute-reference", help="With --dpo: the reference "
                               "log-probabilities are computed before training (dpo."
                               "precompute_reference), so no reference model is held.")
+GRPO = typer.Option(False, "--grpo", help="Online RL (data.mode: grpo): prompt + completion "
+                    "rows, and the generation engine's KV cache on every rank (the rank's rows of "
+                    "the global batch at seq-len + 1).")
+GRPO_REF = typer.Option(False, "--grpo-reference", help="With --grpo: grpo.beta > 0, a frozen "
+                        "reference model (sharded like the policy; with --peft the policy with "
+                        "its adapters off).")
 NETWORK = typer.Option("ib", "--network", help="Inter-node network: ib (the device's own: one "
                        "400 Gb/s NDR NIC per GPU on DGX/HGX H100/H200/B200) or ethernet (one "
                        "100 GbE port per node, assumed). Decides whether ZeRO++ pays.")

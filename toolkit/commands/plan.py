@@ -18,6 +18,8 @@ from toolkit.commands.options import (
     DTYPE,
     FLASH,
     GPUS,
+    GRPO,
+    GRPO_REF,
     LORA_R,
     LORA_TARGETS,
     MODEL_OR_NONE,
@@ -77,7 +79,8 @@ def plan_cmd(
     data: list[str] = DATA, data_mode: str = DATA_MODE, tokenizer: str | None = TOKENIZER,
     output_dir: str | None = OUTPUT_DIR, steps: int | None = STEPS,
     sweep_gpus: str | None = SWEEP, plot: Path = PLOT, dpo: bool = DPO,
-    precompute_reference: bool = PRECOMPUTE_REF, peft: str = PEFT, lora_r: int = LORA_R,
+    precompute_reference: bool = PRECOMPUTE_REF, grpo: bool = GRPO,
+    grpo_reference: bool = GRPO_REF, peft: str = PEFT, lora_r: int = LORA_R,
     lora_targets: str | None = LORA_TARGETS,
     network: str = NETWORK, allow_quantized_comm: bool = ALLOW_QUANTIZED,
 ) -> None:
@@ -98,7 +101,8 @@ def plan_cmd(
         cpu_mem=cpu_mem, seq_len=seq_len, global_batch=global_batch, dtype=dtype, flash=flash,
         top=top, allow_cp=allow_cp, network=network, allow_quantized=allow_quantized_comm,
         per_layout=per_layout, emit_rank=emit_rank, dpo=dpo,
-        precompute_reference=precompute_reference, device_overrides=overrides,
+        precompute_reference=precompute_reference, grpo=grpo, grpo_reference=grpo_reference,
+        device_overrides=overrides,
         lora=lora_of(peft, lora_r, lora_targets))
     if sweep_gpus is not None:
         try:

@@ -163,6 +163,8 @@ class Workload:
     fused: bool = True  # False: megatron-core's unfused kernels (mdtk on CPU; memory model)
     pairs: bool = False  # DPO: a sample is a chosen and a rejected sequence (global_batch pairs)
     reference_model: bool = False  # DPO: a frozen reference runs forward over every micro-batch
+    grpo: bool = False  # GRPO: prompt + completion rows (its reference: reference_model)
+    rollout_cache: bool = False  # GRPO generating on the ranks: the engine's KV cache
 
     @property
     def rows(self) -> int:

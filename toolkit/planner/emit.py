@@ -155,6 +155,10 @@ def emit(report: PlanReport, folder: Path, model_arg: str, *, rank: int = 1,
     from toolkit.dsconfig import lint, write_json
 
     result, cluster, work = report.result, report.setting.cluster, report.work
+    if work.grpo:
+        raise EmitError("--emit with --grpo: a GRPO run needs its reward functions (grpo."
+                        "rewards); plan with --grpo, then write the grpo section yourself "
+                        "(bundled:examples/grpo_tiny.yaml shows one).")
     if rank > len(result.plans):
         raise EmitError(f"--emit-rank {rank}: only {len(result.plans)} plans fit.")
     plan = result.plans[rank - 1]

@@ -66,6 +66,8 @@ class PlanRequest:
     emit_rank: int = 1  # the search keeps at least this many plans
     dpo: bool = False  # preference pairs (2 sequences a sample) with a reference model ...
     precompute_reference: bool = False  # ... unless its log-probabilities are precomputed
+    grpo: bool = False  # online RL: the generation engine's KV cache on every rank ...
+    grpo_reference: bool = False  # ... and, with grpo.beta > 0, a frozen reference model
     device_overrides: dict[str, float | None] = field(default_factory=dict)  # get_device's
     lora: LoraSpec | None = None  # train adapters only (--peft)
 
@@ -78,7 +80,7 @@ class Setting:
     device: Device
     cluster: Cluster
     tokens: float | None
-    kernels: dict[str, bool]  # Workload's flash / fused / pairs / reference_model
+    kernels: dict[str, bool]  # Workload's flash / fused / pairs / reference_model / grpo ...
     space: SearchSpace
     budget: Budget
 
@@ -95,7 +97,13 @@ def resolve(req: PlanRequest) -> Setting:
     cluster = Cluster(nodes=req.nodes, gpus_per_node=req.gpus_per_node, gpu_mem=gpu_mem,
                       cpu_mem=parse_bytes(req.cpu_mem))
     on_cpu = device.key == "cpu"  # mdtk's CPU path: megatron-core's unfused kernels, eager
-    kernels = {"flash": not on_cpu and req.flash, "fused": not on_cpu, **dpo}
+    if req.grpo and req.dpo:
+        raise ValueError("--grpo and --dpo: a run trains one objective; choose one.")
+    if req.grpo_reference and not req.grpo:
+        raise ValueError("--grpo-reference applies to --grpo (grpo.beta > 0).")
+    grpo = {"grpo": True, "rollout_cache": True,
+            "reference_model": req.grpo_reference} if req.grpo else {}
+    kernels = {"flash": not on_cpu and req.flash, "fused": not on_cpu, **dpo, **grpo}
     return Setting(shape, device, cluster, count, kernels,
                    SearchSpace(allow_cp=req.allow_cp, allow_quantized=req.allow_quantized),
                    Budget())

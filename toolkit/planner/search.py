@@ -205,7 +205,8 @@ def train_shape(work: Workload, c: Candidate) -> TrainShape:
     return TrainShape(seq_len=work.seq_len, micro_batch=c.micro_batch,
                       global_batch=work.global_batch, dtype=work.dtype, recompute=c.recompute,
                       flash_attention=work.flash, fused=work.fused, pairs=work.pairs,
-                      reference_model=work.reference_model)
+                      reference_model=work.reference_model, grpo=work.grpo,
+                      rollout_cache=work.rollout_cache)
 
 
 @dataclass(frozen=True)
