@@ -289,8 +289,6 @@ def other_tokenizer_teacher(trainer_models, tmp_path_factory) -> str:
     ("distill", {}, ["data.mode=distill needs distill.teacher"]),
     ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 0.5}, "data": {"pack": True}},
      ["distill.lmbda > 0 with data.pack", "set data.pack=false"]),
-    ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 0.5},
-                 "deepspeed": {"zero_stage": 3}}, ["with ZeRO-3", "set distill.lmbda=0"]),
     ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 1.5}}, ["must be in [0, 1]"]),
     ("distill", {"distill": {"teacher": "MODEL:dense", "beta": 1.5}}, ["must be in [0, 1]"]),
     ("kto", {}, ["set data.shuffle=false"]),

@@ -10,7 +10,7 @@
 - Layouts: the same rollouts (2 micro-batches per step, beta 0.04, num_iterations 2) at tp2 + SP,
   pp2, dp2 ZeRO-3, tp2 x pp2, an MoE at ep2, and LoRA at tp2 (the reference: adapters off)
   equal the single-rank run within 1e-5.
-- Colocated rollouts at tp2 + SP and at ep2: the engine's log-probabilities of its sampled
+- Colocated rollouts at tp2 + SP, ep2 and dp2 ZeRO-3: the engine's log-probabilities of its sampled
   tokens equal the trainer's forward on the same tokens within 1e-5 at every generation.
 - The bundled example learns its task on 2 ranks (its reward rises by a stated margin).
 Bad input is tests/test_grpo_units.py (no ranks).
@@ -56,7 +56,8 @@ def _generated(assets) -> list[GrpoCase]:
     spans the data-parallel ranks, so every rank samples the whole batch)."""
     data = (f"data.sources=[{assets['prompts']}]", *GENERATE)
     return [GrpoCase(LAYOUT_RUN, "generated_tp2_sp", tp=2, sp=True, micro=2, overrides=data),
-            GrpoCase(LAYOUT_RUN, "generated_ep2", ep=2, micro=2, model="moe", overrides=data)]
+            GrpoCase(LAYOUT_RUN, "generated_ep2", ep=2, micro=2, model="moe", overrides=data),
+            GrpoCase(LAYOUT_RUN, "generated_dp2_zero3", zero=3, micro=2, overrides=data)]
 
 
 @pytest.fixture(scope="module")
@@ -157,10 +158,11 @@ def test_layout_matches_single_rank(single, layouts, name):
     assert base["losses"][1] != base["losses"][0]
 
 
-@pytest.mark.parametrize("case", ["generated_tp2_sp", "generated_ep2"])
+@pytest.mark.parametrize("case", ["generated_tp2_sp", "generated_ep2", "generated_dp2_zero3"])
 def test_colocated_rollouts_log_probs_equal_the_trainers(layouts, case):
     """The engine sampled at the training layout (tp2 + SP: generation switches SP off and
-    back on; ep2); its log-probabilities of the sampled tokens against the trainer's forward
+    back on; ep2; dp2 ZeRO-3: its forwards gather the partitions, outside inference mode);
+    its log-probabilities of the sampled tokens against the trainer's forward
     when the batch was made (TRL's ``sampling/sampling_logp_difference/mean``)."""
     run = layouts[case]
     gaps = [m[gc_gap()] for m in run["metrics"]]

@@ -132,6 +132,33 @@ def _sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
+def _grad_free_not_inference(model: torch.nn.Module) -> Iterator[None]:
+    """megatron-core's inference code runs in ``torch.inference_mode``: tensors made there can
+    never join autograd later. A ZeRO-3 model gathers its partitions during the forward, and
+    DeepSpeed keeps some of what it gathered for the next (training) forward, which then fails
+    ("Inference tensors cannot be saved for backward"). For such a model the inference regions
+    run as ``torch.no_grad`` instead (the same numbers, no gradients)."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        yield
+        return
+    cls = torch.inference_mode
+    saved = cls.__enter__, cls.__exit__
+
+    def enter(self: Any) -> None:
+        self._mdtk_no_grad = torch.no_grad()
+        self._mdtk_no_grad.__enter__()
+
+    def leave(self: Any, *exc: Any) -> None:
+        self._mdtk_no_grad.__exit__(*exc)
+
+    cls.__enter__, cls.__exit__ = enter, leave
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = saved
+
+
+@contextmanager
 def megatron_quiet() -> Iterator[None]:
     """megatron-core's notes that do not apply here, on every call and rank: the static
     engine's deprecation, and CUDA_DEVICE_MAX_CONNECTIONS (an overlap hint for training)."""
@@ -224,7 +251,8 @@ class Generator:
             requests.append(InferenceRequest(request_id=self._next_id, prompt="",
                                              prompt_tokens=list(prompt), sampling_params=params))
             self._next_id += 1
-        with megatron_quiet(), _sequence_parallel_off(self.model):
+        with megatron_quiet(), _sequence_parallel_off(self.model), \
+                _grad_free_not_inference(self.model):
             done = self.engine.generate(inference_requests=requests)
         return [self._completion(r, sampling.max_new_tokens, logprobs) for r in done]
 

@@ -7,24 +7,14 @@ from typing import Any
 
 from toolkit.errors import ConfigError
 
-#: why completions sampled on the training ranks refuse ZeRO-3 (config checks, chosen configs)
-ZERO3_GENERATION = (
-    "{what} generated on the training ranks with ZeRO-3 ({how}): megatron-core's engine runs in "
-    "torch.inference_mode, and the parameters ZeRO-3 gathers there cannot be used by the next "
-    "backward; use deepspeed.zero_stage 0-2{instead}.")
-
 
 def live_generator(s: Any, max_batch: int, eos_ids: list[int], what: str, instead: str) -> Any:
     """An ``infer.Generator`` on ``s.chunks`` (the run's ``ObjectiveSetup``) for at most
     ``max_batch`` prompts a call, the chunks back in training mode; refused (``what`` is
-    generated, ``instead`` says the alternative) under ZeRO-3 and with virtual pipeline
-    stages."""
+    generated, ``instead`` says the alternative) with virtual pipeline stages. Under ZeRO-3
+    the engine's forwards gather the partitions as training's do (``infer.engine``)."""
     from toolkit.infer.engine import Generator
 
-    stage = int(s.ds_config.get("zero_optimization", {}).get("stage", 0))
-    if stage == 3:
-        raise ConfigError(ZERO3_GENERATION.format(
-            what=what, how="the DeepSpeed config generator chose it", instead=instead))
     if len(s.chunks) != 1:
         raise ConfigError(f"{what} generated on the training ranks with parallel.vpp="
                           f"{s.cfg.parallel.vpp}: the generation engine runs one model chunk per "

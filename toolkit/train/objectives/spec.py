@@ -86,12 +86,6 @@ def check_distill(cfg: Any) -> None:
 
 def check_on_policy(cfg: Any) -> None:
     """What on-policy distillation (completions sampled on the training ranks) cannot run."""
-    from toolkit.train.objectives.sampling import ZERO3_GENERATION
-
-    instead = " or set distill.lmbda=0"
-    if cfg.deepspeed.zero_stage == 3:
-        raise ConfigError(ZERO3_GENERATION.format(what="on-policy completions",
-                                                  how="deepspeed.zero_stage=3", instead=instead))
     if cfg.data.pack:
         raise ConfigError("distill.lmbda > 0 with data.pack: a sampled completion replaces its "
                           "row's; set data.pack=false.")

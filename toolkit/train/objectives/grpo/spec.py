@@ -69,12 +69,6 @@ def check_grpo(cfg: Any, default: Any) -> None:
         raise ConfigError(f"data.mode=grpo with parallel.cp={cfg.parallel.cp}: its per-sequence "
                           "terms (means, GSPO's ratio) need whole rows on a rank; set "
                           "parallel.cp=1.")
-    if not g.rollouts and cfg.deepspeed.zero_stage == 3:
-        from toolkit.train.objectives.sampling import ZERO3_GENERATION
-
-        raise ConfigError(ZERO3_GENERATION.format(
-            what="grpo rollouts", how="deepspeed.zero_stage=3",
-            instead=", or train on recorded rollouts (grpo.rollouts)"))
     if cfg.data.pack:
         raise ConfigError("data.pack with data.mode=grpo: a completion row is one prompt and one "
                           "completion; remove data.pack.")
