@@ -95,7 +95,13 @@ def assets(trainer_assets):
 
 
 @pytest.fixture(scope="module")
-def results_2(rank_pool_2, assets):
+def refs(rank_pool_1, assets):
+    """The single-rank references, running in rank_pool_1 while the 2-rank job runs."""
+    return rank_pool_1.submit(tc.run_cases, REFS, assets, assets["work"], timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results_2(rank_pool_2, assets, refs):
     refuse = [
         Case("refuse_cp2_seq30", cp=2, overrides=("train.seq_len=30",)),
         Case("refuse_zero3_pp2", zero=3, pp=2),
@@ -112,11 +118,14 @@ def results_4(rank_pool_4, assets):
 
 
 @pytest.fixture(scope="module")
-def results_1(assets, results_2, rank_pool_1):
+def results_1(assets, results_2, rank_pool_1, refs):
     """One rank: the references, a resume at another dp, the SFT loss by hand."""
-    (out,) = rank_pool_1.run(tc.single_rank_checks, assets, assets["work"], REFS,
+    (ref_runs,) = refs.result()
+    ref_runs = {r["case"]: r for r in ref_runs}
+    (out,) = rank_pool_1.run(tc.single_rank_checks, assets, assets["work"],
+                             ref_runs["ref_sft"]["losses"][0],
                              results_2["resume"][0]["checkpoint"], timeout=600)
-    out["refs"] = {r["case"]: r for r in out["refs"]}
+    out["refs"] = ref_runs
     return out
 
 
