@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_checks import own_cache
 from dist_checks import trainer_checks as tc
 from dist_checks.trainer_checks import Case
 
@@ -97,7 +98,8 @@ def assets(trainer_assets):
 @pytest.fixture(scope="module")
 def refs(rank_pool_1, assets):
     """The single-rank references, running in rank_pool_1 while the 2-rank job runs."""
-    return rank_pool_1.submit(tc.run_cases, REFS, assets, assets["work"], timeout=600)
+    return rank_pool_1.submit(tc.run_cases, REFS, own_cache(assets), assets["work"],
+                              timeout=600)
 
 
 @pytest.fixture(scope="module")
