@@ -46,8 +46,8 @@ def background(fn, *args, **kwargs):
     return _BACKGROUND.submit(fn, *args, **kwargs)
 
 
-def own_cache(assets: dict[str, str]) -> dict[str, str]:
+def own_cache(assets: dict[str, str], tag: str = "own") -> dict[str, str]:
     """``assets`` with a data cache of its own, for a job that runs beside another pool's: each
     pool's rank 0 writes Megatron's dataset index files there (the same contents, but not
     written atomically). The tokenised data and the losses are the same."""
-    return {**assets, "cache": f"{assets['cache']}_own"}
+    return {**assets, "cache": f"{assets['cache']}_{tag}"}
