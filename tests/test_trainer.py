@@ -96,14 +96,17 @@ def assets(trainer_assets):
 
 
 @pytest.fixture(scope="module")
-def refs(rank_pool_1, assets):
-    """The single-rank references, running in rank_pool_1 while the 2-rank job runs."""
-    return rank_pool_1.submit(tc.run_cases, REFS, own_cache(assets), assets["work"],
-                              timeout=600)
+def started(rank_pool_1, rank_pool_4, assets) -> dict:
+    """The single-rank references and the 4-rank layouts, running in their pools while the
+    2-rank job runs (each with a data cache of its own)."""
+    return {"refs": rank_pool_1.submit(tc.run_cases, REFS, own_cache(assets, "1"),
+                                       assets["work"], timeout=600),
+            "four": rank_pool_4.submit(tc.run_cases, CASES_4, own_cache(assets, "4"),
+                                       assets["work"], timeout=900)}
 
 
 @pytest.fixture(scope="module")
-def results_2(rank_pool_2, assets, refs):
+def results_2(rank_pool_2, assets, started):
     refuse = [
         Case("refuse_cp2_seq30", cp=2, overrides=("train.seq_len=30",)),
         Case("refuse_zero3_pp2", zero=3, pp=2),
@@ -115,14 +118,14 @@ def results_2(rank_pool_2, assets, refs):
 
 
 @pytest.fixture(scope="module")
-def results_4(rank_pool_4, assets):
-    return _merge(rank_pool_4.run(tc.run_cases, CASES_4, assets, assets["work"], timeout=900))
+def results_4(started):
+    return _merge(started["four"].result())
 
 
 @pytest.fixture(scope="module")
-def results_1(assets, results_2, rank_pool_1, refs):
+def results_1(assets, results_2, rank_pool_1, started):
     """One rank: the references, a resume at another dp, the SFT loss by hand."""
-    (ref_runs,) = refs.result()
+    (ref_runs,) = started["refs"].result()
     ref_runs = {r["case"]: r for r in ref_runs}
     (out,) = rank_pool_1.run(tc.single_rank_checks, assets, assets["work"],
                              ref_runs["ref_sft"]["losses"][0],
