@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from toolkit.runtime.rankpool import RankPool  # noqa: E402
 
 _OPS_READY = False
+_OPS_LOCK = threading.Lock()
 
 
 def _prebuild_ops() -> None:
@@ -29,7 +32,9 @@ def _prebuild_ops() -> None:
     background build has it: then the ranks that need it wait for that build (on torch's build
     lock) while the tests before them run."""
     global _OPS_READY
-    if not _OPS_READY:
+    with _OPS_LOCK:  # pools' jobs start from their own threads
+        if _OPS_READY:
+            return
         from toolkit.runtime import ops
 
         if not ops.build_under_way("cpu_adam"):
@@ -93,14 +98,25 @@ def async_io_ready() -> str | None:
 
 class _LazyPool:
     """Starts the ranks on first use and restarts them after a failure, so one failing
-    check does not take the rest of the session's distributed checks with it."""
+    check does not take the rest of the session's distributed checks with it.
+
+    ``submit`` queues a job and returns its future: a module's single-rank references run
+    while its 2- or 4-rank layouts run in another pool (a gloo job of 2 ranks keeps this 2-core
+    machine ~60 % busy: its ranks wait on each other). One job at a time per pool, in order."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.pool: RankPool | None = None
+        self.jobs = ThreadPoolExecutor(1, thread_name_prefix=f"rank_pool_{world_size}")
         _OPEN.append(self)
 
+    def submit(self, fn, *args, timeout: float = 300.0, **kwargs) -> Future:
+        return self.jobs.submit(self._run, fn, *args, timeout=timeout, **kwargs)
+
     def run(self, fn, *args, timeout: float = 300.0, **kwargs):
+        return self.submit(fn, *args, timeout=timeout, **kwargs).result()
+
+    def _run(self, fn, *args, timeout: float = 300.0, **kwargs):
         _prebuild_ops()
         if self.pool is None or self.pool.broken:
             self.pool = RankPool(self.world_size, preload=True)
@@ -109,6 +125,7 @@ class _LazyPool:
         return self.pool.run(job, *args, timeout=timeout, **kwargs)
 
     def close(self):
+        self.jobs.submit(lambda: None).result()  # after the queued jobs
         if self.pool is not None and not self.pool.broken:
             self.pool.close()
         self.pool = None  # the next run starts a fresh pool

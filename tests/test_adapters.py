@@ -1,7 +1,8 @@
 """HF <-> megatron-core adapters on every dense family: logits, round trip, reads, at 5 layouts.
 
-All families x layouts run inside two rank-pool calls (2 ranks: tp=1, tp=2, pp=2, pp=2 x vpp=2;
-4 ranks: tp=2 x pp=2); the tiny checkpoints are built once per session.
+All families x layouts run inside rank-pool calls queued at once (2 ranks: tp=1, tp=2, pp=2,
+pp=2 x vpp=2; 4 ranks: tp=2 x pp=2; the two pools at the same time); the tiny checkpoints are
+built once per session.
 """
 
 from __future__ import annotations
@@ -40,41 +41,51 @@ _SPLIT = re.compile(
 )
 
 
-@pytest.fixture(scope="session")
-def results_2(tiny_root, rank_pool_2):
-    per_rank = rank_pool_2.run(ac.check_layouts, str(tiny_root), FAMILIES, LAYOUTS_2,
-                               timeout=900)
-    return [row for rows in per_rank for row in rows]
+def _rows(job) -> list[dict]:
+    return [row for rows in job.result() for row in rows]
 
 
 @pytest.fixture(scope="session")
-def results_4(tiny_root, rank_pool_4):
-    per_rank = rank_pool_4.run(ac.check_layouts, str(tiny_root), FAMILIES, LAYOUTS_4,
-                               timeout=900)
-    return [row for rows in per_rank for row in rows]
+def jobs(tiny_root, rank_pool_2, rank_pool_4) -> dict:
+    """Every layout check of this file queued at once: the 2- and 4-rank pools work at the same
+    time (one pool's ranks wait on each other: this 2-core machine is otherwise under half
+    busy). Each pool runs its jobs in this order; each export folder is its own."""
+    root = str(tiny_root)
+    return {
+        "2": rank_pool_2.submit(ac.check_layouts, root, FAMILIES, LAYOUTS_2, timeout=900),
+        "4": rank_pool_4.submit(ac.check_layouts, root, FAMILIES, LAYOUTS_4, timeout=900),
+        "moe_2": rank_pool_2.submit(ac.check_layouts, root, MOE, MOE_LAYOUTS_2, timeout=900),
+        "moe_4": rank_pool_4.submit(ac.check_layouts, root, MOE, MOE_LAYOUTS_4, SKIP_4,
+                                    timeout=900),
+        "open": [rank_pool_2.submit(ac.check_layouts, root, OPEN, OPEN_LAYOUTS_2, timeout=900),
+                 rank_pool_2.submit(ac.check_layouts, root, [MXFP4], [{"ep": 2}], timeout=900),
+                 rank_pool_4.submit(ac.check_layouts, root, OPEN_AT_4, OPEN_LAYOUTS_4,
+                                    timeout=900)]}
 
 
 @pytest.fixture(scope="session")
-def results_moe_2(tiny_root, rank_pool_2):
-    per_rank = rank_pool_2.run(ac.check_layouts, str(tiny_root), MOE, MOE_LAYOUTS_2,
-                               timeout=900)
-    return [row for rows in per_rank for row in rows]
+def results_2(jobs):
+    return _rows(jobs["2"])
 
 
 @pytest.fixture(scope="session")
-def results_moe_4(tiny_root, rank_pool_4):
-    per_rank = rank_pool_4.run(ac.check_layouts, str(tiny_root), MOE, MOE_LAYOUTS_4, SKIP_4,
-                               timeout=900)
-    return [row for rows in per_rank for row in rows]
+def results_4(jobs):
+    return _rows(jobs["4"])
 
 
 @pytest.fixture(scope="session")
-def results_open(tiny_root, rank_pool_2, rank_pool_4):
-    jobs = ((rank_pool_2, OPEN, OPEN_LAYOUTS_2), (rank_pool_2, [MXFP4], [{"ep": 2}]),
-            (rank_pool_4, OPEN_AT_4, OPEN_LAYOUTS_4))
-    return [row for pool, families, layouts in jobs
-            for rows in pool.run(ac.check_layouts, str(tiny_root), families, layouts, timeout=900)
-            for row in rows]
+def results_moe_2(jobs):
+    return _rows(jobs["moe_2"])
+
+
+@pytest.fixture(scope="session")
+def results_moe_4(jobs):
+    return _rows(jobs["moe_4"])
+
+
+@pytest.fixture(scope="session")
+def results_open(jobs):
+    return [row for job in jobs["open"] for row in _rows(job)]
 
 
 def _check_logits(rows, families=FAMILIES):

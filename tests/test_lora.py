@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from dist_checks import lora_checks as lc
+from dist_checks import own_cache
 from dist_checks import trainer_checks as tc
 
 RTOL = 1e-5
@@ -73,24 +74,34 @@ def peft_folder(assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def refs(assets, peft_folder, rank_pool_1):
-    (out,) = rank_pool_1.run(lc.run_cases, _refs(peft_folder), assets, assets["work"],
-                             timeout=600)
+def jobs(assets, peft_folder, rank_pool_1, rank_pool_2, rank_pool_4) -> dict:
+    """The three pools' jobs, started together (one gloo job alone keeps this 2-core machine
+    ~60 % busy); the 1- and 4-rank jobs with data caches of their own."""
+    work = assets["work"]
+    two, resume, _ = _cases(work)
+    _, _, four = _cases(work, peft_folder)
+    return {"refs": rank_pool_1.submit(lc.run_cases, _refs(peft_folder), own_cache(assets, "1"),
+                                       work, timeout=600),
+            "two": rank_pool_2.submit(lc.two_rank_checks, two, resume, assets, work, SAVED,
+                                      timeout=900),
+            "four": rank_pool_4.submit(lc.four_rank_checks, peft_folder, four,
+                                       own_cache(assets, "4"), work, timeout=900)}
+
+
+@pytest.fixture(scope="module")
+def refs(jobs):
+    (out,) = jobs["refs"].result()
     return {r["case"]: r for r in out}
 
 
 @pytest.fixture(scope="module")
-def two(rank_pool_2, assets):
-    cases, resume, _ = _cases(assets["work"])
-    return rank_pool_2.run(lc.two_rank_checks, cases, resume, assets, assets["work"], SAVED,
-                           timeout=900)
+def two(jobs):
+    return jobs["two"].result()
 
 
 @pytest.fixture(scope="module")
-def four(rank_pool_4, assets, peft_folder):
-    _, _, cases = _cases(assets["work"], peft_folder)
-    return rank_pool_4.run(lc.four_rank_checks, peft_folder, cases, assets, assets["work"],
-                           timeout=900)
+def four(jobs):
+    return jobs["four"].result()
 
 
 def _by_case(per_rank: list[dict], key: str = "cases") -> dict[str, list[dict]]:

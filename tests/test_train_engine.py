@@ -36,15 +36,22 @@ CASES_4 = [
 
 
 @pytest.fixture(scope="module")
-def results_2(rank_pool_2):
-    return _by_case(rank_pool_2.run(ec.train_cases, CASES_2, timeout=900))
+def jobs(rank_pool_2, rank_pool_4) -> dict:
+    """Both pools' runs, started together (one pool's ranks wait on each other)."""
+    # ZeRO-3 offload uses DeepSpeed's CPU Adam: ~50 s to compile on a cold machine (cached in
+    # build/torch_extensions afterwards).
+    return {"2": rank_pool_2.submit(ec.train_cases, CASES_2, timeout=900),
+            "4": rank_pool_4.submit(ec.train_cases, CASES_4, timeout=900)}
 
 
 @pytest.fixture(scope="module")
-def results_4(rank_pool_4):
-    # ZeRO-3 offload uses DeepSpeed's CPU Adam: ~50 s to compile on a cold machine (cached in
-    # build/torch_extensions afterwards).
-    return _by_case(rank_pool_4.run(ec.train_cases, CASES_4, timeout=900))
+def results_2(jobs):
+    return _by_case(jobs["2"].result())
+
+
+@pytest.fixture(scope="module")
+def results_4(jobs):
+    return _by_case(jobs["4"].result())
 
 
 def _by_case(per_rank: list[list[dict]]) -> dict[str, list[dict]]:

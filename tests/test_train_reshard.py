@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from dist_checks import own_cache
 from dist_checks import reshard_checks as rc
 from dist_checks.trainer_checks import Case
 
@@ -49,12 +50,11 @@ def cases_4(work: str) -> list[Case]:
     ]
 
 
+REFS_1 = [Case("ref_dense", steps=LONG), Case("ref_moe", model="moe", steps=rc.FULL)]
+
+
 def cases_1(work: str) -> list[Case]:
-    return [
-        Case("ref_dense", steps=LONG),
-        Case("ref_moe", model="moe", steps=rc.FULL),
-        rc.resumed("r_moe_ep2_to_ep1", "p_moe_ep2", work, model="moe"),
-    ]
+    return [rc.resumed("r_moe_ep2_to_ep1", "p_moe_ep2", work, model="moe")]
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +76,13 @@ def _by_case(per_rank) -> dict[str, list[dict]]:
 def results(rank_pool_1, rank_pool_2, rank_pool_4, assets):
     from toolkit.train.checkpoints.relayout import convert_checkpoint
 
-    work = assets["work"]
+    work = assets["work"]  # the references run in rank_pool_1 meanwhile (own data cache)
+    refs = rank_pool_1.submit(rc.runs, REFS_1, own_cache(assets), work, timeout=600)
     out = _by_case(rank_pool_4.run(rc.runs, cases_4(work), assets, work, timeout=900))
     out["converted"] = convert_checkpoint(rc.ckpt(work, "r_tp2_pp2_zero1_to_dp4_zero3", rc.FULL),
                                           Path(work) / "converted", tp=2, dp=1, zero=2)
     out.update(_by_case(rank_pool_2.run(rc.runs, cases_2(work), assets, work, timeout=900)))
+    out.update(_by_case(refs.result()))
     out.update(_by_case(rank_pool_1.run(rc.runs, cases_1(work), assets, work, timeout=600)))
     return out
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_checks import own_cache
 from dist_checks import trainer_checks as tc
 from dist_checks.trainer_checks import Case
 
@@ -95,7 +96,17 @@ def assets(trainer_assets):
 
 
 @pytest.fixture(scope="module")
-def results_2(rank_pool_2, assets):
+def started(rank_pool_1, rank_pool_4, assets) -> dict:
+    """The single-rank references and the 4-rank layouts, running in their pools while the
+    2-rank job runs (each with a data cache of its own)."""
+    return {"refs": rank_pool_1.submit(tc.run_cases, REFS, own_cache(assets, "1"),
+                                       assets["work"], timeout=600),
+            "four": rank_pool_4.submit(tc.run_cases, CASES_4, own_cache(assets, "4"),
+                                       assets["work"], timeout=900)}
+
+
+@pytest.fixture(scope="module")
+def results_2(rank_pool_2, assets, started):
     refuse = [
         Case("refuse_cp2_seq30", cp=2, overrides=("train.seq_len=30",)),
         Case("refuse_zero3_pp2", zero=3, pp=2),
@@ -107,16 +118,19 @@ def results_2(rank_pool_2, assets):
 
 
 @pytest.fixture(scope="module")
-def results_4(rank_pool_4, assets):
-    return _merge(rank_pool_4.run(tc.run_cases, CASES_4, assets, assets["work"], timeout=900))
+def results_4(started):
+    return _merge(started["four"].result())
 
 
 @pytest.fixture(scope="module")
-def results_1(assets, results_2, rank_pool_1):
+def results_1(assets, results_2, rank_pool_1, started):
     """One rank: the references, a resume at another dp, the SFT loss by hand."""
-    (out,) = rank_pool_1.run(tc.single_rank_checks, assets, assets["work"], REFS,
+    (ref_runs,) = started["refs"].result()
+    ref_runs = {r["case"]: r for r in ref_runs}
+    (out,) = rank_pool_1.run(tc.single_rank_checks, assets, assets["work"],
+                             ref_runs["ref_sft"]["losses"][0],
                              results_2["resume"][0]["checkpoint"], timeout=600)
-    out["refs"] = {r["case"]: r for r in out["refs"]}
+    out["refs"] = ref_runs
     return out
 
 

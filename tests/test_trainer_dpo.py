@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_checks import background, memory_checks, own_cache
 from dist_checks import dpo_checks as dc
-from dist_checks import memory_checks
 from dist_checks.dpo_checks import DpoCase
 
 from toolkit import bundled
@@ -59,16 +59,28 @@ def assets(trainer_assets) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def results_1(assets, rank_pool_1):
+def jobs(assets, rank_pool_1, rank_pool_2, rank_pool_4) -> dict:
+    """Both fixtures' pool jobs, started together (the TRL checks run meanwhile)."""
+    return {"one": rank_pool_1.submit(
+        dc.single_rank_checks, own_cache(assets), assets["work"], [DpoCase("ref")],
+        {f: assets[f"val_{f}"] for f in ("strings", "conversational")},
+        VAL_SEQ, SFT_STEPS, DPO_STEPS, timeout=600),
+        "n": background(_results_n, rank_pool_2, rank_pool_4, assets)}
+
+
+@pytest.fixture(scope="module")
+def results_1(jobs):
     """One rank: the layout reference, validation at step 0 per row form, SFT -> DPO."""
-    (out,) = rank_pool_1.run(dc.single_rank_checks, assets, assets["work"], [DpoCase("ref")],
-                             {f: assets[f"val_{f}"] for f in ("strings", "conversational")},
-                             VAL_SEQ, SFT_STEPS, DPO_STEPS, timeout=600)
+    (out,) = jobs["one"].result()
     return out
 
 
 @pytest.fixture(scope="module")
-def results_n(rank_pool_2, rank_pool_4, assets):
+def results_n(jobs):
+    return jobs["n"].result()
+
+
+def _results_n(rank_pool_2, rank_pool_4, assets) -> dict[str, list[dict]]:
     two = rank_pool_2.run(dc.run_cases, CASES_2 + LORA_CASES, assets, assets["work"],
                           timeout=600)
     four = rank_pool_4.run(dc.run_cases, CASES_4, assets, assets["work"], timeout=600)

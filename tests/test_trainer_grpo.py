@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_checks import background, own_cache
 from dist_checks import grpo_checks as gc
 from dist_checks.grpo_checks import GrpoCase
 
@@ -61,13 +62,25 @@ def _generated(assets) -> list[GrpoCase]:
 
 
 @pytest.fixture(scope="module")
-def single(rank_pool_1, assets) -> dict[str, dict]:
-    (out,) = rank_pool_1.run(gc.run_cases, SINGLE, assets, assets["work"], timeout=600)
+def jobs(rank_pool_1, rank_pool_2, rank_pool_4, assets, demo_model) -> dict:
+    """Both fixtures' pool jobs, started together (the TRL checks run meanwhile)."""
+    return {"single": rank_pool_1.submit(gc.run_cases, SINGLE, own_cache(assets), assets["work"],
+                                         timeout=600),
+            "layouts": background(_layouts, rank_pool_2, rank_pool_4, assets, demo_model)}
+
+
+@pytest.fixture(scope="module")
+def single(jobs) -> dict[str, dict]:
+    (out,) = jobs["single"].result()
     return {r["case"]: r for r in out}
 
 
 @pytest.fixture(scope="module")
-def layouts(rank_pool_2, rank_pool_4, assets, demo_model) -> dict[str, dict]:
+def layouts(jobs) -> dict[str, dict]:
+    return jobs["layouts"].result()
+
+
+def _layouts(rank_pool_2, rank_pool_4, assets, demo_model) -> dict[str, dict]:
     cases = [c for _, c in LAYOUTS.values()] + _generated(assets)
     out = {r["case"]: r for r in rank_pool_2.run(gc.run_cases, cases, assets, assets["work"],
                                                  timeout=900)[0]}

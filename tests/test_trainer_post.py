@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_checks import memory_checks
+from dist_checks import memory_checks, own_cache
 from dist_checks import post_checks as pc
 from dist_checks.post_checks import PostCase
 
@@ -76,19 +76,26 @@ def _with_work(cases: list[PostCase], work: str) -> list[PostCase]:
 
 
 @pytest.fixture(scope="module")
-def single(rank_pool_1, assets) -> dict[str, dict]:
-    (out,) = rank_pool_1.run(pc.run_cases, _with_work(SINGLE, assets["work"]), assets,
-                             assets["work"], timeout=600)
+def jobs(rank_pool_1, rank_pool_2, assets) -> dict:
+    """Both fixtures' pool jobs, started together (the TRL checks run meanwhile)."""
+    cases = _with_work([*LAYOUT_CASES, TIED, PostCase("distill", "distill_on_policy_tp2", tp=2,
+                                                      overrides=ON_POLICY)], assets["work"])
+    return {"single": rank_pool_1.submit(pc.run_cases, _with_work(SINGLE, assets["work"]),
+                                         own_cache(assets), assets["work"], timeout=600),
+            "layouts": rank_pool_2.submit(pc.run_cases, cases, assets, assets["work"],
+                                          timeout=900)}
+
+
+@pytest.fixture(scope="module")
+def single(jobs) -> dict[str, dict]:
+    (out,) = jobs["single"].result()
     return {r["case"]: r for r in out}
 
 
 @pytest.fixture(scope="module")
-def layouts(rank_pool_2, assets) -> dict[str, list[dict]]:
+def layouts(jobs) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
-    cases = _with_work([*LAYOUT_CASES, TIED, PostCase("distill", "distill_on_policy_tp2", tp=2,
-                                                      overrides=ON_POLICY)], assets["work"])
-    for rank_results in rank_pool_2.run(pc.run_cases, cases, assets, assets["work"],
-                                        timeout=900):
+    for rank_results in jobs["layouts"].result():
         for r in rank_results:
             out.setdefault(r["case"], []).append(r)
     return out

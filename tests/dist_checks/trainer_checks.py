@@ -285,15 +285,14 @@ def two_rank_checks(cases: list[Case], refuse: list[Case], assets: dict[str, str
             "refusals": refusals(refuse, assets, workdir)}
 
 
-def single_rank_checks(assets: dict[str, str], workdir: str, refs: list[Case],
+def single_rank_checks(assets: dict[str, str], workdir: str, sft_first_loss: float,
                        checkpoint: str) -> dict[str, Any]:
-    """On one rank: the reference runs, a resume of a dp2 ZeRO-2 checkpoint, the SFT loss by
-    hand."""
-    out: dict[str, Any] = {"refs": run_cases(refs, assets, workdir)}
+    """On one rank, after the reference runs (``run_cases``: the trainer's first SFT loss is
+    ``ref_sft``'s): a resume of a dp2 ZeRO-2 checkpoint, the SFT loss by hand."""
+    out: dict[str, Any] = {}
     resume = Case("resume_dp1", steps=6, zero=2, overrides=(f"checkpoint.resume={checkpoint}",))
     out["resume_dp_change"] = run_case(resume, assets, workdir)  # resharded (train.reshard)
-    (ref_sft,) = [r for r in out["refs"] if r["case"] == "ref_sft"]
-    out["sft"] = sft_loss_by_hand(assets, workdir, ref_sft["losses"][0])
+    out["sft"] = sft_loss_by_hand(assets, workdir, sft_first_loss)
     out["sft_validation"] = {m: sft_validation(m, assets, workdir) for m in SFT_MODELS}
     return out
 
