@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top; a module may import its own package and the packages of lower layers.
 LAYERS: list[tuple[str, ...]] = [
     ("toolkit.errors",),
-    ("toolkit.atomic", "toolkit.bundled", "toolkit.jsonl", "toolkit.lazy", "toolkit.mapping",
+    ("toolkit.atomic", "toolkit.bundled", "toolkit.eager_jit", "toolkit.jsonl", "toolkit.lazy",
+     "toolkit.mapping",
      "toolkit.rules",
      "toolkit.runtime"),
     ("toolkit.parallel",),
