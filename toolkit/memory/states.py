@@ -168,8 +168,8 @@ def rank_params(model: ModelShape, layout: ResolvedLayout, stage: int = 0,
             largest_tensor = max(largest_tensor, n // local_experts if t.split == EXPERT else n)
     dense_dp = layout.dp_cp
     expert_dp = max(1, dense_dp * tp // (layout.ep * etp))
-    if etp == 1 < tp and layout.ep == 1:  # experts whole on every tp rank: the trainer reduces
-        expert_dp = dense_dp  # them like replicated dense weights (toolkit.parallel.grads)
+    if layout.experts_whole_on_tp_ranks:  # the trainer reduces them like replicated dense
+        expert_dp = dense_dp  # weights (toolkit.parallel.grads)
     return RankParams(dense=dense, expert=expert, dense_dp=dense_dp, expert_dp=expert_dp,
                       persistent=persistent, largest_layer=max(per_layer.values(), default=0),
                       largest_tensor=largest_tensor, layers=tuple(sorted(layers)), frozen=frozen)

@@ -63,6 +63,13 @@ class ParallelLayout:
         return self.tp if self.etp is None else self.etp
 
     @property
+    def experts_whole_on_tp_ranks(self) -> bool:
+        """Expert-TP 1 below TP without expert parallelism: every tp rank holds all experts
+        and runs them on its share of the tokens (their grads summed over tp like replicated
+        weights: ``toolkit.parallel.grads``)."""
+        return self.expert_tp == 1 < self.tp and self.ep == 1
+
+    @property
     def virtual_stages(self) -> int:
         return self.pp * (self.vpp or 1)
 

@@ -52,8 +52,7 @@ def check_parallel(cfg: TrainConfig) -> None:
         layout = cfg.parallel.layout()
     except LayoutError as e:
         raise ConfigError(f"parallel: {e}") from None
-    whole = layout.expert_tp == 1 and layout.ep == 1  # experts whole on every tp rank
-    if layout.tp > 1 and layout.expert_tp != layout.tp and not whole:
+    if layout.tp > 1 and layout.expert_tp != layout.tp and not layout.experts_whole_on_tp_ranks:
         # measured (issue 39): DeepSpeed reduces and norms expert grads over an expert-data-
         # parallel group that then spans tp ranks; only etp = tp, or etp 1 without ep, is exact
         raise ConfigError(

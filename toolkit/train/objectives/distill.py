@@ -43,11 +43,15 @@ def _tp() -> int:
     return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
+def first_column(width: int) -> int:
+    """The vocabulary id of this tp rank's first logits column (``width`` columns a rank)."""
+    return ps.get_tensor_model_parallel_rank() * width if _tp() > 1 else 0
+
+
 def _real_columns(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """This tp rank's columns that are real tokens (the padding of the last rank dropped)."""
     width = logits.shape[-1]
-    first = ps.get_tensor_model_parallel_rank() * width if _tp() > 1 else 0
-    return logits[..., : max(0, min(width, vocab - first))]
+    return logits[..., : max(0, min(width, vocab - first_column(width)))]
 
 
 def _tp_sum(x: torch.Tensor, partial_grads: bool = False) -> torch.Tensor:

@@ -16,10 +16,10 @@ import torch
 
 
 class OnPolicy:
-    def __init__(self, engine: Any, sampling: Any, lmbda: float, seed: int,
-                 chunks: list[torch.nn.Module], seq_len: int, pad_id: int):
-        self.engine, self.sampling, self.lmbda, self.seed = engine, sampling, lmbda, seed
-        self.chunks, self.seq_len, self.pad_id = chunks, seq_len, pad_id
+    def __init__(self, sampler: Any, sampling: Any, lmbda: float, seed: int, seq_len: int,
+                 pad_id: int):
+        self.sampler, self.sampling, self.lmbda, self.seed = sampler, sampling, lmbda, seed
+        self.seq_len, self.pad_id = seq_len, pad_id
         self.step = 0
         self.sampled_steps = 0  # how many steps trained on sampled completions (tests, logs)
 
@@ -36,14 +36,9 @@ class OnPolicy:
         room = self.seq_len + 1 - max(len(p) for p in prompts)
         if room < 1:
             return  # a prompt fills the row: nothing to sample (the dataset's completions stay)
-        from toolkit.infer.run import no_progress_bars
-
         sampling = dataclasses.replace(self.sampling, seed=self.seed * 7919 + self.step,
                                        max_new_tokens=min(self.sampling.max_new_tokens, room))
-        with no_progress_bars():
-            done = self.engine.generate(prompts, sampling)
-        for chunk in self.chunks:
-            chunk.train()
+        done = self.sampler.sample(prompts, sampling)
         for (b, k), prompt, c in zip(rows, prompts, done, strict=True):
             _rewrite(b, k, prompt, c.completion_ids, self.pad_id)
         for b in batches:

@@ -8,11 +8,31 @@ from typing import Any
 from toolkit.errors import ConfigError
 
 
-def live_generator(s: Any, max_batch: int, eos_ids: list[int], what: str, instead: str) -> Any:
-    """An ``infer.Generator`` on ``s.chunks`` (the run's ``ObjectiveSetup``) for at most
-    ``max_batch`` prompts a call, the chunks back in training mode; refused (``what`` is
-    generated, ``instead`` says the alternative) with virtual pipeline stages. Under ZeRO-3
-    the engine's forwards gather the partitions as training's do (``infer.engine``)."""
+class LiveSampler:
+    """The generation engine on the policy's live chunks: ``sample`` draws completions (the
+    engine's bars off: the training run's bar is the one shown) and puts the chunks back in
+    training mode (the engine switches them to eval)."""
+
+    def __init__(self, engine: Any, chunks: list[Any]):
+        self.engine, self.chunks = engine, chunks
+
+    def sample(self, prompts: list[list[int]], sampling: Any, logprobs: bool = False) -> list:
+        from toolkit.infer.run import no_progress_bars
+
+        try:
+            with no_progress_bars():
+                return self.engine.generate(prompts, sampling, logprobs=logprobs)
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+
+
+def live_generator(s: Any, max_batch: int, eos_ids: list[int], what: str,
+                   instead: str) -> LiveSampler:
+    """A ``LiveSampler`` on ``s.chunks`` (the run's ``ObjectiveSetup``) for at most ``max_batch``
+    prompts a call; refused (``what`` is generated, ``instead`` says the alternative) with
+    virtual pipeline stages. Under ZeRO-3 the engine's forwards gather the partitions as
+    training's do (``infer.engine``)."""
     from toolkit.infer.engine import Generator
 
     if len(s.chunks) != 1:
@@ -21,9 +41,10 @@ def live_generator(s: Any, max_batch: int, eos_ids: list[int], what: str, instea
                           f"rank; drop vpp{instead}.")
     engine = Generator(s.chunks, eos_ids=eos_ids, vocab_size=s.policy.shape.vocab,
                        max_seq_len=s.cfg.train.seq_len + 1, max_batch=max_batch)
-    for chunk in s.chunks:
+    sampler = LiveSampler(engine, list(s.chunks))
+    for chunk in sampler.chunks:
         chunk.train()
-    return engine
+    return sampler
 
 
 def policy_eos_ids(policy: Any, tokenizer: Any) -> list[int]:

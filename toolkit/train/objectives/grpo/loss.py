@@ -28,7 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.train.loop.loss import StepCounts
-from toolkit.train.objectives.distill import _real_columns, _tp_sum, vocab_log_softmax
+from toolkit.train.objectives.distill import (
+    _real_columns,
+    _tp_sum,
+    first_column,
+    vocab_log_softmax,
+)
 from toolkit.train.objectives.grpo.spec import GAP
 
 
@@ -42,7 +47,7 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, vocab: int,
     if temperature != 1.0:
         x = x / temperature
     lsm = vocab_log_softmax(x)
-    first = _first_column(width)
+    first = first_column(width)
     local = labels.to(lsm.device) - first
     inside = (local >= 0) & (local < lsm.shape[-1])
     picked = lsm.gather(-1, local.clamp(0, max(lsm.shape[-1] - 1, 0)).unsqueeze(-1))
@@ -52,14 +57,6 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, vocab: int,
         with torch.no_grad():
             ent = _tp_sum(-(lsm.exp() * lsm).sum(dim=-1))
     return logp, ent
-
-
-def _first_column(width: int) -> int:
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return 0
-    return ps.get_tensor_model_parallel_rank() * width
 
 
 @dataclass(frozen=True)

@@ -55,16 +55,16 @@ class Recorded:
 
 
 class Generated:
-    """Completions sampled on the training ranks by ``engine`` (an ``infer.Generator`` on the
-    live chunks), scored by the reward functions."""
+    """Completions sampled on the training ranks by ``sampler`` (``sampling.LiveSampler``: the
+    generation engine on the live chunks), scored by the reward functions."""
 
     def __init__(self, prompts: Sequence[PromptRow], group: int, fns: Sequence[rw.RewardFn],
-                 engine: Any, sampling: Any, tokenizer: Any, *, shuffle: bool, seed: int,
-                 chunks: Sequence[torch.nn.Module], every_row: bool = False):
+                 sampler: Any, sampling: Any, tokenizer: Any, *, shuffle: bool, seed: int,
+                 every_row: bool = False):
         self.every_row = every_row  # expert parallelism: every rank samples the whole batch
         self.prompts, self.group, self.fns = list(prompts), group, list(fns)
-        self.engine, self.sampling, self.tokenizer = engine, sampling, tokenizer
-        self.shuffle, self.seed, self.chunks = shuffle, seed, list(chunks)
+        self.sampler, self.sampling, self.tokenizer = sampler, sampling, tokenizer
+        self.shuffle, self.seed = shuffle, seed
         self.names = [f.name for f in self.fns]
 
     def weights(self) -> list[float]:
@@ -87,14 +87,9 @@ class Generated:
         sampled = list(range(len(prompts))) if self.every_row else rows
         sampling = dataclasses.replace(self.sampling, seed=self.seed * 7919 + gen * 104729
                                        + sampled[0])
-        from toolkit.infer.run import no_progress_bars
-
-        with no_progress_bars():  # the training run's bar is the one shown
-            out = self.engine.generate([list(prompts[i].ids) for i in sampled], sampling,
-                                       logprobs=True)
+        out = self.sampler.sample([list(prompts[i].ids) for i in sampled], sampling,
+                                  logprobs=True)
         done = [out[sampled.index(i)] for i in rows] if self.every_row else out
-        for chunk in self.chunks:
-            chunk.train()
         ids: list[tuple[int, ...] | None] = [None] * len(prompts)
         logps: list[list[float] | None] = [None] * len(prompts)
         for i, c in zip(rows, done, strict=True):
