@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from toolkit.atomic import building, write_text
+from toolkit.atomic import building, building_once, write_text
 
 
 def test_failed_build_keeps_the_old_output_and_leaves_nothing(tmp_path):
@@ -40,3 +40,25 @@ def test_write_text_replaces_whole_file(tmp_path):
     write_text(path, "22")
     assert path.read_text() == "22"
     assert [p.name for p in path.parent.iterdir()] == ["f.json"]
+
+
+def test_concurrent_builders_of_one_cache_entry_keep_the_first_copy(tmp_path):
+    """The local rank 0 of two nodes tokenise the same data into one shared cache: both finish,
+    the second neither fails (a rename onto a non-empty folder does) nor moves the first copy
+    away under a reader of it."""
+    dst = tmp_path / "tokenized" / "key"
+    first, second = building_once(dst), building_once(dst)
+    a, b = first.__enter__(), second.__enter__()  # both started before either finished
+    (a / "data.idx").write_text("same")
+    (b / "data.idx").write_text("same")
+    first.__exit__(None, None, None)
+    inode = (dst / "data.idx").stat().st_ino
+    with open(dst / "data.idx") as reader:  # a reader of the first copy
+        second.__exit__(None, None, None)
+        assert reader.read() == "same"
+    assert (dst / "data.idx").stat().st_ino == inode  # still the first copy, in place
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["key"]  # the second's copy removed
+    with pytest.raises(RuntimeError), building_once(tmp_path / "other") as tmp:
+        (tmp / "x").write_text("half")
+        raise RuntimeError("half-way")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenized"]

@@ -88,15 +88,19 @@ def _launch(setup: dict, name: str, flags: list[str], overrides: tuple[str, ...]
     return proc, out, log
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = TIMEOUT) -> int:
-    """The pid a hooked rank wrote to ``path``."""
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = TIMEOUT,
+              logs: tuple[Path, ...] = ()) -> int:
+    """The pid a hooked rank wrote to ``path``; a failure shows the end of ``logs``."""
+    def said() -> str:
+        return "".join(f"\n--- {log.name}:\n{log.read_text()[-3000:]}" for log in logs)
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.is_file() and path.read_text():
             return int(path.read_text())
-        assert proc.poll() is None, f"launch ended ({proc.returncode}) before {path.name}"
+        assert proc.poll() is None, f"launch ended ({proc.returncode}) before {path.name}{said()}"
         time.sleep(0.1)
-    raise AssertionError(f"{path.name} did not appear within {timeout} s")
+    raise AssertionError(f"{path.name} did not appear within {timeout} s{said()}")
 
 
 def _metrics(out: Path) -> list[tuple[int, float]]:
@@ -120,11 +124,11 @@ def restarted(setup) -> dict:
                              overrides=("checkpoint.async=true",), faults=faults)
     seen: dict = {}
     try:
-        pid = _wait_for(out / "pause-save-r1-s4-a0", proc)
+        pid = _wait_for(out / "pause-save-r1-s4-a0", proc, logs=(log,))
         ckpt = out / "checkpoints"
         seen["during_save"] = sorted(p.name for p in ckpt.iterdir())
         os.kill(pid, signal.SIGKILL)
-        pid = _wait_for(out / "pause-step-r1-s4-a1", proc)
+        pid = _wait_for(out / "pause-step-r1-s4-a1", proc, logs=(log,))
         os.kill(pid, signal.SIGTERM)
         seen["status"] = proc.wait(TIMEOUT)
     finally:
@@ -175,7 +179,8 @@ def pods(setup) -> dict:
     again: list[tuple[subprocess.Popen, Path]] = []
     seen: dict = {"argv": argv}
     try:  # the pod running rank 1 (c10d numbers the ranks as the agents join) is lost
-        paused = _wait_for(out / "pause-step-r1-s4-a0", first[0][0])
+        paused = _wait_for(out / "pause-step-r1-s4-a0", first[0][0],
+                           logs=tuple(log for _, log in first))
         (lost,) = [p for p, _ in first if paused in {q.pid for q in k8s_pods.pod_processes(p)}]
         k8s_pods.kill_pod(lost)
         (other,) = [p for p, _ in first if p is not lost]
@@ -259,13 +264,13 @@ def test_hung_rank_fails_fast_and_the_stop_file_stops_the_restarted_group(setup)
         overrides=("parallel.tp=1", f"runtime.heartbeat_timeout_s={HEARTBEAT_S}",
                    "checkpoint.interval=0"), faults="hang:step:1:1:0,pause:step:0:1:1")
     try:
-        _wait_for(out / "hang-step-r1-s1-a0", proc)
+        _wait_for(out / "hang-step-r1-s1-a0", proc, logs=(log,))
         hung_at = time.monotonic()
         while "no training progress" not in log.read_text():
             assert time.monotonic() - hung_at < TIMEOUT and proc.poll() is None
             time.sleep(0.05)
         waited = time.monotonic() - hung_at
-        _wait_for(out / "pause-step-r0-s1-a1", proc)
+        _wait_for(out / "pause-step-r0-s1-a1", proc, logs=(log,))
         (out / "STOP").touch()
         status = proc.wait(TIMEOUT)
     finally:

@@ -4,9 +4,10 @@ A rename within one folder is atomic, so a reader (or a user after a crash) sees
 the new one, or nothing; never half a file, never a folder that looks complete but is not.
 Temporary siblings are dot-named (``.NAME.tmp-*``) so listings and globs skip them.
 
-Collective writers (the trainer's checkpoints, the tokenised-data cache) have their own
-protocols on top (every rank writes, rank 0 renames after a barrier); single-writer outputs
-use this module.
+Collective writers (the trainer's checkpoints) have their own protocols on top (every rank
+writes, rank 0 renames after a barrier). Caches keyed by their inputs (tokenised data, sample
+indices, blends) may be built by several writers at once (the local rank 0 of every node over a
+shared file system): they use the ``_once`` forms, where the first complete copy stays.
 """
 
 from __future__ import annotations
@@ -73,3 +74,32 @@ def building(dst: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish_once(src: Path, dst: Path) -> None:
+    """Move the finished folder ``src`` to ``dst`` unless another writer got there first.
+
+    For content-addressed entries every complete copy is equal; keeping the first means a
+    reader never sees ``dst`` vanish (``replace_dir`` moves it aside for a moment) and a late
+    writer never fails on it (a rename onto a non-empty folder does). ``src`` is removed."""
+    try:
+        os.rename(src, dst)
+    except OSError:
+        if not dst.is_dir():
+            raise
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building_once(dst: str | Path) -> Iterator[Path]:
+    """``building`` for content-addressed entries: on success ``tmp`` becomes ``dst`` unless
+    another writer's copy is already there (``publish_once``)."""
+    dst = Path(dst)
+    tmp = temp_dir(dst)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_once(tmp, dst)

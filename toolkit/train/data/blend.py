@@ -16,20 +16,17 @@ their sizes (megatron-core's exhaustive blending).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import hashlib
 import json
-import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from toolkit.atomic import temp_dir
+from toolkit.atomic import building_once
 from toolkit.train.data import segments
 from toolkit.train.data.gpt_sources import _quiet
 
@@ -188,13 +185,8 @@ def _blend_collective(datasets: Sequence, weights: Sequence[float], size: int,
     folder = cache / "blend" / _blend_key(datasets, weights, size)
     with runtime.failing_together():
         if dist.get_rank() == 0 and not folder.is_dir():
-            tmp = temp_dir(folder)
-            try:
+            with building_once(folder) as tmp:
                 _blended(datasets, weights, size, str(tmp))
-                with contextlib.suppress(OSError):
-                    os.replace(tmp, folder)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
     return _blended(datasets, weights, size, str(folder))
 
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from toolkit.atomic import building_once
 from toolkit.train.data import segments
 from toolkit.train.data.encoding import load_tokenizer
 from toolkit.train.data.fingerprint import FORMAT_VERSION, cache_key
@@ -109,22 +108,11 @@ def prepare_data(settings: DataSettings, tokenizer_path: str, cache_dir: str | P
 
     with datasets_quiet():
         meta, arrays = _build(settings, tokenizer_path, key, num_proc)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with building_once(final) as tmp:  # a concurrent writer's entry would be identical
         for name, named in arrays.items():
             for what, array in named.items():
                 _save_npy(tmp / f"{name}_{what}.npy", array)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another writer finished first: its entry is identical
-            if not (final / "meta.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return _load(final)
 
 

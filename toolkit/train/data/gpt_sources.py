@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.atomic import temp_dir, write_text
+from toolkit.atomic import building_once, publish_once, temp_dir, write_text
 from toolkit.train.data.indexed_format import (
     IndexInfo,
     max_token_id,
@@ -105,21 +105,12 @@ def readable_prefix(info: IndexInfo, cache: Path) -> str:
     folder = cache / "recoded" / _key(identity(info), FORMAT)
     prefix = folder / "data"
     if not paths(prefix)[0].is_file():
-        tmp = temp_dir(folder)
-        try:
+        with building_once(folder) as tmp:
             src_idx, src_bin = paths(info.prefix)
             data = bytearray(src_idx.read_bytes())
             data[_CODE_BYTE] = info.megatron_code
             (tmp / "data.idx").write_bytes(bytes(data))
             os.symlink(src_bin.resolve(), tmp / "data.bin")
-            os.replace(tmp, folder)
-        except FileExistsError:
-            pass
-        except OSError:
-            if not paths(prefix)[0].is_file():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return str(prefix)
 
 
@@ -167,8 +158,7 @@ def open_gpt(part: SourceSplit, seq_len: int, seed: int, facts: TokenizerFacts, 
         ds = GPTDataset(low, part.info.prefix, part.documents, None, Split[part.split],
                         gpt_config(seq_len, seed, facts, str(target) if target else None))
         if tmp is not None:
-            with contextlib.suppress(OSError):  # another builder finished first: same files
-                os.replace(tmp, folder)
+            publish_once(tmp, folder)
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

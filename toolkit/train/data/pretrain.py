@@ -108,7 +108,7 @@ def check_token_ids(specs: Sequence[str], cache_dir: str | Path, vocab: int) -> 
 def tokenised_prefix(spec: str, settings: DataSettings, tokenizer_path: str, cache: Path,
                      num_proc: int, build: bool) -> str:
     """The cached indexed dataset of a file / hub source (tokenised here when ``build``)."""
-    from toolkit.atomic import building
+    from toolkit.atomic import building_once
     from toolkit.train.data.preprocess import TokenizeSpec, output_prefix, preprocess
 
     key = hashlib.sha256(json.dumps([sources_fingerprint([spec]),
@@ -119,7 +119,7 @@ def tokenised_prefix(spec: str, settings: DataSettings, tokenizer_path: str, cac
     if build and not Path(f"{prefix}.idx").is_file():
         spec_ = TokenizeSpec(tokenizer_path, (settings.text_field,), append_eod=True,
                              include_special_tokens=True)
-        with building(folder) as tmp:
+        with building_once(folder) as tmp:
             preprocess([spec], spec_, str(tmp / "data"), workers=num_proc if num_proc > 1 else 0,
                        title=f"tokenising {Path(spec).name}")
     return prefix
