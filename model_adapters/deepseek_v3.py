@@ -25,7 +25,8 @@ class DeepseekV3(Family):
     transformers_types = {"kimi_k2": "deepseek_v3"}  # Kimi K2: DeepSeek-V3 at other sizes
     defaults = {**Family.defaults, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
                 "n_group": 8, "topk_group": 4, "norm_topk_prob": True, "rope_interleave": True}
-    moe = Moe(experts_key=("n_routed_experts", "num_local_experts"), dense_layers=True)
+    moe = Moe(experts_key=("n_routed_experts", "num_local_experts"), dense_layers=True,
+              peft_fused=("deepseek_v3",))
     qkv_bias = linear_bias = mlp_bias = False
     extra_layers = True  # the MTP layers stored past num_hidden_layers: kept aside
 

@@ -28,7 +28,8 @@ class Glm4Moe(Family):
                 "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 1.0,
                 "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
                 "norm_topk_prob": True, "use_qk_norm": False}
-    moe = Moe(experts_key=("n_routed_experts", "num_local_experts"), dense_layers=True)
+    moe = Moe(experts_key=("n_routed_experts", "num_local_experts"), dense_layers=True,
+              peft_fused=model_types)
     qkv_bias = "attention_bias"
     linear_bias = mlp_bias = False  # o_proj and the MLPs have no bias
     extra_layers = True  # the MTP layers stored past num_hidden_layers: kept aside

@@ -20,4 +20,4 @@ class Qwen3Moe(Family):
     model_types = ("qwen3_moe",)
     defaults = {**Family.defaults, "norm_topk_prob": False}
     qk_norm = True
-    moe = Moe(dense_layers=True)
+    moe = Moe(dense_layers=True, peft_fused=model_types)

@@ -27,7 +27,7 @@ class Qwen3Next(Family):
                 "linear_num_value_heads": 32, "full_attention_interval": 4}
     qk_norm = True
     qkv_bias = linear_bias = mlp_bias = False  # attention_bias=True is refused in check
-    moe = Moe(shared=True, dense_layers=True)
+    moe = Moe(shared=True, dense_layers=True, peft_fused=model_types)
     refuses_cp = "the gated DeltaNet (linear attention) has no context-parallel form"
 
     def dims(self, hf: Any) -> Dims:

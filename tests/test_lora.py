@@ -25,7 +25,10 @@ SAVED = "lora_tp2_sp"  # also saves checkpoints at steps 2 and 3 (the last)
 #: model types into its fused experts, so an adapter on the shared expert would not load.
 HYBRID = (("lora_qwen3n_tp2", "qwen3n", {"tp": 2, "sp": True},
            ("peft.target_modules=[o_proj,out_proj]",)),
-          ("lora_llama4_pp2", "llama4", {"pp": 2}, ()))
+          ("lora_llama4_pp2", "llama4", {"pp": 2}, ()),
+          ("lora_gpt_oss_pp2", "gpt_oss", {"pp": 2}, ()),
+          ("lora_glm_ep2", "glm", {"ep": 2}, ()),
+          ("lora_kimi_tp2", "kimi", {"tp": 2, "sp": True}, ()))
 
 
 def _imported(peft_folder: str) -> tuple[str, ...]:
@@ -161,15 +164,24 @@ def test_export_loads_in_peft_and_merges_like_peft(two, assets):
 
 
 def test_hybrid_families_export_adapters_peft_loads(two, assets):
-    """Qwen3-Next at tp2 (gated attention's o_proj, the DeltaNet's out_proj) and Llama 4 at pp2
-    (attention, dense and shared-expert MLPs): after one step the exported PEFT folder, loaded
-    by PEFT over the HF base, gives the live model's logits."""
+    """Issue 39's families with their default or chosen targets: Qwen3-Next at tp2 (gated
+    attention's o_proj, the DeltaNet's out_proj), Llama 4 at pp2 (attention, dense and
+    shared-expert MLPs), GPT-OSS at pp2 (attention with sinks), GLM-4.5 at ep2 (attention: PEFT
+    reads its MLP names as the experts) and Kimi K2 at tp2 (MLA's projections; config.json kimi_k2,
+    loaded as transformers' DeepSeek-V3): after one step the exported
+    PEFT folder, loaded by PEFT over the HF base, gives the live model's logits."""
     from safetensors.torch import load_file
 
     runs = _by_case(two)
+    attention, mlp = ["k_proj", "o_proj", "q_proj", "v_proj"], ["down_proj", "gate_proj",
+                                                                 "up_proj"]
     targets = {"lora_qwen3n_tp2": ["o_proj", "out_proj"],
-               "lora_llama4_pp2": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
-                                   "up_proj", "v_proj"]}
+               "lora_llama4_pp2": sorted(attention + mlp),
+               "lora_gpt_oss_pp2": attention,  # its MLPs are all routed experts
+               "lora_glm_ep2": attention,  # PEFT reads GLM's gate/up/down_proj as the experts
+               # MLA's projections; PEFT reads the MLP names as DeepSeek-V3's experts
+               "lora_kimi_tp2": ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj",
+                                 "q_b_proj"]}
     for name, *_ in HYBRID:
         run = runs[name][0]
         assert run["adapter_diff"] is not None and run["adapter_diff"] < 1e-5, (name, run)

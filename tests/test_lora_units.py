@@ -3,6 +3,8 @@ the merge (bit-exact against PEFT's ``merge_and_unload``), the memory model."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from toolkit.adapters.hfconfig import HFConfig
@@ -13,6 +15,7 @@ from toolkit.lora.targets import (
     adapter_numel,
     model_projections,
     resolve_targets,
+    valid_targets,
 )
 from toolkit.mapping import Coord
 
@@ -214,3 +217,54 @@ def test_family_without_adaptable_projections_is_refused():
     for wanted in (None, ["q_proj"]):
         with pytest.raises(LoraError, match="its mapping has no linear projection LoRA can adapt"):
             resolve_targets(table, wanted, "llama-cut")
+
+
+def _peft_adapts(config, targets: list[str]) -> set[str]:
+    """The modules PEFT puts adapters on for ``targets`` (its own matching and MoE rewrite)."""
+    import peft
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    try:
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=targets))
+    except ValueError:  # none of the names is a module PEFT can target
+        return set()
+    return {n.split(".lora_")[0] for n, _ in wrapped.named_parameters() if ".lora_" in n}
+
+
+def test_names_peft_reads_as_routed_experts_are_declared_per_model_type():
+    """PEFT itself decides: for every MoE family (and Kimi K2's model type), LoraConfig with the
+    expert projection names either adapts the routed experts (then the family declares those
+    names as PEFT's expert aliases, which mdtk's LoRA leaves alone) or the dense and shared MLPs
+    mdtk adapts too (then it declares none)."""
+    from dist_checks.adapter_checks import tiny_moe_configs, tiny_open_moe_configs
+
+    configs = {**tiny_moe_configs(), **tiny_open_moe_configs()}
+    aliased = set()
+    for name, config in configs.items():
+        family = family_of(config)
+        # Kimi K2's config.json type; PEFT meets it as transformers' DeepSeek-V3 (hf_reference)
+        declared = copy.copy(config)
+        if name == "kimi_k2":
+            declared.model_type = "kimi_k2"
+        # the expert names that also name dense or shared-expert MLPs mdtk adapts
+        names = sorted(set(family.moe.expert_names) & set(valid_targets(_table(
+            config.to_dict()))))
+        if not names:  # Mixtral's w1/w2/w3, GPT-OSS's: experts only, refused as such
+            continue
+        adapted = _peft_adapts(config, names)
+        into_experts = any(".experts" in m for m in adapted)
+        assert family.peft_expert_aliases(declared) == (set(names) if into_experts else set()), (
+            name, sorted(adapted)[:4])
+        if into_experts:
+            aliased.add(name)
+    assert aliased == {"qwen3_moe", "deepseek_v3", "qwen3_next", "glm4_moe", "kimi_k2"}
+    table = _table(configs["glm4_moe"].to_dict())
+    glm = family_of(configs["glm4_moe"]).peft_expert_aliases(configs["glm4_moe"])
+    assert resolve_targets(table, None, "glm4_moe", glm) == frozenset(
+        {"q_proj", "k_proj", "v_proj", "o_proj"})
+    with pytest.raises(LoraError, match=r"\['gate_proj'\]: PEFT .* reads these names .* into "
+                                        r"the experts.*Valid targets: k_proj, o_proj"):
+        resolve_targets(table, ["q_proj", "gate_proj"], "glm4_moe", glm)

@@ -50,11 +50,15 @@ CASES_2 = [
     Case("cp2_grads", cp=2, zero=0, steps=1, grads=True, ref="ref_grads"),
     # the step values read every 3 steps (toolkit/train/loop/step_log.py), ZeRO-0's norm included
     Case("dp2_zero0_log3", zero=0, overrides=("logging.interval=3",)),
-    # issue 39: Qwen3-Next (gated DeltaNet, gated attention, MoE + shared expert) and Llama 4
-    # (chunked / NoPE attention, top-1 MoE + shared expert, dense layers), SFT
-    *(Case(f"{m}_{name}", model=m, mode="sft", **kw) for m in ("qwen3n", "llama4")
+    # issue 39: Qwen3-Next (gated DeltaNet, gated attention, MoE + shared expert), Llama 4
+    # (chunked / NoPE attention, top-1 MoE + shared expert, dense layers) and GLM-4.5 (partial
+    # RoPE, q/k norm, sigmoid group routing, shared expert, layer 0 dense), SFT; GPT-OSS and
+    # Kimi K2 (config.json kimi_k2) at pp2 (their tp and ep runs are above and in test_lora)
+    *(Case(f"{m}_{name}", model=m, mode="sft", **kw) for m in ("qwen3n", "llama4", "glm")
       for name, kw in (("tp2_sp", {"tp": 2, "sp": True}), ("pp2", {"pp": 2}), ("ep2", {"ep": 2}))
       if (m, name) != ("qwen3n", "tp2_sp")),
+    Case("gpt_oss_pp2", model="gpt_oss", pp=2),
+    Case("kimi_pp2", model="kimi", mode="sft", pp=2),
     Case("qwen3n_tp2_grads", model="qwen3n", mode="sft", tp=2, sp=True, **QWEN3N_GRADS),
 ]
 CASES_4 = [
@@ -73,7 +77,7 @@ REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="
         Case("ref_gemma3", model="gemma3"), Case("ref_dsv3", model="dsv3"),
         Case("ref_gpt_oss", model="gpt_oss"),
         Case("ref_sft", mode="sft"), Case("ref_grads", zero=0, steps=1, grads=True),
-        *(Case(f"ref_{m}", model=m, mode="sft") for m in ("qwen3n", "llama4")),
+        *(Case(f"ref_{m}", model=m, mode="sft") for m in ("qwen3n", "llama4", "glm", "kimi")),
         Case("ref_qwen3n_grads", model="qwen3n", mode="sft",
              **{k: v for k, v in QWEN3N_GRADS.items() if k != "ref"})]
 LAZY = "dp2_zero0_log3"

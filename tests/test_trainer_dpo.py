@@ -6,7 +6,8 @@ losses at every layout, a DPO run after SFT learns the preferences, memory as th
   conversational rows, against ``DPOTrainer.evaluate()`` on CPU in fp32 on the same rows.
 - Layouts: the first 2 steps' losses and TRL metrics at tp2 (+sp, precomputed reference), cp2,
   dp2 ZeRO-3 (the reference partitioned like the policy), tp2 x pp2 equal the single-rank run
-  (model reference) within 1e-5 relative, fp32.
+  (model reference) within 1e-5 relative, fp32; so do GPT-OSS at ep2 and GLM-4.5 at tp2 + SP
+  against their own single-rank runs (each with a perturbed copy as its reference).
 - Memory: at dp2 ZeRO-3, per rank, the engine's and the reference model's bytes against the
   memory model's model states, with and without a reference model.
 - LoRA: the reference is the policy with its adapters off, equal to the base's precomputed
@@ -37,7 +38,13 @@ CASES_2 = [
     DpoCase("tp2_sp_pre", tp=2, sp=True, precompute=True),
     DpoCase("cp2", cp=2),
     DpoCase("dp2_zero3", zero=3, memory=True),
+    # issue 39's families: GPT-OSS (sinks, sliding window, biased clamped experts) at ep2,
+    # GLM-4.5 (sigmoid group routing, shared expert, partial RoPE, q/k norm) at tp2 + SP
+    DpoCase("gpt_oss_ep2", model="gpt_oss", ep=2, ref="ref_gpt_oss"),
+    DpoCase("glm_tp2_sp", model="glm", tp=2, sp=True, ref="ref_glm"),
 ]
+FAMILIES = ("gpt_oss", "glm")
+REFS = [DpoCase("ref"), *(DpoCase(f"ref_{m}", model=m) for m in FAMILIES)]
 CASES_4 = [DpoCase("tp2_pp2", tp=2, pp=2)]  # pipeline (and tp with it)
 # LoRA at dp2: the reference is the policy with its adapters off, vs the base checkpoint's
 # log-probabilities precomputed (the same model, loaded on its own)
@@ -48,8 +55,9 @@ LORA_CASES = [DpoCase("lora", overrides=dc.LORA),
 @pytest.fixture(scope="module")
 def assets(trainer_assets) -> dict[str, str]:
     out, root = trainer_assets
-    out = {**out, "reference": dc.make_reference(out["dense"], root / "dpo_reference"),
-           "work": str(root / "dpo_runs")}
+    out = {**out, "work": str(root / "dpo_runs"),
+           **{dc.reference_key(m): dc.make_reference(out[m], root / f"dpo_reference_{m}")
+              for m in ("dense", *FAMILIES)}}
     for form, path in (("strings", "dpo_text.jsonl"), ("conversational", "dpo.jsonl")):
         lines = bundled.path(f"bundled:examples/data/{path}").read_text().splitlines()
         rows = [r for r in map(json.loads, lines) if "prompt" in r][-VAL_PAIRS:]
@@ -62,7 +70,7 @@ def assets(trainer_assets) -> dict[str, str]:
 def jobs(assets, rank_pool_1, rank_pool_2, rank_pool_4) -> dict:
     """Both fixtures' pool jobs, started together (the TRL checks run meanwhile)."""
     return {"one": rank_pool_1.submit(
-        dc.single_rank_checks, own_cache(assets), assets["work"], [DpoCase("ref")],
+        dc.single_rank_checks, own_cache(assets), assets["work"], REFS,
         {f: assets[f"val_{f}"] for f in ("strings", "conversational")},
         VAL_SEQ, SFT_STEPS, DPO_STEPS, timeout=600),
         "n": background(_results_n, rank_pool_2, rank_pool_4, assets)}
@@ -120,7 +128,7 @@ def test_validation_at_step_0_equals_trl(results_1, assets, form):
 
 @pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
 def test_layout_matches_single_rank(results_n, results_1, case):
-    ref = results_1["refs"][0]
+    ref = {r["case"]: r for r in results_1["refs"]}[case.ref]
     ranks = results_n[case.name]
     assert len(ranks) == (4 if case in CASES_4 else 2)
     assert len(ref["losses"]) == dc.STEPS and ref["losses"][-1] < ref["losses"][0]

@@ -96,7 +96,7 @@ KIMI_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "mscale"
              "original_max_position_embeddings": 64}
 
 
-def tiny_open_moe_configs() -> dict:
+def tiny_open_moe_configs(**overrides) -> dict:
     """Today's open MoE families (issue 39), checked at their own layouts (test_adapters.py):
     GPT-OSS (sinks, sliding / full layers with a window of 5 < SEQ, YaRN, experts with biases
     and a clamped SwiGLU whose limit 0.5 the random weights pass), GLM-4.5 (partial RoPE, q/k
@@ -104,9 +104,9 @@ def tiny_open_moe_configs() -> dict:
     (DeepSeek-V3 with one group and its own YaRN; config.json says ``kimi_k2``)."""
     import transformers as tf
 
-    common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-5, bos_token_id=1,
-                  eos_token_id=2, max_position_embeddings=256)
+    common = {**dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-5,
+                     bos_token_id=1, eos_token_id=2, max_position_embeddings=256), **overrides}
     return {
         "gpt_oss": tf.GptOssConfig(**common, head_dim=16, intermediate_size=64,
                                    num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
@@ -118,7 +118,7 @@ def tiny_open_moe_configs() -> dict:
                                      use_qk_norm=True, partial_rotary_factor=0.5),
         "kimi_k2": tiny_deepseek_v3(n_routed_experts=8, n_group=1, topk_group=1,
                                     num_experts_per_tok=3, routed_scaling_factor=2.827,
-                                    rope_parameters=KIMI_YARN),
+                                    rope_parameters=KIMI_YARN, **overrides),
     }
 
 

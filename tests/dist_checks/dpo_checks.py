@@ -26,10 +26,13 @@ class DpoCase:
     """One DPO run: the layout, the DeepSpeed settings, the reference kind."""
 
     name: str
+    model: str = "dense"  # a trainer_checks model; its reference: assets["reference_<model>"]
+    ref: str = "ref"  # the single-rank case to match
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     cp: int = 1
+    ep: int = 1
     sp: bool = False
     zero: int = 1
     offload: str = "none"
@@ -54,18 +57,23 @@ def make_reference(policy: str | Path, out: str | Path, seed: int = 99) -> str:
     return str(out)
 
 
+def reference_key(model: str) -> str:
+    """The assets' key of a model's DPO reference (``make_reference`` of it)."""
+    return "reference" if model == "dense" else f"reference_{model}"
+
+
 def config(case: DpoCase, assets: dict[str, str], out: str | Path):
     """The trainer tests' config (``trainer_checks.config``: model, layout, fp32, constant LR)
     turned into a DPO run on the bundled pairs with this module's batch and LR."""
     from dist_checks import trainer_checks as tc
 
     dpo = ("data.mode=dpo", f"data.sources=[{','.join(DPO_DATA)}]", f"dpo.beta={BETA}",
-           f"dpo.reference={assets['reference']}",
+           f"dpo.reference={assets[reference_key(case.model)]}",
            f"dpo.precompute_reference={case.precompute}", f"optim.lr={LR}",
            f"train.micro_batch={MICRO}", f"train.global_batch={GLOBAL}", f"train.seq_len={SEQ}")
-    base = tc.Case(case.name, tp=case.tp, pp=case.pp, vpp=case.vpp, cp=case.cp, sp=case.sp,
-                   zero=case.zero, offload=case.offload, steps=case.steps,
-                   overrides=dpo + case.overrides)
+    base = tc.Case(case.name, model=case.model, tp=case.tp, pp=case.pp, vpp=case.vpp,
+                   cp=case.cp, ep=case.ep, sp=case.sp, zero=case.zero, offload=case.offload,
+                   steps=case.steps, overrides=dpo + case.overrides)
     return tc.config(base, assets, out)
 
 

@@ -28,7 +28,7 @@ SFT = "bundled:examples/data/sft.jsonl"
 STEPS, MICRO, GLOBAL, SEQ, LR = 5, 2, 8, 32, 1e-2
 TOKENIZER_VOCAB = 500  # ids < 500: fits the odd-vocab model (507)
 VOCAB = {"dense": 512, "odd": 507, "moe": 512, "phi3": 512, "gemma3": 512, "dsv3": 512,
-         "gpt_oss": 512, "qwen3n": 512, "llama4": 512}
+         "gpt_oss": 512, "qwen3n": 512, "llama4": 512, "glm": 512, "kimi": 512}
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class Case:
     #                       | gpt_oss (sinks, sliding window, biased clamped experts)
     #                       | qwen3n (Qwen3-Next: gated DeltaNet + gated attention, MoE)
     #                       | llama4 (Llama 4 text: chunked / NoPE attention, top-1 MoE)
+    #                       | glm (GLM-4.5: partial RoPE, q/k norm, sigmoid routing, shared)
+    #                       | kimi (Kimi K2: DeepSeek-V3's architecture, config.json kimi_k2)
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -62,7 +64,13 @@ def make_assets(root: Path) -> dict[str, str]:
     """A tiny tokenizer and three tiny HF checkpoints with random weights."""
     import transformers as tf
 
-    from dist_checks.adapter_checks import tiny_deepseek_v3, tiny_llama4, tiny_qwen3_next
+    from dist_checks.adapter_checks import (
+        as_kimi_k2,
+        tiny_deepseek_v3,
+        tiny_llama4,
+        tiny_open_moe_configs,
+        tiny_qwen3_next,
+    )
     from toolkit.train.tiny_tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(root / "tokenizer", vocab_size=TOKENIZER_VOCAB)
@@ -92,6 +100,10 @@ def make_assets(root: Path) -> dict[str, str]:
         **{name: make(vocab_size=VOCAB[name], max_position_embeddings=256, eos_token_id=0,
                       pad_token_id=1, bos_token_id=None)
            for name, make in (("qwen3n", tiny_qwen3_next), ("llama4", tiny_llama4))},
+        **{name: tiny_open_moe_configs(
+            vocab_size=VOCAB[name], num_hidden_layers=2, eos_token_id=0, pad_token_id=1,
+            bos_token_id=None)[hf_name] for name, hf_name in (("glm", "glm4_moe"),
+                                                              ("kimi", "kimi_k2"))},
     }
     out = {"tokenizer": str(tok), "cache": str(root / "data_cache")}
     for i, (name, config) in enumerate(configs.items()):
@@ -105,6 +117,8 @@ def make_assets(root: Path) -> dict[str, str]:
                 if bname.endswith("e_score_correction_bias"):  # non-zero, so a loss shows
                     b.normal_(0.0, 0.08)
         model.save_pretrained(root / name)
+        if name == "kimi":
+            as_kimi_k2(root / name)
         out[name] = str(root / name)
     return out
 

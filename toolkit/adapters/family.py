@@ -130,6 +130,10 @@ class Moe:
     shared: bool = False  # ``shared_expert`` MLP with a sigmoid ``shared_expert_gate``
     dense_layers: bool = False  # ``mlp_only_layers`` / ``decoder_sparse_step`` (Qwen-MoE rule)
     jitter: bool = False  # ``router_jitter_noise`` (Mixtral)
+    #: Model types whose routed experts PEFT (under transformers 5) addresses by
+    #: ``expert_names`` in ``target_modules`` (its MoE conversion of Qwen-MoE-style types):
+    #: there those names mean the experts, never the dense or shared-expert MLPs.
+    peft_fused: tuple[str, ...] = ()
 
 
 class Family:
@@ -212,6 +216,16 @@ class Family:
 
     def _switch(self, hf: Any, declared: bool | str) -> bool:
         return declared if isinstance(declared, bool) else bool(self.value(hf, declared, False))
+
+    def peft_expert_aliases(self, hf: Any) -> frozenset[str]:
+        """HF projection names PEFT reads as this config's routed experts (``Moe.peft_fused``):
+        LoRA leaves the dense and shared-expert MLPs of these names alone, since an adapter of
+        theirs would load into the experts."""
+        model_type = getattr(hf, "model_type", None)  # as transformers' class has it (Kimi K2)
+        if self.moe is None or self.transformers_types.get(model_type, model_type) not in \
+                self.moe.peft_fused:
+            return frozenset()
+        return frozenset(self.moe.expert_names)
 
     def kept_aside(self, hf: Any, name: str) -> bool:
         """Whether stored tensor ``name`` is kept aside (copied through, never loaded)."""

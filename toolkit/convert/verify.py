@@ -47,22 +47,28 @@ def _first_output(output: object) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output  # type: ignore[return-value]
 
 
-def run_hf(path: Path, tokens: torch.Tensor, model: ModelSpec | None = None) -> Run:
-    """The transformers reference model (fp32, eager attention) loaded from ``path`` (by
-    transformers itself: ``model`` is not used). A config.json of a type transformers reads
-    with another type's class (Kimi K2's ``kimi_k2``: ``Family.transformers_types``) is given
-    as that class's config, so transformers' own model runs, never the folder's remote code."""
+def hf_reference(path: str | Path) -> torch.nn.Module:
+    """The transformers model of a folder (fp32, eager attention, eval), loaded by transformers
+    itself. A config.json of a type transformers reads with another type's class (Kimi K2's
+    ``kimi_k2``: ``Family.transformers_types``) is given as that class's config, so
+    transformers' own model runs, never the folder's remote code."""
     from transformers import AutoModelForCausalLM
 
     from toolkit.adapters.spec import ModelSpec
 
-    spec, native = ModelSpec.of(path), {}
+    spec, native = ModelSpec.of(Path(path)), {}
     if spec.foreign:  # its model_type too: transformers picks its checkpoint renames by it
         native["config"] = copy.deepcopy(spec.transformers_config())
         native["config"].model_type = spec.transformers_type
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                  attn_implementation="eager", **native)
-    model.eval()
+    return model.eval()
+
+
+def run_hf(path: Path, tokens: torch.Tensor, model: ModelSpec | None = None) -> Run:
+    """The transformers reference model (``hf_reference``) of ``path`` on ``tokens``, with each
+    decoder layer's output (``model`` is not used)."""
+    model = hf_reference(path)
     # the decoder blocks: ``layers`` (``h`` in GPT-2), found by name (Llama 4's text model names
     # a ``base_model_prefix`` it does not have, so ``model.base_model`` is the model itself)
     blocks = next(m for name, m in model.named_modules()

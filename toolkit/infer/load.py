@@ -124,12 +124,11 @@ def _attach(chunks: list[Any], adapter: Adapter, folder: Path) -> None:
     from toolkit.lora import LoraError
     from toolkit.lora.attach import attach, folder_source
     from toolkit.lora.peft_io import read_config
-    from toolkit.lora.targets import resolve_targets
+    from toolkit.lora.targets import adapter_spec
 
     try:
         spec, _ = read_config(folder)
-        spec = spec.with_targets(resolve_targets(adapter.table(1), spec.targets or None,
-                                                 adapter.architecture))
+        spec = adapter_spec(adapter, spec)
         attach(chunks, adapter, spec, current_coord(), folder_source(folder, adapter, spec),
                tp_group=ps.get_tensor_model_parallel_group())
     except LoraError as e:

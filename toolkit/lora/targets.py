@@ -3,8 +3,10 @@
 The valid targets are the HF projection names (``q_proj``, ``gate_up_proj``, GPT-2's ``c_attn``,
 DeepSeek's ``kv_a_proj_with_mqa``, ...) of the decoder layers' linear weights in the family's
 table, the names PEFT matches with ``target_modules``. Routed experts are refused: transformers 5
-holds them as fused 3-D parameters, which PEFT's ``target_modules`` format cannot address
-(attention, dense MLPs and shared experts can). Torch-free: the memory model counts with it.
+holds them as fused 3-D parameters, which PEFT adapts as one parameter over all experts
+(attention, dense MLPs and shared experts are adapted; where PEFT reads their names as the
+experts, ``Family.peft_expert_aliases``, they are left alone). Torch-free: the memory model
+counts with it.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def expert_targets(table: Table) -> list[str]:
     return sorted(names - set(valid_targets(table)))
 
 
-def resolve_targets(table: Table, wanted: Iterable[str] | None, family: str) -> frozenset[str]:
-    """The targets to adapt (None: every linear layer of the blocks); LoraError naming the valid
-    names for any the model lacks."""
-    valid = valid_targets(table)
+def resolve_targets(table: Table, wanted: Iterable[str] | None, family: str,
+                    peft_experts: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The targets to adapt (None: every linear layer of the blocks but ``peft_experts``, the
+    names PEFT reads as the routed experts: ``Family.peft_expert_aliases``); LoraError naming
+    the valid names for any the model lacks."""
+    valid = [t for t in valid_targets(table) if t not in peft_experts]
     if not valid:
         raise LoraError(f"{family}: its mapping has no linear projection LoRA can adapt (mdtk "
                         "maps adapters through the family's split rules).")
@@ -84,15 +88,27 @@ def resolve_targets(table: Table, wanted: Iterable[str] | None, family: str) -> 
                         "leave it out to adapt every linear layer of the blocks).")
     experts = [t for t in wanted if t in expert_targets(table)]
     if experts:
-        raise LoraError(f"peft.target_modules {experts}: routed experts of {family} cannot be "
-                        "adapted (transformers holds them as fused 3-D parameters, which PEFT's "
-                        "target_modules format cannot express). Valid targets: "
-                        f"{', '.join(valid)}.")
+        raise LoraError(f"peft.target_modules {experts}: routed experts of {family} are not "
+                        "adapted by mdtk's LoRA (transformers 5 holds them as fused 3-D "
+                        "parameters, PEFT as one adapter over all experts: not mapped to "
+                        f"megatron-core's experts). Valid targets: {', '.join(valid)}.")
+    if aliased := sorted(set(wanted) & peft_experts):
+        raise LoraError(f"peft.target_modules {aliased}: PEFT (under transformers 5) reads these "
+                        f"names of {family} as its fused routed experts, so an adapter of the "
+                        "dense or shared-expert MLPs would load into the experts instead. Valid "
+                        f"targets: {', '.join(valid)}.")
     bad = [t for t in wanted if t not in valid]
     if bad:
         raise LoraError(f"peft.target_modules {bad}: {family} has no such projection. Valid "
                         f"targets: {', '.join(valid)}.")
     return frozenset(wanted)
+
+
+def adapter_spec(adapter: Any, spec: LoraSpec) -> LoraSpec:
+    """``spec`` with its targets resolved (empty: all) for a model adapter's family."""
+    return spec.with_targets(resolve_targets(
+        adapter.table(1), spec.targets or None, adapter.architecture,
+        adapter.family.peft_expert_aliases(adapter.hf_config)))
 
 
 def adapter_numel(table: Table, spec: LoraSpec) -> int:
@@ -106,7 +122,8 @@ def check_adapter(adapter: Any, spec: LoraSpec,
     """An adapter's tensors (``shapes[module][kind]``) must fit the model: LoraError naming the
     first difference (targets the family lacks, layers past the model's, other sizes)."""
     table = adapter.table(1)
-    resolve_targets(table, spec.targets, adapter.architecture)
+    resolve_targets(table, spec.targets, adapter.architecture,
+                    adapter.family.peft_expert_aliases(adapter.hf_config))
     known = {p.module: p for p in projections(table)}
     layers = adapter.dims.layers
     for module, kinds in shapes.items():
@@ -138,5 +155,6 @@ def model_projections(hf: Any, spec: LoraSpec) -> tuple[LoraSpec, list[Projectio
     dims = family.dims(hf)
     table = family.table(hf, dims, dims.vocab)
     name = type(family).__name__
-    spec = spec.with_targets(resolve_targets(table, spec.targets or None, name))
+    spec = spec.with_targets(resolve_targets(table, spec.targets or None, name,
+                                             family.peft_expert_aliases(hf)))
     return spec, [p for p in projections(table) if p.target in spec.targets]

@@ -52,13 +52,12 @@ def attach_adapters(cfg: Any, chunks: list[Any], adapter: Any) -> LoraSpec:
 
     from toolkit.adapters.live import current_coord
     from toolkit.lora.attach import SeededAdapters, attach, folder_source
-    from toolkit.lora.targets import projections, resolve_targets
+    from toolkit.lora.targets import adapter_spec, projections
 
     spec = spec_of(cfg)
     table = adapter.table(1)
     try:
-        spec = spec.with_targets(resolve_targets(table, spec.targets or None,
-                                                 adapter.architecture))
+        spec = adapter_spec(adapter, spec)
         if cfg.peft.adapter:
             source = folder_source(cfg.peft.adapter, adapter, spec)
         else:
@@ -243,13 +242,12 @@ def verify_adapter(chunks: list[Any], adapter: Any, base: str, adapter_dir: str)
 def peft_logits(base: str, adapter_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of PEFT's model: the HF base (fp32, eager attention) with the adapter folder."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from toolkit.convert.verify import hf_reference
+
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
-                                                 attn_implementation="eager")
-    model = PeftModel.from_pretrained(model, adapter_dir)
+    model = PeftModel.from_pretrained(hf_reference(base), adapter_dir)
     model.eval()
     with torch.no_grad():
         return model(tokens).logits.float()
