@@ -51,14 +51,14 @@ CASES_2 = [
     # the step values read every 3 steps (toolkit/train/loop/step_log.py), ZeRO-0's norm included
     Case("dp2_zero0_log3", zero=0, overrides=("logging.interval=3",)),
     # issue 39: Qwen3-Next (gated DeltaNet, gated attention, MoE + shared expert), Llama 4
-    # (chunked / NoPE attention, top-1 MoE + shared expert, dense layers) and GLM-4.5 (partial
-    # RoPE, q/k norm, sigmoid group routing, shared expert, layer 0 dense), SFT; GPT-OSS and
-    # Kimi K2 (config.json kimi_k2) at pp2 (their tp and ep runs are above and in test_lora)
-    *(Case(f"{m}_{name}", model=m, mode="sft", **kw) for m in ("qwen3n", "llama4", "glm")
+    # (chunked / NoPE attention, top-1 MoE + shared expert, dense layers), GLM-4.5 (partial
+    # RoPE, q/k norm, sigmoid group routing, shared expert, layer 0 dense) and Kimi K2
+    # (config.json kimi_k2: DeepSeek-V3's MLA and routing, its YaRN), SFT; GPT-OSS at pp2 (its
+    # tp2 and ep2 runs are above)
+    *(Case(f"{m}_{name}", model=m, mode="sft", **kw) for m in ("qwen3n", "llama4", "glm", "kimi")
       for name, kw in (("tp2_sp", {"tp": 2, "sp": True}), ("pp2", {"pp": 2}), ("ep2", {"ep": 2}))
       if (m, name) != ("qwen3n", "tp2_sp")),
     Case("gpt_oss_pp2", model="gpt_oss", pp=2),
-    Case("kimi_pp2", model="kimi", mode="sft", pp=2),
     Case("qwen3n_tp2_grads", model="qwen3n", mode="sft", tp=2, sp=True, **QWEN3N_GRADS),
 ]
 CASES_4 = [

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from toolkit import runtime
-from toolkit.models import delta_net, gemma, llama4
+from toolkit.models import delta_net, gemma, llama4, mla
 from toolkit.models.attention import core_attention
 from toolkit.models.gpt import GPTModel
 from toolkit.models.kernels import Kernels
@@ -112,6 +112,7 @@ def layer_spec(
             setattr(attn, slot, norm)
     if multi_latent_attention:
         _mla_without_te()
+        sub.self_attention = dataclasses.replace(sub.self_attention, module=mla.MlaSelfAttention)
         sub.sharded_state_dict_keys_map = dict(get_gpt_layer_local_spec(
             normalization=normalization).submodules.sharded_state_dict_keys_map)
     experts = getattr(sub.mlp.submodules, "experts", None)
