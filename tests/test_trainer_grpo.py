@@ -10,8 +10,9 @@
 - Layouts: the same rollouts (2 micro-batches per step, beta 0.04, num_iterations 2) at tp2 + SP,
   pp2, dp2 ZeRO-3, tp2 x pp2, an MoE at ep2, and LoRA at tp2 (the reference: adapters off)
   equal the single-rank run within 1e-5.
-- Colocated rollouts at tp2 + SP, ep2 and dp2 ZeRO-3: the engine's log-probabilities of its sampled
-  tokens equal the trainer's forward on the same tokens within 1e-5 at every generation.
+- Colocated rollouts at tp2 + SP, ep2, dp2 ZeRO-3 and pp2 x vpp2: the engine's log-probabilities
+  of its sampled tokens equal the trainer's forward on the same tokens within 1e-5 at every
+  generation.
 - The bundled example learns its task on 2 ranks (its reward rises by a stated margin).
 Bad input is tests/test_grpo_units.py (no ranks).
 """
@@ -53,12 +54,14 @@ def assets(trainer_assets) -> dict[str, str]:
 
 
 def _generated(assets) -> list[GrpoCase]:
-    """Rollouts sampled on the ranks: tp2 + SP, and an MoE at ep2 (its experts' all-to-all
-    spans the data-parallel ranks, so every rank samples the whole batch)."""
+    """Rollouts sampled on the ranks: tp2 + SP, an MoE at ep2 (its experts' all-to-all spans
+    the data-parallel ranks, so every rank samples the whole batch), dp2 ZeRO-3, and pp2 with
+    2 virtual stages (each forward goes around the pipeline ring once per chunk)."""
     data = (f"data.sources=[{assets['prompts']}]", *GENERATE)
     return [GrpoCase(LAYOUT_RUN, "generated_tp2_sp", tp=2, sp=True, micro=2, overrides=data),
             GrpoCase(LAYOUT_RUN, "generated_ep2", ep=2, micro=2, model="moe", overrides=data),
-            GrpoCase(LAYOUT_RUN, "generated_dp2_zero3", zero=3, micro=2, overrides=data)]
+            GrpoCase(LAYOUT_RUN, "generated_dp2_zero3", zero=3, micro=2, overrides=data),
+            GrpoCase(LAYOUT_RUN, "generated_pp2_vpp2", pp=2, vpp=2, micro=2, overrides=data)]
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +174,12 @@ def test_layout_matches_single_rank(single, layouts, name):
     assert base["losses"][1] != base["losses"][0]
 
 
-@pytest.mark.parametrize("case", ["generated_tp2_sp", "generated_ep2", "generated_dp2_zero3"])
+@pytest.mark.parametrize("case", ["generated_tp2_sp", "generated_ep2", "generated_dp2_zero3",
+                                  "generated_pp2_vpp2"])
 def test_colocated_rollouts_log_probs_equal_the_trainers(layouts, case):
     """The engine sampled at the training layout (tp2 + SP: generation switches SP off and
-    back on; ep2; dp2 ZeRO-3: its forwards gather the partitions, outside inference mode);
+    back on; ep2; dp2 ZeRO-3: its forwards gather the partitions, outside inference mode;
+    pp2 x vpp2: around the pipeline ring once per chunk);
     its log-probabilities of the sampled tokens against the trainer's forward
     when the batch was made (TRL's ``sampling/sampling_logp_difference/mean``)."""
     run = layouts[case]

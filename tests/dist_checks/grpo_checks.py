@@ -37,6 +37,7 @@ class GrpoCase:
     name: str = ""
     tp: int = 1
     pp: int = 1
+    vpp: int | None = None
     ep: int = 1
     sp: bool = False
     zero: int = 1
@@ -86,8 +87,8 @@ def config(case: GrpoCase, assets: dict[str, str], out: Path):
                  f"train.micro_batch={case.micro}", f"train.global_batch={GLOBAL}",
                  f"train.seq_len={SEQ}", f"optim.lr={LR}",
                  f"model.path={assets[case.model]}", *case.overrides]
-    base = tc.Case(case.label, tp=case.tp, pp=case.pp, ep=case.ep, sp=case.sp, zero=case.zero,
-                   steps=STEPS, overrides=tuple(settings))
+    base = tc.Case(case.label, tp=case.tp, pp=case.pp, vpp=case.vpp, ep=case.ep, sp=case.sp,
+                   zero=case.zero, steps=STEPS, overrides=tuple(settings))
     return tc.config(base, assets, out)
 
 

@@ -104,6 +104,7 @@ def _scaling(base: type) -> type:
 
     class Wrapper(base):
         logit_scale = 1.0
+        chunks: Sequence[torch.nn.Module] = ()  # virtual pipeline stages: all of this rank's
 
         def run_one_forward_step(self, *args: Any, **kwargs: Any) -> Any:
             out = super().run_one_forward_step(*args, **kwargs)
@@ -111,34 +112,73 @@ def _scaling(base: type) -> type:
                 out = out * self.logit_scale
             return out
 
+        def forward_pass_with_pipeline_parallel_small_input_batch(
+                self, inference_input: dict[str, Any], recv_buffer_seq_len: int | None = None,
+        ) -> torch.Tensor | None:
+            if len(self.chunks) < 2:
+                return super().forward_pass_with_pipeline_parallel_small_input_batch(
+                    inference_input, recv_buffer_seq_len)
+            return _around_the_ring(self, inference_input, recv_buffer_seq_len)
+
     return Wrapper
 
 
+def _around_the_ring(wrapper: Any, inputs: dict[str, Any], seq_len: int | None) -> Any:
+    """One forward step with virtual pipeline stages: the batch goes around the pipeline ring
+    once per chunk (chunk v of every rank in turn, the layer order of training's interleaved
+    schedule); megatron-core's static engine knows one chunk per rank. The logits (last rank)."""
+    from megatron.core.inference.communication_utils import (
+        recv_from_prev_pipeline_rank_,
+        send_to_next_pipeline_rank,
+    )
+
+    group = wrapper.pp_group
+    batch, seq = wrapper._get_batch_size_and_seq_len(inputs["tokens"], seq_len)
+    first, last = group.rank() == 0, group.rank() == group.size() - 1
+    out = None
+    for v, chunk in enumerate(wrapper.chunks):
+        received = None
+        if not (first and v == 0):
+            received = wrapper._allocate_recv_buffer(batch, seq)
+            recv_from_prev_pipeline_rank_(received, group)
+        chunk.set_input_tensor(received)
+        out = chunk(inputs["tokens"], inputs["position_ids"], inputs["attention_mask"],
+                    inference_context=wrapper.inference_context, runtime_gather_output=True)
+        if not (last and v == len(wrapper.chunks) - 1):
+            send_to_next_pipeline_rank(out.type(dtype=wrapper.pipeline_communication_dtype),
+                                       group)
+    wrapper.inference_context.increment_sequence_len_offset(seq)
+    return out.to(wrapper.inference_wrapper_config.params_dtype) if last else None
+
+
 @contextmanager
-def _sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
+def _sequence_parallel_off(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     """A training model's sequence parallelism switched off while it generates (megatron-core's
     static batch refuses it: one decode token cannot be split over the tp ranks) and back on
-    after; the weights are the same, only the communication pattern changes."""
-    if not getattr(model.config, "sequence_parallel", False):
+    after; the weights are the same, only the communication pattern changes. Every chunk at
+    once: virtual pipeline stages share one config."""
+    if not getattr(chunks[0].config, "sequence_parallel", False):
         yield
         return
     from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
-    set_model_to_sequence_parallel(model, False)
+    for chunk in chunks:
+        set_model_to_sequence_parallel(chunk, False)
     try:
         yield
     finally:
-        set_model_to_sequence_parallel(model, True)
+        for chunk in chunks:
+            set_model_to_sequence_parallel(chunk, True)
 
 
 @contextmanager
-def _grad_free_not_inference(model: torch.nn.Module) -> Iterator[None]:
+def _grad_free_not_inference(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     """megatron-core's inference code runs in ``torch.inference_mode``: tensors made there can
     never join autograd later. A ZeRO-3 model gathers its partitions during the forward, and
     DeepSpeed keeps some of what it gathered for the next (training) forward, which then fails
     ("Inference tensors cannot be saved for backward"). For such a model the inference regions
     run as ``torch.no_grad`` instead (the same numbers, no gradients)."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+    if not any(hasattr(p, "ds_id") for chunk in chunks for p in chunk.parameters()):
         yield
         return
     cls = torch.inference_mode
@@ -169,7 +209,7 @@ def megatron_quiet() -> Iterator[None]:
 
 
 class Generator:
-    """Generation on ``chunks`` (this rank's GPTModel; one chunk: no virtual pipeline).
+    """Generation on ``chunks`` (this rank's GPTModels: one, or one per virtual pipeline stage).
     ``eos_ids``: the tokens that end a completion (the first is megatron-core's termination
     id; a completion is cut after the first of any). ``vocab_size``: the real vocabulary (the
     rows tensor parallelism pads it with get -inf logits, so sampling never draws them and
@@ -190,14 +230,11 @@ class Generator:
             TextGenerationController,
         )
 
-        if len(chunks) != 1:
-            raise GenerationError(f"generation runs one model chunk per rank, got {len(chunks)} "
-                                  "(virtual pipeline stages): load the model without vpp.")
         if not eos_ids:
             raise GenerationError("the model names no end-of-sequence token (eos_token_id in "
                                   "its config.json or generation_config.json).")
         model = chunks[0]
-        self.model = model
+        self.model, self.chunks = model, list(chunks)
         model.eval()
         mask_vocab_padding(chunks, vocab_size)
         config = model.config
@@ -208,6 +245,7 @@ class Generator:
             inference_max_requests=max_batch, inference_max_seq_length=max_seq_len)
         wrapped = _scaling(GPTInferenceWrapper)(model, wrapper_config,
                                                 StaticInferenceContext(max_batch, max_seq_len))
+        wrapped.chunks = self.chunks
         self.wrapped = wrapped
         self.controller = _controller(TextGenerationController)(
             wrapped, _Tokens(self.eos_ids[0], decode))
@@ -251,8 +289,10 @@ class Generator:
             requests.append(InferenceRequest(request_id=self._next_id, prompt="",
                                              prompt_tokens=list(prompt), sampling_params=params))
             self._next_id += 1
-        with megatron_quiet(), _sequence_parallel_off(self.model), \
-                _grad_free_not_inference(self.model):
+        for chunk in self.chunks:  # megatron-core puts the first in eval mode, not the others
+            chunk.eval()
+        with megatron_quiet(), _sequence_parallel_off(self.chunks), \
+                _grad_free_not_inference(self.chunks):
             done = self.engine.generate(inference_requests=requests)
         return [self._completion(r, sampling.max_new_tokens, logprobs) for r in done]
 

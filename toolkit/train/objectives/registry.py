@@ -107,8 +107,7 @@ def _on_policy(s: ObjectiveSetup) -> Any:
 
     d, tok = s.cfg.distill, load_tokenizer(s.cfg.tokenizer_path)
     rows = s.global_batch // s.layout.dp
-    sampler = live_generator(s, rows, policy_eos_ids(s.policy, tok), "on-policy completions",
-                             " or set distill.lmbda=0")
+    sampler = live_generator(s, rows, policy_eos_ids(s.policy, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     return OnPolicy(sampler, Sampling(max_new_tokens=d.max_new_tokens, temperature=d.temperature,
                                       seed=s.cfg.train.seed),

@@ -55,8 +55,7 @@ def _generated(s: Any, data: Any, fns: list[rw.RewardFn]) -> Generated:
     cfg, g = s.cfg, s.cfg.grpo
     every_row = s.layout.ep > 1  # the experts' all-to-all spans data-parallel ranks
     rows = s.global_batch if every_row else s.global_batch // s.layout.dp
-    sampler = live_generator(s, rows, policy_eos_ids(s.policy, data.tokenizer), "grpo rollouts",
-                            " or train on recorded rollouts (grpo.rollouts)")
+    sampler = live_generator(s, rows, policy_eos_ids(s.policy, data.tokenizer))
     sampling = Sampling(max_new_tokens=g.max_completion_length, temperature=g.temperature,
                         top_p=g.top_p, top_k=g.top_k, seed=cfg.train.seed)
     return Generated(data.prompts, g.num_generations, fns, sampler, sampling, data.tokenizer,
