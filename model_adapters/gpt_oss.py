@@ -1,6 +1,5 @@
-"""GPT-OSS (``GptOssForCausalLM``): attention sinks, sliding / full layers, YaRN, biased experts
-with a clamped SwiGLU, stored fused (``mapping.stacked``) and published as MXFP4
-(``checkpoint.mxfp4``). docs/adding-a-model.md says how each piece maps to megatron-core."""
+"""GPT-OSS (``GptOssForCausalLM``): attention sinks, sliding / full layers, YaRN, biased clamped-
+SwiGLU experts stored fused (``mapping.stacked``), MXFP4 (``checkpoint.mxfp4``); see the docs."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ class GptOss(Family):
     moe = Moe(experts_key=("num_local_experts",), ffn_key="intermediate_size", renormalise=True)
     mlp_bias = True  # the experts always have biases; attention_bias must agree (one switch)
     gated_activations = ("quick_gelu",)
+    refuses_cp = "mdtk's context-parallel attention has no attention sinks nor sliding windows"
 
     def layer_types(self, hf: Any) -> list[str]:  # transformers' default: sliding first
         return getattr(hf, "layer_types", None) or [("full_attention", "sliding_attention")[

@@ -407,9 +407,10 @@ def test_open_moe_refusals(family, changes, match):
         adapter_for(HFConfig({**data, **changes}))
 
 
-def test_gpt_oss_needs_etp_1():
+def test_gpt_oss_needs_etp_1_and_cp_1():
     """GPT-OSS's experts have biases: megatron-core has them only at etp=1; tp=2 alone (etp
-    defaults to tp) is refused naming parallel.etp, and etp=1 is accepted."""
+    defaults to tp) is refused naming parallel.etp, and etp=1 is accepted. Its sinks and
+    sliding windows have no context-parallel form: cp=2 is refused before any model is built."""
     from toolkit.adapters import HFConfig
     from toolkit.parallel.layout import LayoutError, ParallelLayout
 
@@ -418,6 +419,8 @@ def test_gpt_oss_needs_etp_1():
     with pytest.raises(LayoutError, match=r"etp=2: .*set parallel.etp=1"):
         adapter.validate(ParallelLayout(tp=2))
     adapter.validate(ParallelLayout(tp=2, etp=1))
+    with pytest.raises(LayoutError, match=r"context parallelism \(cp=2\): .*sinks.*set cp=1"):
+        adapter.validate(ParallelLayout(cp=2))
 
 
 def _hybrid_json(name: str, **changes):

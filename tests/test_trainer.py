@@ -59,6 +59,10 @@ CASES_2 = [
       for name, kw in (("tp2_sp", {"tp": 2, "sp": True}), ("pp2", {"pp": 2}), ("ep2", {"ep": 2}))
       if (m, name) != ("qwen3n", "tp2_sp")),
     Case("gpt_oss_pp2", model="gpt_oss", pp=2),
+    # context parallelism for GLM-4.5 and for DeepSeek-V3's multi-latent attention (v heads
+    # narrower than q/k); GPT-OSS, Llama 4 and Qwen3-Next refuse cp (tests/test_adapters_units.py)
+    Case("glm_cp2", model="glm", mode="sft", cp=2),
+    Case("dsv3_cp2", model="dsv3", cp=2),
     Case("qwen3n_tp2_grads", model="qwen3n", mode="sft", tp=2, sp=True, **QWEN3N_GRADS),
 ]
 CASES_4 = [

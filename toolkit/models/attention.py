@@ -106,10 +106,10 @@ def core_attention(choice: str | None = None, *, latent: bool = False) -> type[t
     return (_LATENT[cls] if latent else cls)
 
 
-def _latent(cls: type[DotProductAttention]) -> type[DotProductAttention]:
+def latent_variant(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     """``cls`` accepting MLA's ``k_channels`` / ``v_channels`` (TE's attention takes them).
 
-    Both forwards read the head sizes from the q/k/v tensors; the output size comes from
+    The forwards read the head sizes from the q/k/v tensors; the output size comes from
     ``kv_channels``, which the MLA config sets to ``v_head_dim``; the softmax scale is passed.
     """
     def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None,
@@ -119,7 +119,8 @@ def _latent(cls: type[DotProductAttention]) -> type[DotProductAttention]:
                              f"{kwargs['config'].kv_channels} for megatron-core's core attention.")
         cls.__init__(self, *args, **kwargs)
 
-    return type(f"Latent{cls.__name__}", (cls,), {"__init__": __init__, "__doc__": _latent.__doc__})
+    return type(f"Latent{cls.__name__}", (cls,),
+                {"__init__": __init__, "__doc__": latent_variant.__doc__})
 
 
-_LATENT = {c: _latent(c) for c in (SDPAttention, LocalAttention)}
+_LATENT = {c: latent_variant(c) for c in (SDPAttention, LocalAttention)}

@@ -280,6 +280,9 @@ class CPAttention(MegatronModule):
                                 "(thd) is not supported; set cp=1.")
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dv = v.shape[-1]  # MLA: v_head_dim < the q/k head size; the CPU flash kernel wants one
+        if dv < q.shape[-1]:  # size: zero columns of v add nothing and are cut off after
+            v = F.pad(v, (0, q.shape[-1] - dv))
         dropout = self.attention_dropout.p if self.training else 0.0
         rng = (tensor_parallel.get_cuda_rng_tracker().fork()
                if dropout > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
@@ -291,15 +294,20 @@ class CPAttention(MegatronModule):
             else:
                 context = cp_attention(q, k, v, group=group, scale=self.softmax_scale,
                                        mask=attention_mask, dropout=dropout)
-        context = context.permute(2, 0, 1, 3).contiguous()  # [s, b, heads, d]
+        context = context[..., :dv].permute(2, 0, 1, 3).contiguous()  # [s, b, heads, d]
         return context.view(*context.shape[:2], self.hidden_size_per_partition)
 
 
 def with_cp_attention(spec: ModuleSpec) -> ModuleSpec:
-    """``spec`` (a transformer layer) with :class:`CPAttention` in the core-attention slot."""
+    """``spec`` (a transformer layer) with :class:`CPAttention` in the core-attention slot
+    (multi-latent attention's: taking its ``k_channels`` / ``v_channels``)."""
+    from toolkit.models.attention import latent_variant
+
     layer = spec.submodules
     attn = layer.self_attention
-    attn_sub = dataclasses.replace(attn.submodules, core_attention=CPAttention)
+    latent = hasattr(attn.submodules, "linear_kv_down_proj")
+    core = latent_variant(CPAttention) if latent else CPAttention
+    attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
     layer = dataclasses.replace(layer, self_attention=dataclasses.replace(attn,
                                                                            submodules=attn_sub))
     return dataclasses.replace(spec, submodules=layer)
