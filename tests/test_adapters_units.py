@@ -459,3 +459,15 @@ def test_hybrid_refuse_context_parallel(name, why):
     with pytest.raises(LayoutError, match=rf"context parallelism \(cp=2\): .*{why}.*set cp=1"):
         adapter.validate(ParallelLayout(cp=2))
     adapter.validate(ParallelLayout(tp=2))
+
+
+def test_sliding_window_config_refuses_context_parallel_early():
+    """A Mistral config with a sliding window: cp=2 is a LayoutError before any model is built
+    (mdtk's CP attention has no window); without the window cp=2 passes."""
+    from toolkit.adapters import HFConfig
+    from toolkit.parallel.layout import LayoutError, ParallelLayout
+
+    data = {**ac.tiny_configs()["mistral"].to_dict(), "architectures": ["MistralForCausalLM"]}
+    with pytest.raises(LayoutError, match=r"cp=2\): .*sliding-window attention; set cp=1"):
+        adapter_for(HFConfig(data)).validate(ParallelLayout(cp=2))
+    adapter_for(HFConfig({**data, "sliding_window": None})).validate(ParallelLayout(cp=2))

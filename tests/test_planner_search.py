@@ -290,3 +290,25 @@ def test_context_parallel_plans_are_runnable_and_emitted():
         warnings.simplefilter("ignore")
         default = search(shape, work, cluster, DEVICES["h100"], top=20)
     assert all(p.candidate.cp == 1 for p in default.plans)
+
+
+def test_context_parallel_plans_only_for_models_it_runs():
+    """With allow_cp, cp > 1 is searched for DeepSeek-V3 (multi-latent attention runs in mdtk's
+    CP attention) but never for GPT-OSS (sinks, sliding windows): the same reason the trainer's
+    layout check gives (``Family.cp_refusal``); a fixed cp=2 for it is one PlanError."""
+    from dist_checks.adapter_checks import tiny_open_moe_configs
+
+    from toolkit.memory import model_shape_from_hf
+    from toolkit.planner.search import PlanError
+
+    work = Workload(4096, 64)
+    dsv3 = load_model_shape("deepseek-v3")
+    assert dsv3.cp_refusal == ""
+    assert {c.cp for c in candidates(dsv3, work, 64, 8, SearchSpace(allow_cp=True))} > {1}
+    oss = model_shape_from_hf({**tiny_open_moe_configs()["gpt_oss"].to_dict(),
+                               "architectures": ["GptOssForCausalLM"]}, name="gpt-oss")
+    assert "sinks" in oss.cp_refusal
+    assert {c.cp for c in candidates(oss, work, 16, 8, SearchSpace(allow_cp=True))} == {1}
+    with pytest.raises(PlanError, match=r"cp=2: .*sinks.*\(gpt-oss\).*set it to 1"):
+        search(oss, work, Cluster(2, 8, 80 * GIB, 1024 * GIB), DEVICES["h100"],
+               space=SearchSpace(allow_cp=True, fixed=(("cp", 2),)))

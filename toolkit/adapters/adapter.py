@@ -125,9 +125,8 @@ class Adapter:
     def validate(self, layout: ParallelLayout) -> None:
         """Raise LayoutError if this model cannot be split as ``layout`` says."""
         d = self.dims
-        if layout.cp > 1 and self.family.refuses_cp:
-            raise LayoutError(f"context parallelism (cp={layout.cp}): "
-                              f"{self.family.refuses_cp}; set cp=1.")
+        if layout.cp > 1 and (why := self.family.cp_refusal(self.hf_config)):
+            raise LayoutError(f"context parallelism (cp={layout.cp}): {why}; set cp=1.")
         layout.validate_model(num_layers=d.layers, num_heads=d.heads, num_query_groups=d.groups,
                               num_experts=d.experts or None, vocab_size=d.vocab,
                               ffn_hidden_size=d.ffn)

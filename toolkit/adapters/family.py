@@ -301,6 +301,19 @@ class Family:
                 "needs a positive size.")
 
     # -- megatron-core arguments ----------------------------------------------------------------
+    def cp_refusal(self, hf: Any) -> str:
+        """Why context parallelism cannot run this config ("" when it can): the family's
+        ``refuses_cp``, or what mdtk's context-parallel attention lacks (sliding windows,
+        learnable softmax offsets). Asked before any model is built, and by the planner."""
+        if self.refuses_cp:
+            return self.refuses_cp
+        kw = self.transformer_kwargs(hf)
+        if kw.get("window_size") is not None:
+            return "mdtk's context-parallel attention has no sliding-window attention"
+        if kw.get("softmax_type", "vanilla") != "vanilla":
+            return f"mdtk's context-parallel attention has no softmax_type={kw['softmax_type']}"
+        return ""
+
     def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
         """TransformerConfig arguments (model shape and numerics; no parallel sizes, no
         activation function: the adapter adds those)."""

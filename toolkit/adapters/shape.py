@@ -69,6 +69,7 @@ class ModelShape:
     attn_gate: bool = False  # q_proj also holds a per-head output gate (Qwen3-Next)
     delta: DeltaDims | None = None  # gated DeltaNet sizes (hybrid models) and its layers
     delta_layers: tuple[int, ...] = ()
+    cp_refusal: str = ""  # why context parallelism cannot run it ("" when it can)
     name: str = "model"
     #: The adapter's vocab padding: megatron-core's vocab is a multiple of ``vocab_multiple * tp``
     #: (``toolkit.mapping.padded_vocab_size``; 1 = the adapter's default, the least padding).

@@ -220,7 +220,8 @@ class ModelSpec:
                 f"inconsistent attention sizes: hidden_size={d.hidden}, num_attention_heads="
                 f"{d.heads}, num_key_value_heads={d.groups} (heads must be a positive multiple "
                 "of kv heads)")
-        return ModelShape.from_dims(d, self.name)
+        return dataclasses.replace(ModelShape.from_dims(d, self.name),
+                                   cp_refusal=self.family.cp_refusal(self.decoder))
 
     @property
     def dtype(self) -> dtypes.DType:

@@ -12,8 +12,8 @@ memory model ask too): tp within a node and dividing heads, query groups and the
 with micro-batches a multiple of pp); ZeRO-2/3 only with pp = 1; ZeRO-3 not with experts; ZeRO-0
 not with pp > 1 or experts (DeepSpeed's ZeRO-0 clipping norm); optimizer offload with ZeRO-2/3,
 parameter offload with ZeRO-3 (the generator's options). Context parallelism (mdtk's all-gather
-CP attention, no Transformer Engine) is searched only with ``allow_cp``; its plans are runnable
-like any other.
+CP attention, no Transformer Engine) is searched only with ``allow_cp`` and never for models it
+cannot run (``ModelShape.cp_refusal``); its plans are runnable like any other.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def candidates(model: ModelShape, work: Workload, world: int, gpus_per_node: int
         if world % tp or model.heads % tp or model.kv_heads % tp or model.ffn % tp or (
                 moe and model.moe_ffn % tp):
             continue
-        for cp in choices("cp", space.cps if space.allow_cp else (1,)):
+        for cp in choices("cp", space.cps if space.allow_cp and not model.cp_refusal else (1,)):
             if work.seq_len % (2 * cp) and cp > 1 or world % (tp * cp):
                 continue
             for pp in choices("pp", _divisors(model.layers)):
@@ -241,6 +241,9 @@ def search(model: ModelShape, work: Workload, cluster: Cluster, device: Device, 
     """The ``top`` fastest plans that fit, fastest first. ``group`` keeps only the best plan of
     each group (e.g. one per layout); default: one per plan ignoring the micro-batch size."""
     group = group or (lambda c: dataclasses.replace(c, micro_batch=0))
+    if dict(space.fixed).get("cp", 1) > 1 and model.cp_refusal:
+        raise PlanError(f"cp={dict(space.fixed)['cp']}: {model.cp_refusal} ({model.name}); "
+                        "leave cp out or set it to 1.")
     net = Network(device, cluster.gpus_per_node)
     world = cluster.world_size
     costed = []
