@@ -8,6 +8,7 @@ with the same config on one rank; the memory cases count what each rank holds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,31 +17,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_checks import trainer_checks as tc
+
 DPO_DATA = ["bundled:examples/data/dpo.jsonl", "bundled:examples/data/dpo_text.jsonl"]
 STEPS, MICRO, GLOBAL, SEQ, LR, BETA = 2, 2, 8, 48, 1e-3, 0.1
 LORA = ("peft.method=lora", "peft.r=4", "dpo.reference=null")  # the reference: adapters off
 
 
 @dataclass(frozen=True)
-class DpoCase:
-    """One DPO run: the layout, the DeepSpeed settings, the reference kind."""
+class DpoCase(tc.Case):
+    """One DPO run: a trainer case (model, layout, DeepSpeed settings) plus the reference kind.
+    ``model``'s reference is ``assets[reference_key(model)]``."""
 
-    name: str
-    model: str = "dense"  # a trainer_checks model; its reference: assets["reference_<model>"]
     ref: str = "ref"  # the single-rank case to match
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1
-    sp: bool = False
-    zero: int = 1
-    offload: str = "none"
-    precompute: bool = False
     steps: int = STEPS
-    overrides: tuple[str, ...] = ()
+    precompute: bool = False
     memory: bool = False  # also count the bytes each rank holds before the first update
-    grads: bool = False  # also return every parameter's reduced gradient of the first step
 
 
 def make_reference(policy: str | Path, out: str | Path, seed: int = 99) -> str:
@@ -65,16 +57,11 @@ def reference_key(model: str) -> str:
 def config(case: DpoCase, assets: dict[str, str], out: str | Path):
     """The trainer tests' config (``trainer_checks.config``: model, layout, fp32, constant LR)
     turned into a DPO run on the bundled pairs with this module's batch and LR."""
-    from dist_checks import trainer_checks as tc
-
     dpo = ("data.mode=dpo", f"data.sources=[{','.join(DPO_DATA)}]", f"dpo.beta={BETA}",
            f"dpo.reference={assets[reference_key(case.model)]}",
            f"dpo.precompute_reference={case.precompute}", f"optim.lr={LR}",
            f"train.micro_batch={MICRO}", f"train.global_batch={GLOBAL}", f"train.seq_len={SEQ}")
-    base = tc.Case(case.name, model=case.model, tp=case.tp, pp=case.pp, vpp=case.vpp,
-                   cp=case.cp, ep=case.ep, sp=case.sp, zero=case.zero, offload=case.offload,
-                   steps=case.steps, overrides=dpo + case.overrides)
-    return tc.config(base, assets, out)
+    return tc.config(dataclasses.replace(case, overrides=dpo + case.overrides), assets, out)
 
 
 def run_case(case: DpoCase, assets: dict[str, str], workdir: str) -> dict[str, Any]:
