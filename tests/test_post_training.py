@@ -287,6 +287,8 @@ def other_tokenizer_teacher(trainer_models, tmp_path_factory) -> str:
     ("distill", {"distill": {"teacher": "MODEL:other_tokenizer"}},
      ["its tokenizer is not the student's", "must share the tokenizer"]),
     ("distill", {}, ["data.mode=distill needs distill.teacher"]),
+    ("distill", {"distill": {"teacher": "MODEL:moe"}, "parallel": {"pp": 2, "vpp": 2}},
+     ["distill.teacher=", "runs at the student's layout", "num_hidden_layers=2"]),
     ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 0.5}, "data": {"pack": True}},
      ["distill.lmbda > 0 with data.pack", "set data.pack=false"]),
     ("distill", {"distill": {"teacher": "MODEL:dense", "lmbda": 1.5}}, ["must be in [0, 1]"]),

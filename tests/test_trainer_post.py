@@ -28,6 +28,7 @@ import pytest
 import torch
 from dist_checks import memory_checks, own_cache
 from dist_checks import post_checks as pc
+from dist_checks.dpo_checks import make_reference
 from dist_checks.post_checks import PostCase
 
 from toolkit.memory import TrainShape, estimate, model_shape_from_hf
@@ -41,13 +42,22 @@ LAYOUT_CASES = [PostCase(o, f"{o}_{name}", memory=(o, name) == ("distill", "dp2_
 # a tied causal LM (vocab 507, its own score head seeded) as a reward model at pp2, exported
 TIED = PostCase("reward", "reward_tied_pp2", pp=2, model="odd",
                 overrides=("export.hf_dir={work}/reward_tied_hf",))
-# on-policy distillation (lmbda 1: every step on the student's sampled completions)
+# on-policy distillation (lmbda 1: every step on the student's sampled completions), also at
+# tp2 and at pp2 x vpp2 (the engine's forwards around the pipeline ring once per chunk; the
+# teacher runs at the student's layout: a 4-layer one, a perturbed copy of the student)
 ON_POLICY = ("distill.lmbda=1.0", "distill.max_new_tokens=8")
+ON_POLICY_T4 = (*ON_POLICY, "distill.teacher={work}/teacher4")
+ON_POLICY_LAYOUTS = [  # (the single-rank run it equals, the run)
+    ("distill_on_policy", PostCase("distill", "distill_on_policy_tp2", tp=2, overrides=ON_POLICY)),
+    ("distill_on_policy_t4", PostCase("distill", "distill_on_policy_pp2_vpp2", pp=2, vpp=2,
+                                      overrides=ON_POLICY_T4))]
 # the single-rank runs, the reward model exported
 # GKD at its ends (forward and reverse KL) through the trainer too, against GKDTrainer
 GKD_BETAS = (0.0, 1.0)
 SINGLE = [PostCase(o, overrides=("export.hf_dir={work}/reward_hf",) if o == "reward" else ())
-          for o in OBJECTIVES] + [PostCase("distill", "distill_on_policy", overrides=ON_POLICY)] \
+          for o in OBJECTIVES] + [PostCase("distill", "distill_on_policy", overrides=ON_POLICY),
+                                  PostCase("distill", "distill_on_policy_t4",
+                                           overrides=ON_POLICY_T4)] \
     + [PostCase("distill", f"distill_beta{b:g}", overrides=(f"distill.beta={b}",))
        for b in GKD_BETAS] \
     + [PostCase("distill", "distill_teacher_ckpt",
@@ -65,6 +75,7 @@ def assets(trainer_assets) -> dict[str, str]:
     out = {**pc.make_post_assets(base, root), "work": str(root / "post_runs")}
     convert(out["teacher"], Path(out["work"]) / "teacher_mcore_tp2", to="mcore",
             layout=ParallelLayout(tp=2), workers=1, progress=False)
+    make_reference(base["dense"], Path(out["work"]) / "teacher4")
     return out
 
 
@@ -78,8 +89,8 @@ def _with_work(cases: list[PostCase], work: str) -> list[PostCase]:
 @pytest.fixture(scope="module")
 def jobs(rank_pool_1, rank_pool_2, assets) -> dict:
     """Both fixtures' pool jobs, started together (the TRL checks run meanwhile)."""
-    cases = _with_work([*LAYOUT_CASES, TIED, PostCase("distill", "distill_on_policy_tp2", tp=2,
-                                                      overrides=ON_POLICY)], assets["work"])
+    cases = _with_work([*LAYOUT_CASES, TIED, *(c for _, c in ON_POLICY_LAYOUTS)],
+                       assets["work"])
     return {"single": rank_pool_1.submit(pc.run_cases, _with_work(SINGLE, assets["work"]),
                                          own_cache(assets), assets["work"], timeout=600),
             "layouts": rank_pool_2.submit(pc.run_cases, cases, assets, assets["work"],
@@ -272,14 +283,16 @@ def test_distillation_memory_with_a_teacher_twice_the_student(layouts, assets):
 def test_on_policy_distillation_samples_the_students_completions(single, layouts):
     """distill.lmbda=1: every step trains on completions the student sampled on the ranks (the
     dataset's are gone: its step losses differ from the offline run's while the validation
-    before training, on the dataset's rows, is the same), and at tp2 the same completions and
-    losses as on one rank (seeded sampling, the same at every layout)."""
+    before training, on the dataset's rows, is the same), and at tp2 and pp2 x vpp2 the same
+    completions and losses as on one rank (seeded sampling, the same at every layout)."""
     on, off = single["distill_on_policy"], single["distill"]
     assert on["val_losses"][0] == pytest.approx(off["val_losses"][0], rel=1e-7)
     assert all(abs(a - b) > 1e-4 for a, b in zip(on["losses"], off["losses"], strict=True))
-    (tp2, _) = layouts["distill_on_policy_tp2"]
-    assert tp2["losses"] == pytest.approx(on["losses"], rel=RTOL, abs=1e-7)
-    assert tp2["val_losses"][pc.STEPS] == pytest.approx(on["val_losses"][pc.STEPS], rel=RTOL)
+    for ref, case in ON_POLICY_LAYOUTS:
+        run, one = layouts[case.name][0], single[ref]
+        assert run["losses"] == pytest.approx(one["losses"], rel=RTOL, abs=1e-7), case.name
+        assert run["val_losses"][pc.STEPS] == pytest.approx(one["val_losses"][pc.STEPS],
+                                                            rel=RTOL), case.name
 
 
 @pytest.mark.parametrize("beta", GKD_BETAS)

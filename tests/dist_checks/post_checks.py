@@ -40,6 +40,7 @@ class PostCase:
     name: str = ""
     tp: int = 1
     pp: int = 1
+    vpp: int | None = None
     cp: int = 1
     sp: bool = False
     zero: int = 1
@@ -105,8 +106,8 @@ def config(case: PostCase, assets: dict[str, str], out: Path):
                 f"train.seq_len={SEQ}", f"optim.lr={LR}", f"model.path={assets[model]}",
                 *((f"distill.teacher={assets['teacher']}",) if objective == "distill" else ()),
                 *case.overrides)
-    base = tc.Case(case.label, tp=case.tp, pp=case.pp, cp=case.cp, sp=case.sp, zero=case.zero,
-                   steps=STEPS, overrides=settings)
+    base = tc.Case(case.label, tp=case.tp, pp=case.pp, vpp=case.vpp, cp=case.cp, sp=case.sp,
+                   zero=case.zero, steps=STEPS, overrides=settings)
     return tc.config(base, assets, out)
 
 

@@ -81,7 +81,8 @@ def check_distill(cfg: Any) -> None:
                           "the student's own completions).")
     if d.lmbda > 0:
         check_on_policy(cfg)
-    check_teacher(d.teacher, cfg.model.path or cfg.model.config, cfg.tokenizer_path)
+    check_teacher(d.teacher, cfg.model.path or cfg.model.config, cfg.tokenizer_path,
+                  cfg.parallel.layout())
 
 
 def check_on_policy(cfg: Any) -> None:
@@ -117,9 +118,10 @@ def teacher_folder(teacher: str) -> str | None:
                       "checkpoint with its hf_config/ (an mdtk convert or mdtk train output).")
 
 
-def check_teacher(teacher: str, student: str | None, tokenizer: str) -> None:
+def check_teacher(teacher: str, student: str | None, tokenizer: str, layout: Any = None) -> None:
     """The teacher exists and shares the student's vocabulary: its config's vocab_size and, when
-    its folder holds a tokenizer, that tokenizer's tokens (compared when both are local)."""
+    its folder holds a tokenizer, that tokenizer's tokens (compared when both are local); it
+    runs at the student's ``layout`` (tp, pp x vpp, ep, cp), so that layout must fit it too."""
     folder = teacher_folder(teacher)
     if folder is None:
         return
@@ -130,6 +132,14 @@ def check_teacher(teacher: str, student: str | None, tokenizer: str) -> None:
                           f"{theirs.shape.vocab} tokens, the student {mine.shape.vocab}: teacher "
                           "and student must share the tokenizer (their distributions are "
                           "compared token by token).")
+    if layout is not None:
+        from toolkit.parallel.layout import LayoutError
+
+        try:
+            theirs.adapter().validate(layout)
+        except LayoutError as e:
+            raise ConfigError(f"distill.teacher={teacher!r} runs at the student's layout, which "
+                              f"does not fit it: {e}") from None
     different = tokenizer_difference(folder, tokenizer)
     if different:
         raise ConfigError(f"distill.teacher={teacher!r}: its tokenizer is not the student's "
