@@ -229,3 +229,22 @@ def test_deepspeed_hostfile_checked_against_the_shape(tmp_path):
     res = _mdtk("launch", "--scheduler", "deepspeed", "--nodes", "2", "-n", "4", "--dry-run",
                 "--", "env")
     assert res.exit_code != 0 and "needs --hostfile" in res.output
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """Rendezvous ports are drawn below the range the OS hands out by itself (port-0 binds,
+    every outgoing connection's source port), so no such socket can take one before its
+    store binds it; each was bindable when drawn. A port in use is never handed out."""
+    import socket
+    from pathlib import Path
+
+    from toolkit.runtime.ports import _bindable, free_port
+
+    start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(20000 <= p < start for p in ports), ports
+    assert len(set(ports)) > 10  # drawn at random
+    with socket.socket() as held:  # what the draw skips: a port something listens on
+        held.bind(("127.0.0.1", ports[0]))
+        held.listen()
+        assert not _bindable(ports[0]) and _bindable(ports[1])
