@@ -119,6 +119,8 @@ def results_2(rank_pool_2, assets, started):
         Case("refuse_cp2_seq30", cp=2, overrides=("train.seq_len=30",)),
         Case("refuse_zero3_pp2", zero=3, pp=2),
         Case("refuse_bad_ds_json", overrides=(f"deepspeed.config={assets['bad_ds']}",)),
+        # the model's own sizes, before any data or process group (Adapter.validate)
+        Case("refuse_gpt_oss_cp2", model="gpt_oss", cp=2),
     ]
     first, second = rank_pool_2.run(tc.two_rank_checks, CASES_2, refuse, assets, assets["work"],
                                     timeout=900)
@@ -280,6 +282,7 @@ def test_refusals_name_the_reason_before_any_engine(results_2):
         "refuse_zero3_pp2": ["ZeRO stage 3 with pp>1 is not supported because",
                              "zero_stage 1 with pp>1"],
         "refuse_bad_ds_json": ["deepspeed.config=", "offload_param", "stage 2"],
+        "refuse_gpt_oss_cp2": ["context parallelism (cp=2)", "attention sinks", "set cp=1"],
     }
     for name, words in expected.items():
         for r in results_2[name]:
@@ -287,6 +290,9 @@ def test_refusals_name_the_reason_before_any_engine(results_2):
                 assert w in r["error"], (name, r["error"])
             assert not r["ds_config_written"], name  # refused before the engine (and model)
             assert not r["left_initialised"], name
+    # the model's own sizes: refused before any process group (and so before any data)
+    assert not any(r["groups_made"] for r in results_2["refuse_gpt_oss_cp2"])
+    assert all(r["groups_made"] for r in results_2["refuse_zero3_pp2"])
 
 
 def test_sft_loss_counts_only_response_tokens(results_1):

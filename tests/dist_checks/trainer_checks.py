@@ -273,18 +273,28 @@ def resume_runs(assets: dict[str, str], workdir: str, zero: int = 2) -> dict[str
 
 
 def refusal(case: Case, assets: dict[str, str], workdir: str) -> dict[str, Any]:
-    """The ConfigError ``run`` raises for ``case`` and whether it got as far as the engine."""
+    """The ConfigError ``run`` raises for ``case``, whether it got as far as the engine and
+    whether it had made megatron-core's process groups (a spy on ``parallel.initialize``)."""
     from toolkit.train import trainer
     from toolkit.train.config import ConfigError
 
     out = Path(workdir) / case.name
+    made, initialize = [], trainer.parallel.initialize
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        made.append(True)
+        return initialize(*args, **kwargs)
+
+    trainer.parallel.initialize = spy
     try:
         trainer.run(config(case, assets, out))
     except ConfigError as e:
-        return {"case": case.name, "error": str(e),
+        return {"case": case.name, "error": str(e), "groups_made": bool(made),
                 "ds_config_written": (out / "ds_config.json").exists(),
                 "left_initialised": _groups_left()}
-    return {"case": case.name, "error": "", "ds_config_written": True,
+    finally:
+        trainer.parallel.initialize = initialize
+    return {"case": case.name, "error": "", "ds_config_written": True, "groups_made": True,
             "left_initialised": _groups_left()}
 
 

@@ -105,8 +105,9 @@ def _setup(cfg: TrainConfig) -> tuple[Any, cfgmod.RunPlan, RunModel]:
     with runtime.failing_together():  # e.g. a model folder missing on one node only
         run_plan = cfgmod.plan(cfg, world)
         layout = run_plan.layout
-        layout.validate_seq_len(cfg.train.seq_len)  # the model's own sizes: checked on load
+        layout.validate_seq_len(cfg.train.seq_len)
         model = RunModel.of(cfg)
+        model.adapter.validate(layout)  # the model's sizes, before any data or process group
         if cfg.data.mode == "pretrain":  # indexed sources' token ids vs the vocab, scanned once
             check_token_ids(cfg.data.sources + cfg.data.validation_sources, cfg.data_cache_dir,
                             model.shape.vocab)
