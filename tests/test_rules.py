@@ -175,3 +175,10 @@ def test_every_error_a_user_can_fix_derives_from_user_error():
     errors = [n for n in bases if n.endswith("Error") and n != "UserError"]
     assert len(errors) > 15
     assert [n for n in errors if not reaches_user_error(n)] == []
+
+
+def test_cp_attention_problem_names_what_it_cannot_compute():
+    """One rule for the CP attention (at build) and the families' early check (before build)."""
+    assert rules.cp_attention_problem() is None
+    assert "sliding-window" in rules.cp_attention_problem(window_size=(4, 0))
+    assert "softmax_type=learnable" in rules.cp_attention_problem(softmax_type="learnable")

@@ -16,7 +16,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -63,14 +63,16 @@ def replace_dir(src: Path, dst: Path) -> None:
 
 
 @contextlib.contextmanager
-def building(dst: str | Path) -> Iterator[Path]:
-    """``with building(dst) as tmp:`` fill ``tmp``; on success it becomes ``dst`` (replacing it),
-    on any error it is removed and ``dst`` is left as it was."""
+def building(dst: str | Path, publish: Callable[[Path, Path], None] = replace_dir
+             ) -> Iterator[Path]:
+    """``with building(dst) as tmp:`` fill ``tmp``; on success ``publish`` makes it ``dst``
+    (``replace_dir``: replacing it; ``publish_once``: unless a copy is there already), on any
+    error it is removed and ``dst`` is left as it was."""
     dst = Path(dst)
     tmp = temp_dir(dst)
     try:
         yield tmp
-        replace_dir(tmp, dst)
+        publish(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -91,15 +93,7 @@ def publish_once(src: Path, dst: Path) -> None:
         shutil.rmtree(src, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def building_once(dst: str | Path) -> Iterator[Path]:
-    """``building`` for content-addressed entries: on success ``tmp`` becomes ``dst`` unless
-    another writer's copy is already there (``publish_once``)."""
-    dst = Path(dst)
-    tmp = temp_dir(dst)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_once(tmp, dst)
+
+def building_once(dst: str | Path) -> contextlib.AbstractContextManager[Path]:
+    """``building`` for content-addressed entries (``publish_once``)."""
+    return building(dst, publish_once)

@@ -246,3 +246,16 @@ def mics_problem(key: str, hpz: int) -> str:
     return (f"zero_optimization.{key}: MiCS was removed from DeepSpeed (0.19 rejects the key). "
             f"For its intra-node parameter gathers use ZeRO++'s hpZ: {HPZ} = the GPUs per node, "
             "at stage 3.")
+
+
+# -- context parallelism ----------------------------------------------------------------------
+
+def cp_attention_problem(window_size: object = None, softmax_type: str = "vanilla") -> str | None:
+    """What mdtk's context-parallel attention (``toolkit.models.cp_attention``: all-gathered
+    K/V, exact causal blocks) cannot compute, from megatron-core's attention settings: asked by
+    the attention itself and, before any model is built, by ``Family.cp_refusal``."""
+    if window_size is not None:
+        return "mdtk's context-parallel attention has no sliding-window attention"
+    if softmax_type != "vanilla":
+        return f"mdtk's context-parallel attention has no softmax_type={softmax_type}"
+    return None

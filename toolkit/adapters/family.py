@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from toolkit import rules
 from toolkit.adapters.hfconfig import (
     COUNT,
     COUNTS,
@@ -308,11 +309,8 @@ class Family:
         if self.refuses_cp:
             return self.refuses_cp
         kw = self.transformer_kwargs(hf)
-        if kw.get("window_size") is not None:
-            return "mdtk's context-parallel attention has no sliding-window attention"
-        if kw.get("softmax_type", "vanilla") != "vanilla":
-            return f"mdtk's context-parallel attention has no softmax_type={kw['softmax_type']}"
-        return ""
+        return rules.cp_attention_problem(kw.get("window_size"),
+                                          kw.get("softmax_type", "vanilla")) or ""
 
     def transformer_kwargs(self, hf: Any) -> dict[str, Any]:
         """TransformerConfig arguments (model shape and numerics; no parallel sizes, no

@@ -48,6 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch.nn.attention.bias import causal_lower_right
 
+from toolkit import rules
 from toolkit.models.packed import Segments
 from toolkit.parallel.layout import LayoutError
 
@@ -252,12 +253,10 @@ class CPAttention(MegatronModule):
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise CPUnsupported(f"context parallelism: attn_mask_type={attn_mask_type.name} "
                                 "(only causal decoders are supported); set cp=1.")
-        if getattr(config, "window_size", None) is not None:
-            raise CPUnsupported("context parallelism with sliding-window attention is not "
-                                "supported; set cp=1.")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise CPUnsupported(f"context parallelism with softmax_type={config.softmax_type} "
-                                "is not supported; set cp=1.")
+        why = rules.cp_attention_problem(getattr(config, "window_size", None),
+                                         getattr(config, "softmax_type", "vanilla"))
+        if why:
+            raise CPUnsupported(f"context parallelism: {why}; set cp=1.")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         tp = ps.get_tensor_model_parallel_world_size()
