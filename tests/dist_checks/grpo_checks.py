@@ -115,3 +115,29 @@ def run_example(model: str, workdir: str, steps: int) -> dict[str, Any]:
     result = trainer.run(cfg)
     return {"case": "example", "rewards": [m["reward"] for m in result.metrics],
             "metrics": result.metrics}
+
+
+def run_stale_vllm(case: GrpoCase, assets: dict[str, str], workdir: str) -> dict[str, Any]:
+    """``case`` with its vLLM engine given the live weights before the first generation batch
+    only: the control that shows the log-probability gap sees a stale engine."""
+    from toolkit.infer.vllm_engine import VllmSampler
+
+    sync = VllmSampler.sync
+
+    def first_only(self) -> int:
+        if getattr(self, "synced_once", False):
+            return 0
+        self.synced_once = True
+        return sync(self)
+
+    VllmSampler.sync = first_only
+    try:
+        return run_case(case, assets, workdir)
+    finally:
+        VllmSampler.sync = sync
+
+
+def first_token_reward(prompts, completions, completion_ids, **columns) -> list[float]:
+    """A reward that differs within almost every group (the first sampled token's id mod 7), so
+    every step's advantages, and so its update, are not zero."""
+    return [(ids[0] % 7) / 7 if ids else 0.0 for ids in completion_ids]

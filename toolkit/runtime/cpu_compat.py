@@ -98,7 +98,8 @@ class _NullStream:
 
 def _patch(obj: Any, name: str, value: Any, label: str) -> None:
     setattr(obj, name, value)
-    PATCHED.append(label)
+    if label not in PATCHED:
+        PATCHED.append(label)
 
 
 def enable() -> bool:
@@ -121,10 +122,7 @@ def enable() -> bool:
     _patch(cuda, "manual_seed", lambda seed: cpu_gen.manual_seed(int(seed)),
            "torch.cuda.manual_seed -> CPU generator")
     _patch(cuda.random, "get_rng_state", cuda.get_rng_state, "torch.cuda.random.get_rng_state")
-    _patch(cuda, "Stream", _NullStream, "torch.cuda.Stream -> null stream")
-    _patch(cuda, "Event", _NullStream, "torch.cuda.Event -> null event")
-    _patch(cuda, "current_stream", lambda *a, **k: _NullStream(), "torch.cuda.current_stream")
-    _patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stream")
+    _streams()
     _patch(torch.Tensor, "record_stream", lambda self, *a, **k: None, "Tensor.record_stream")
 
     # torch.device("meta") (used by transformers' loader) dispatches only the factories in a list
@@ -139,6 +137,22 @@ def enable() -> bool:
 
     _patch_megatron()
     return True
+
+
+def _streams() -> None:
+    cuda = torch.cuda
+    _patch(cuda, "Stream", _NullStream, "torch.cuda.Stream -> null stream")
+    _patch(cuda, "Event", _NullStream, "torch.cuda.Event -> null event")
+    _patch(cuda, "current_stream", lambda *a, **k: _NullStream(), "torch.cuda.current_stream")
+    _patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext(), "torch.cuda.stream")
+
+
+def reassert_streams() -> None:
+    """The null streams and events again, where a library replaced them after ``enable`` (vLLM's
+    CPU worker does on import, with events that cannot time: megatron-core's engine times its
+    tokens)."""
+    if _ENABLED:
+        _streams()
 
 
 def _patch_megatron() -> None:

@@ -72,7 +72,7 @@ def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
     """What the generator needs to choose: the model, this machine's memory, the run's shape."""
     from toolkit.dsconfig.generator import Request
     from toolkit.memory import Cluster, TrainShape
-    from toolkit.train.objectives.spec import train_shape_fields
+    from toolkit.train.objectives.spec import engine_reserve, train_shape_fields
 
     ds, world = cfg.deepspeed, run.layout.world_size
     gpu_mem, host = device_memory()
@@ -93,6 +93,7 @@ def generator_request(cfg: TrainConfig, run: RunPlan, model: RunModel,
         warmup_steps=warmup, total_steps=max(total_steps, warmup + 1),
         hpz=ds.hpz_partition_size, quantized_weights=ds.quantized_weights,
         quantized_gradients=ds.quantized_gradients,
+        gpu_reserve=Request.gpu_reserve + engine_reserve(cfg, gpu_mem),
     )
 
 

@@ -166,7 +166,7 @@ def _prepare(cfg: TrainConfig, mpu, run_plan: cfgmod.RunPlan, model: RunModel) -
                                  layout.dp, dp_rank, cfg.train.seed, shuffle)
     objective = objective_for(ObjectiveSetup(cfg, layout, mpu, ds_config, model.spec,
                                              list(chunks), run_plan.global_batch, precomputed,
-                                             data))
+                                             data, adapter))
     return RunState(cfg, run_plan, model, data, sampler, list(chunks), adapter, ds_config,
                     notes, total, objective, variant)
 

@@ -184,7 +184,10 @@ class GrpoSection:
     std, batch: the batch's, none). ``rewards``: ``{function: "module:name" | "mdtk:name",
     weight, args}`` with TRL's signature ``f(prompts, completions, completion_ids, **columns)``.
     ``rollouts``: a JSONL of recorded rollouts (prompt, completion_ids or completion, reward)
-    trained on instead of generating."""
+    trained on instead of generating. ``engine``: who samples: ``megatron`` (mdtk's engine on
+    the live chunks) or ``vllm`` (a vLLM engine colocated on every rank, the live weights
+    streamed in before each generation batch; ``vllm_gpu_memory_utilization``: its share of a
+    GPU, TRL's name)."""
 
     num_generations: int = opt(8, minimum=1)
     max_completion_length: int = opt(512, minimum=1)
@@ -203,6 +206,7 @@ class GrpoSection:
     rewards: list[dict[str, Any]] = opt(factory=list)
     rollouts: str | None = None
     engine: str = opt("megatron", choices=("megatron", "vllm"))
+    vllm_gpu_memory_utilization: float = opt(0.3, minimum=0.0)
 
 
 @dataclass

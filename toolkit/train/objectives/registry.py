@@ -27,6 +27,7 @@ class ObjectiveSetup:
     global_batch: int
     precomputed: Any = None  # DPO: the reference log-probabilities computed before the policy
     data: Any = None  # the run's prepared data (GRPO: its prompts or recorded rollouts)
+    adapter: Any = None  # the policy's Adapter (GRPO's vLLM engine streams its weights)
 
 
 def _plain(s: ObjectiveSetup) -> Objective:

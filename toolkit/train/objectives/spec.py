@@ -185,5 +185,14 @@ def train_shape_fields(cfg: Any) -> dict[str, Any]:
                                            or cfg.distill.teacher).shape}
     if mode == "grpo":
         return {"grpo": True, "reference_model": cfg.grpo.beta != 0,
-                "rollout_cache": not cfg.grpo.rollouts}
+                "rollout_cache": not cfg.grpo.rollouts and cfg.grpo.engine == "megatron"}
     return {}
+
+
+def engine_reserve(cfg: Any, gpu_mem: int) -> int:
+    """Device memory a colocated rollout engine keeps beside the trainer's: vLLM's
+    ``grpo.vllm_gpu_memory_utilization`` share of the device (its weights, KV cache and
+    activations); the DeepSpeed sizing leaves it free."""
+    if cfg.data.mode == "grpo" and cfg.grpo.engine == "vllm" and not cfg.grpo.rollouts:
+        return int(cfg.grpo.vllm_gpu_memory_utilization * gpu_mem)
+    return 0

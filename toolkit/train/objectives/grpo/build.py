@@ -55,7 +55,17 @@ def _generated(s: Any, data: Any, fns: list[rw.RewardFn]) -> Generated:
     cfg, g = s.cfg, s.cfg.grpo
     every_row = s.layout.ep > 1  # the experts' all-to-all spans data-parallel ranks
     rows = s.global_batch if every_row else s.global_batch // s.layout.dp
-    sampler = live_generator(s, rows, policy_eos_ids(s.policy, data.tokenizer))
+    eos = policy_eos_ids(s.policy, data.tokenizer)
+    if g.engine == "vllm":
+        from toolkit.infer.vllm_engine import VllmSampler
+        from toolkit.train.model import DTYPES
+
+        sampler: Any = VllmSampler(s.chunks, s.adapter, dtype=DTYPES[cfg.train.precision],
+                                   max_model_len=cfg.train.seq_len + 1, max_batch=rows,
+                                   eos_ids=eos, seed=cfg.train.seed, every_row=every_row,
+                                   gpu_memory_utilization=g.vllm_gpu_memory_utilization)
+    else:
+        sampler = live_generator(s, rows, eos)
     sampling = Sampling(max_new_tokens=g.max_completion_length, temperature=g.temperature,
                         top_p=g.top_p, top_k=g.top_k, seed=cfg.train.seed)
     return Generated(data.prompts, g.num_generations, fns, sampler, sampling, data.tokenizer,

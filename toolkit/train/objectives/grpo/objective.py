@@ -124,3 +124,4 @@ class GrpoObjective(Objective):
     def close(self) -> None:
         if self.reference is not None:
             self.reference.close()
+        self.source.close()

@@ -43,6 +43,9 @@ class Recorded:
     def weights(self) -> list[float]:
         return [1.0]
 
+    def close(self) -> None:
+        pass
+
     def batch(self, gen: int, prompts_per_batch: int, mine: np.ndarray) -> Rollout:
         picked = [self.groups[(gen * prompts_per_batch + i) % len(self.groups)]
                   for i in range(prompts_per_batch)]
@@ -69,6 +72,11 @@ class Generated:
 
     def weights(self) -> list[float]:
         return [f.weight for f in self.fns]
+
+    def close(self) -> None:
+        close = getattr(self.sampler, "close", None)  # a vLLM engine's groups and memory
+        if close is not None:
+            close()
 
     def _prompt(self, position: int) -> PromptRow:
         n = len(self.prompts)

