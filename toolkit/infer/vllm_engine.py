@@ -61,6 +61,10 @@ class VllmSampler:
             raise VllmError(f"grpo.engine=vllm: {problem}.")
         import torch
         import torch.distributed as dist
+
+        # concise logs: vLLM's INFO lines and its chat-template warm-up's traceback (no
+        # tokenizer: ids in, ids out) on every rank; VLLM_LOGGING_LEVEL shows them again
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
 
         from toolkit.adapters.spec import ConfigFile
