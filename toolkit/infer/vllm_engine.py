@@ -116,7 +116,7 @@ class VllmSampler:
         sampling.check()
         self.sync()
         params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 top_k=sampling.top_k or -1, max_tokens=sampling.max_new_tokens,
+                                 top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
                                  logprobs=0 if logprobs else None, seed=sampling.seed + i,
                                  stop_token_ids=self.eos_ids)
                   for i in range(len(prompts))]
@@ -136,6 +136,8 @@ class VllmSampler:
 
         from vllm.distributed import parallel_state as vps
 
+        if self.llm is None:
+            return
         real = vps.destroy_distributed_environment
 
         def groups_only() -> None:  # what vLLM's teardown calls, less ending torch's world
@@ -189,7 +191,6 @@ def _agreeing(every_row: bool) -> tuple[Any, int]:
 
     if every_row:
         return (None, 0) if dist.get_world_size() == 1 else (dist.group.WORLD, 0)
-
     group = ps.get_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)
     return (None, 0) if len(ranks) == 1 else (group, ranks[0])
