@@ -550,3 +550,27 @@ def test_plan_counts_grpos_rollout_cache_and_reference():
         emit(rl, Path("/tmp/unused_emit"), "llama-3.1-8b")
     with pytest.raises(ValueError, match="--grpo-reference applies to --grpo"):
         plan(grpo_reference=True)
+
+
+def test_plan_with_vllm_rollouts_keeps_vllms_share_free():
+    """``mdtk plan --grpo --grpo-vllm SHARE``: no mdtk KV cache in any plan, and SHARE of each
+    GPU reserved as the trainer reserves it (``objectives.spec.engine_reserve``): a larger share
+    rejects more candidates."""
+    from toolkit.planner.report import PlanRequest, plan_layouts
+    from toolkit.planner.search import Budget, train_shape
+
+    def plan(**kw):
+        return plan_layouts(PlanRequest("llama-3.1-8b", nodes=1, gpus_per_node=8, top=1,
+                                        seq_len=2048, global_batch=64, **kw))
+
+    vllm = plan(grpo=True, grpo_vllm=0.3)
+    best = vllm.result.plans[0]
+    assert train_shape(vllm.work, best.candidate).grpo
+    assert not train_shape(vllm.work, best.candidate).rollout_cache
+    assert not any(i.what.startswith("rollout KV cache") for i in best.estimate.items)
+    gpu_mem = vllm.setting.cluster.gpu_mem
+    assert vllm.setting.budget.gpu_reserve == Budget().gpu_reserve + int(0.3 * gpu_mem)
+    assert plan(grpo=True, grpo_vllm=0.8).result.rejected_memory > vllm.result.rejected_memory
+    for bad in ({"grpo_vllm": 0.3}, {"grpo": True, "grpo_vllm": 1.5}):
+        with pytest.raises(ValueError, match="--grpo-vllm"):
+            plan(**bad)

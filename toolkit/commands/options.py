@@ -46,6 +46,11 @@ GRPO = typer.Option(False, "--grpo", help="Online RL (data.mode: grpo): prompt +
 GRPO_REF = typer.Option(False, "--grpo-reference", help="With --grpo: grpo.beta > 0, a frozen "
                         "reference model (sharded like the policy; with --peft the policy with "
                         "its adapters off).")
+GRPO_VLLM = typer.Option(None, "--grpo-vllm", min=0.0, max=1.0,
+                         help="With --grpo: rollouts from vLLM colocated on every rank "
+                         "(grpo.engine: vllm): this share of each GPU is vLLM's "
+                         "(grpo.vllm_gpu_memory_utilization, e.g. 0.3) and mdtk's engine holds "
+                         "no KV cache.")
 NETWORK = typer.Option("ib", "--network", help="Inter-node network: ib (the device's own: one "
                        "400 Gb/s NDR NIC per GPU on DGX/HGX H100/H200/B200) or ethernet (one "
                        "100 GbE port per node, assumed). Decides whether ZeRO++ pays.")

@@ -20,6 +20,7 @@ from toolkit.commands.options import (
     GPUS,
     GRPO,
     GRPO_REF,
+    GRPO_VLLM,
     LORA_R,
     LORA_TARGETS,
     MODEL_OR_NONE,
@@ -80,7 +81,8 @@ def plan_cmd(
     output_dir: str | None = OUTPUT_DIR, steps: int | None = STEPS,
     sweep_gpus: str | None = SWEEP, plot: Path = PLOT, dpo: bool = DPO,
     precompute_reference: bool = PRECOMPUTE_REF, grpo: bool = GRPO,
-    grpo_reference: bool = GRPO_REF, peft: str = PEFT, lora_r: int = LORA_R,
+    grpo_reference: bool = GRPO_REF, grpo_vllm: float | None = GRPO_VLLM,
+    peft: str = PEFT, lora_r: int = LORA_R,
     lora_targets: str | None = LORA_TARGETS,
     network: str = NETWORK, allow_quantized_comm: bool = ALLOW_QUANTIZED,
 ) -> None:
@@ -102,7 +104,7 @@ def plan_cmd(
         top=top, allow_cp=allow_cp, network=network, allow_quantized=allow_quantized_comm,
         per_layout=per_layout, emit_rank=emit_rank, dpo=dpo,
         precompute_reference=precompute_reference, grpo=grpo, grpo_reference=grpo_reference,
-        device_overrides=overrides,
+        grpo_vllm=grpo_vllm, device_overrides=overrides,
         lora=lora_of(peft, lora_r, lora_targets))
     if sweep_gpus is not None:
         try:
@@ -153,6 +155,9 @@ def _table(report, top: int) -> None:
     typer.echo(f"{shape.name} ({_params(shape.num_params())} params{lora}) on {cluster.nodes} x "
                f"{cluster.gpus_per_node} {s.device.key}, seq {work.seq_len}, global batch "
                f"{work.global_batch}, {work.dtype}")
+    if work.grpo and not work.rollout_cache:  # --grpo-vllm: the trainer's share is smaller
+        kept = s.budget.gpu_reserve - type(s.budget)().gpu_reserve
+        typer.echo(f"vLLM's share kept free on every GPU: {kept / 2**30:.1f} GiB")
     head = ["#", "layout", "ZeRO", "offload", "recompute", "micro x acc", "GiB/GPU", "step s",
             "tok/s/GPU", "MFU"]
     if tokens:

@@ -68,6 +68,7 @@ class PlanRequest:
     precompute_reference: bool = False  # ... unless its log-probabilities are precomputed
     grpo: bool = False  # online RL: the generation engine's KV cache on every rank ...
     grpo_reference: bool = False  # ... and, with grpo.beta > 0, a frozen reference model
+    grpo_vllm: float | None = None  # rollouts from vLLM instead: its share of each GPU
     device_overrides: dict[str, float | None] = field(default_factory=dict)  # get_device's
     lora: LoraSpec | None = None  # train adapters only (--peft)
 
@@ -101,12 +102,18 @@ def resolve(req: PlanRequest) -> Setting:
         raise ValueError("--grpo and --dpo: a run trains one objective; choose one.")
     if req.grpo_reference and not req.grpo:
         raise ValueError("--grpo-reference applies to --grpo (grpo.beta > 0).")
-    grpo = {"grpo": True, "rollout_cache": True,
+    if req.grpo_vllm is not None and not (req.grpo and 0 < req.grpo_vllm <= 1):
+        raise ValueError(f"--grpo-vllm {req.grpo_vllm}: give it with --grpo, a share of each "
+                         "GPU in (0, 1] (grpo.vllm_gpu_memory_utilization, e.g. 0.3).")
+    grpo = {"grpo": True, "rollout_cache": req.grpo_vllm is None,
             "reference_model": req.grpo_reference} if req.grpo else {}
     kernels = {"flash": not on_cpu and req.flash, "fused": not on_cpu, **dpo, **grpo}
+    budget = Budget()
+    if req.grpo_vllm is not None:  # vLLM's share of the device stays free, as the trainer does
+        budget = Budget(gpu_reserve=budget.gpu_reserve + int(req.grpo_vllm * gpu_mem))
     return Setting(shape, device, cluster, count, kernels,
                    SearchSpace(allow_cp=req.allow_cp, allow_quantized=req.allow_quantized),
-                   Budget())
+                   budget)
 
 
 @dataclass(frozen=True)
