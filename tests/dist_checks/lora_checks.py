@@ -53,13 +53,16 @@ def measure_engine(engine: Any, seen: dict[str, Any]) -> None:
 
 def peft_logits_at_layout(folder: str, tp: int, pp: int) -> dict[str, float]:
     """A PEFT-made adapter (random B; DoRA: perturbed magnitudes) of each kind under ``folder``
-    loaded into mdtk at tp x pp: max abs logit difference to PEFT's model, on every rank."""
+    loaded into mdtk at tp x pp: max abs logit difference to PEFT's model, on every rank; the
+    same with the adapters folded into the weights (``lora.layers.merged``: what GRPO streams
+    into vLLM), and whether the weights came back bit for bit after."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
     from toolkit import parallel
     from toolkit.adapters import live
     from toolkit.lora.attach import attach
+    from toolkit.lora.layers import merged
     from toolkit.lora.peft_io import WEIGHTS, read_config
     from toolkit.lora.state import FullTensors
 
@@ -76,6 +79,12 @@ def peft_logits_at_layout(folder: str, tp: int, pp: int) -> dict[str, float]:
             ref = torch.load(root / kind / "reference.pt", weights_only=True)
             logits = live.forward_logits(chunks, ref["tokens"], adapter.dims.vocab)
             out[kind] = float((logits - ref["logits"]).abs().max())
+            before = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+            with merged(chunks):
+                folded = live.forward_logits(chunks, ref["tokens"], adapter.dims.vocab)
+            out[f"{kind}_merged"] = float((folded - ref["logits"]).abs().max())
+            out[f"{kind}_restored"] = all(torch.equal(before[n], p) for c in chunks
+                                          for n, p in c.named_parameters())
         finally:
             parallel.destroy()
     return out

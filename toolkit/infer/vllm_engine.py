@@ -7,7 +7,8 @@ TRL's colocate mode), started with vLLM's ``external_launcher`` so that it joins
 Megatron checkpoint) and, before every generation batch, takes the live policy's weights from
 ``adapters.stream.hf_tensors`` (any layout, every rank materialising each HF tensor in turn)
 through vLLM's in-place ``reload_weights``, the path vLLM keeps for RL weight updates: a plain
-``load_weights`` fails once the CPU backend has repacked its linears. Sampled tokens come back
+``load_weights`` fails once the CPU backend has repacked its linears. With LoRA the adapters are
+folded into the streamed weights (restored bit for bit after). Sampled tokens come back
 with vLLM's log-probabilities after temperature scaling (``logprobs_mode="processed_logprobs"``,
 what the trainer's forward computes). Ranks that must hold the same rows (tensor / pipeline
 peers; every rank with expert parallelism) take the first one's rollouts, so sampling noise
@@ -91,9 +92,12 @@ class VllmSampler:
             reassert_streams()  # vLLM's CPU worker replaced mdtk's CPU streams and events
 
     def sync(self) -> int:
-        """The live weights into the engine (collective); the number of HF tensors."""
+        """The live weights into the engine (collective); the number of HF tensors. LoRA's
+        adapters are folded into the weights while they stream (``lora.layers.merged``)."""
+        from toolkit.lora.layers import merged
+
         tensors = _counted(self._stream())
-        with _gathered(self.chunks):
+        with _gathered(self.chunks), merged(self.chunks):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
             left = sum(1 for _ in tensors)  # the stream is collective: every rank ends it
         if left:

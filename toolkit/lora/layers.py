@@ -234,3 +234,29 @@ def linear_kind(module: torch.nn.Module) -> str | None:
     if isinstance(module, RowParallelLinear):
         return ROW
     return None
+
+
+@contextlib.contextmanager
+def merged(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Every adapter folded into its layer's local weight inside the block (``W + s B A``;
+    DoRA: its rows scaled by ``m / ||W + s B A||``), the branches off: the chunks then hold
+    what an engine that knows no LoRA reads (vLLM's weight stream). The weights are restored
+    bit for bit after. Collective with DoRA at tp > 1 (the norms' all-reduce)."""
+    layers = [m for c in chunks for m in c.modules() if isinstance(m, LoraLinear)]
+    saved = []
+    with torch.no_grad():
+        for m in layers:
+            branch, weight = m.lora, m.weight
+            value = weight.float() + branch.scaling * branch.lora_weight().float()
+            if branch.dora:
+                value = value * branch.dora_scale(weight).unsqueeze(1)
+            saved.append((weight.detach().clone(), branch.enabled))
+            weight.copy_(value.to(weight.dtype))
+            branch.enabled = False
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (weight, enabled) in zip(layers, saved, strict=True):
+                m.weight.copy_(weight)
+                m.lora.enabled = enabled

@@ -90,10 +90,6 @@ def check_vllm(cfg: Any) -> None:
     if g.rollouts:
         raise ConfigError("grpo.engine=vllm samples completions, grpo.rollouts replays recorded "
                           "ones: remove one of them.")
-    if cfg.peft.method != "none":
-        raise ConfigError(f"grpo.engine=vllm with peft.method={cfg.peft.method}: mdtk streams "
-                          "full weights into vLLM, not adapters; use grpo.engine=megatron (it "
-                          "samples with the adapters on) or train without peft.")
     if not 0 < g.vllm_gpu_memory_utilization <= 1:
         raise ConfigError(f"grpo.vllm_gpu_memory_utilization={g.vllm_gpu_memory_utilization} "
                           "must be in (0, 1] (TRL's default is 0.3).")
