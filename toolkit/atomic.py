@@ -93,7 +93,6 @@ def publish_once(src: Path, dst: Path) -> None:
         shutil.rmtree(src, ignore_errors=True)
 
 
-
 def building_once(dst: str | Path) -> contextlib.AbstractContextManager[Path]:
     """``building`` for content-addressed entries (``publish_once``)."""
     return building(dst, publish_once)

@@ -20,7 +20,6 @@ it (and torch) only when an engine is built: the config checks ask ``vllm_missin
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import tempfile
@@ -94,10 +93,12 @@ class VllmSampler:
     def sync(self) -> int:
         """The live weights into the engine (collective); the number of HF tensors. LoRA's
         adapters are folded into the weights while they stream (``lora.layers.merged``)."""
+        from toolkit import runtime
         from toolkit.lora.layers import merged
 
         tensors = _counted(self._stream())
-        with _gathered(self.chunks), merged(self.chunks):
+        with runtime.zero3_gathered(p for c in self.chunks for p in c.parameters()), \
+                merged(self.chunks):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
             left = sum(1 for _ in tensors)  # the stream is collective: every rank ends it
         if left:
@@ -172,19 +173,6 @@ class _counted:
         item = next(self.items)
         self.count += 1
         return item
-
-
-@contextlib.contextmanager
-def _gathered(chunks: Sequence[torch.nn.Module]):
-    """ZeRO-3 partitions whole while the weights are streamed."""
-    params = [p for c in chunks for p in c.parameters() if hasattr(p, "ds_id")]
-    if not params:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params):
-        yield
 
 
 def _agreeing(every_row: bool) -> tuple[Any, int]:

@@ -153,18 +153,35 @@ class LoraBranch(torch.nn.Module):
             rows.append(p.lora_B(p.lora_A(eye)).T)
         return self._place(torch.cat(rows, 0), 0.0, dim=0)
 
+    def _plus_adapter(self, weight: torch.Tensor) -> torch.Tensor:
+        """``W + s B A`` of the local weight, in fp32."""
+        return weight.float() + self.scaling * self.lora_weight().float()
+
     @torch.no_grad()
-    def weight_norm(self, weight: torch.Tensor) -> torch.Tensor:
-        """``||W + s B A||`` per output row of the local weight (over the whole input)."""
-        merged = weight.float() + self.scaling * self.lora_weight().float()
+    def _row_norm(self, merged: torch.Tensor) -> torch.Tensor:
+        """Per output row of a local weight, its norm over the whole input."""
         sq = merged.pow(2).sum(1)
         if self.kind == ROW and self.tp > 1:
             dist.all_reduce(sq, group=self.tp_group)
         return sq.sqrt()
 
-    def dora_scale(self, weight: torch.Tensor) -> torch.Tensor:
+    def weight_norm(self, weight: torch.Tensor) -> torch.Tensor:
+        """``||W + s B A||`` per output row of the local weight (over the whole input)."""
+        return self._row_norm(self._plus_adapter(weight))
+
+    @torch.no_grad()
+    def folded(self, weight: torch.Tensor) -> torch.Tensor:
+        """The local weight with the adapter in it (fp32): ``W + s B A``, DoRA's rows scaled by
+        ``m / ||W + s B A||``; what the layer computes, as one matrix."""
+        merged = self._plus_adapter(weight)
+        if self.dora:
+            merged = merged * self.dora_scale(weight, self._row_norm(merged)).unsqueeze(1)
+        return merged
+
+    def dora_scale(self, weight: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
         m = torch.cat([p.lora_magnitude_vector() for p in self.pairs.values()])
-        scale = self._place(m.float(), 1.0) / self.weight_norm(weight)
+        norm = self.weight_norm(weight) if norm is None else norm
+        scale = self._place(m.float(), 1.0) / norm
         if not self.covered_all:
             scale = torch.where(self.index < m.numel(), scale, torch.ones_like(scale))
         return scale
@@ -246,13 +263,10 @@ def merged(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     saved = []
     with torch.no_grad():
         for m in layers:
-            branch, weight = m.lora, m.weight
-            value = weight.float() + branch.scaling * branch.lora_weight().float()
-            if branch.dora:
-                value = value * branch.dora_scale(weight).unsqueeze(1)
-            saved.append((weight.detach().clone(), branch.enabled))
-            weight.copy_(value.to(weight.dtype))
-            branch.enabled = False
+            value = m.lora.folded(m.weight)
+            saved.append((m.weight.detach().clone(), m.lora.enabled))
+            m.weight.copy_(value.to(m.weight.dtype))
+            m.lora.enabled = False
     try:
         yield
     finally:

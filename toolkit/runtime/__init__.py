@@ -8,7 +8,7 @@ import os
 import pickle
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -166,6 +166,21 @@ def joined(timeout_s: int = 600) -> Iterator[bool]:
     finally:
         if made:
             leave_world_of_one()
+
+
+@contextlib.contextmanager
+def zero3_gathered(params: Iterable[torch.nn.Parameter]) -> Iterator[None]:
+    """The ZeRO-3 partitions among ``params`` whole inside the block, to read (what is written
+    to them is dropped when they are partitioned again); nothing to do for parameters ZeRO-3
+    does not hold. Collective under ZeRO-3."""
+    held = [p for p in params if hasattr(p, "ds_id")]
+    if not held:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(held):
+        yield
 
 
 @contextlib.contextmanager

@@ -85,7 +85,7 @@ class FullWeights:
         if not cfg.export.hf_dir:
             return
         result.export_dir, result.export_max_abs_diff = export(
-            engine, state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
+            state.chunks, state.adapter, cfg.export.hf_dir, verify=cfg.export.verify)
         if result.export_dir is not None:
             diff = result.export_max_abs_diff
             log(f"exported HF checkpoint to {result.export_dir}"
@@ -105,7 +105,7 @@ class RewardWeights(FullWeights):
         if not cfg.export.hf_dir:
             return
         result.export_dir, result.export_max_abs_diff = export_reward(
-            engine, state.chunks, state.adapter, cfg.export.hf_dir,
+            state.chunks, state.adapter, cfg.export.hf_dir,
             state.data.meta.get("pad_id"), verify=cfg.export.verify)
         if result.export_dir is not None:
             diff = result.export_max_abs_diff
@@ -146,7 +146,7 @@ class LoraWeights:
 
     def export(self, state: RunState, engine: Any, result: TrainResult) -> None:
         if state.cfg.export.hf_dir or state.cfg.export.adapter_dir:
-            lora.export(state.cfg, engine, state.chunks, state.adapter, self._spec, result,
+            lora.export(state.cfg, state.chunks, state.adapter, self._spec, result,
                         log)
 
     @property

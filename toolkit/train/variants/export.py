@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 
-def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True,
+def export(chunks, adapter, out_dir: str, *, verify: bool = True,
            check: Callable[[list, object, str], float] | None = None,
            ) -> tuple[str | None, float | None]:
     """HF folder from the trained weights (ZeRO-3 parameters gathered first).
@@ -18,17 +18,11 @@ def export(engine, chunks, adapter, out_dir: str, *, verify: bool = True,
     compared with the live model's on a fixed batch: returns (folder, max abs logit diff).
     ``check(chunks, adapter, folder)``: another comparison (a reward model's scores).
     """
-    import contextlib
-
+    from toolkit import runtime
     from toolkit.adapters.live import export_hf
 
-    gathered = contextlib.nullcontext()
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters([p for c in chunks for p in c.parameters()])
     diff = None
-    with gathered:
+    with runtime.zero3_gathered(p for c in chunks for p in c.parameters()):
         path = export_hf(chunks, adapter, out_dir, overwrite=True)
         if verify:
             diff = (check or verify_export)(chunks, adapter, out_dir)

@@ -176,27 +176,20 @@ def load_state(folder: Path, engine: Any, chunks: list[Any], spec: LoraSpec, ste
     write_engine_state(engine, values, step, samples)
 
 
-@contextlib.contextmanager
-def gathered(engine: Any, chunks: list[Any]):
+def gathered(chunks: list[Any]) -> contextlib.AbstractContextManager[None]:
     """ZeRO-3: the adapter parameters whole inside the block."""
+    from toolkit import runtime
     from toolkit.lora.layers import branches
 
-    if engine.zero_optimization_stage() != 3:
-        yield
-        return
-    import deepspeed
-
-    params = [p for _, _, b in branches(chunks) for p in b.parameters()]
-    with deepspeed.zero.GatheredParameters(params):
-        yield
+    return runtime.zero3_gathered(p for _, _, b in branches(chunks) for p in b.parameters())
 
 
-def export_adapter(engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpec, out_dir: str,
+def export_adapter(chunks: list[Any], adapter: Any, spec: LoraSpec, out_dir: str,
                    base: str | None) -> str | None:
     """Collective: the live adapters as an HF PEFT folder on rank 0 (its path there)."""
     from toolkit.lora.state import gather_full
 
-    with gathered(engine, chunks):
+    with gathered(chunks):
         tensors = gather_full(chunks, lambda p: p.data, replica=_replica())
     path = None
     if dist.get_rank() == 0:
@@ -205,7 +198,7 @@ def export_adapter(engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpec,
     return path
 
 
-def export_merged(engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpec, base: str,
+def export_merged(chunks: list[Any], adapter: Any, spec: LoraSpec, base: str,
                   adapter_dir: str, out_dir: str, *, verify: bool
                   ) -> tuple[str | None, float | None]:
     """Collective: ``base`` with the adapter folder ``adapter_dir`` merged (float32, written in
@@ -226,7 +219,7 @@ def export_merged(engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpec, 
         raise ConfigError(f"export.hf_dir={out_dir}: {problem[0]}")
     diff = None
     if verify:
-        with gathered(engine, chunks):
+        with gathered(chunks):
             diff = verify_export(chunks, adapter, out_dir)
     return path, diff
 
@@ -253,7 +246,7 @@ def peft_logits(base: str, adapter_dir: str, tokens: torch.Tensor) -> torch.Tens
         return model(tokens).logits.float()
 
 
-def export(cfg: Any, engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpec, result: Any,
+def export(cfg: Any, chunks: list[Any], adapter: Any, spec: LoraSpec, result: Any,
            log: Any) -> None:
     """Collective: ``export.adapter_dir`` (PEFT folder) and ``export.hf_dir`` (merged model),
     each checked against the live model when ``export.verify``; fills ``result``."""
@@ -267,9 +260,9 @@ def export(cfg: Any, engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpe
                    else None]
             dist.broadcast_object_list(tmp, src=0)
             folder = str(Path(tmp[0]) / ADAPTER_DIR)
-        result.adapter_dir = export_adapter(engine, chunks, adapter, spec, folder, base)
+        result.adapter_dir = export_adapter(chunks, adapter, spec, folder, base)
         if cfg.export.adapter_dir and cfg.export.verify:
-            with gathered(engine, chunks):
+            with gathered(chunks):
                 result.adapter_max_abs_diff = verify_adapter(chunks, adapter, base, folder)
         if cfg.export.adapter_dir and result.adapter_dir is not None:
             diff = result.adapter_max_abs_diff
@@ -280,7 +273,7 @@ def export(cfg: Any, engine: Any, chunks: list[Any], adapter: Any, spec: LoraSpe
             result.adapter_dir = None
         if cfg.export.hf_dir:
             result.export_dir, result.export_max_abs_diff = export_merged(
-                engine, chunks, adapter, spec, base, folder, cfg.export.hf_dir,
+                chunks, adapter, spec, base, folder, cfg.export.hf_dir,
                 verify=cfg.export.verify)
             if result.export_dir is not None:
                 log(f"exported the merged model to {result.export_dir}")

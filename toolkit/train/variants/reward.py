@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 
-def export_reward(engine: Any, chunks: list[Any], adapter: Any, out_dir: str,
+def export_reward(chunks: list[Any], adapter: Any, out_dir: str,
                   pad_token_id: int | None, *, verify: bool = True,
                   ) -> tuple[str | None, float | None]:
     """(folder, max abs score difference vs the live model, or None without ``verify``)."""
@@ -28,7 +28,7 @@ def export_reward(engine: Any, chunks: list[Any], adapter: Any, out_dir: str,
     def check(chunks: list[Any], adapter: Any, folder: str) -> float:
         return verify_scores(chunks, adapter.dims.vocab, folder, pad_token_id)
 
-    return export(engine, chunks, dataclasses.replace(adapter, pad_token_id=pad_token_id),
+    return export(chunks, dataclasses.replace(adapter, pad_token_id=pad_token_id),
                   out_dir, verify=verify, check=check)
 
 
