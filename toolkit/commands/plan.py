@@ -156,7 +156,9 @@ def _table(report, top: int) -> None:
                f"{cluster.gpus_per_node} {s.device.key}, seq {work.seq_len}, global batch "
                f"{work.global_batch}, {work.dtype}")
     if work.grpo and not work.rollout_cache:  # --grpo-vllm: the trainer's share is smaller
-        kept = s.budget.gpu_reserve - type(s.budget)().gpu_reserve
+        from toolkit.planner.search import Budget
+
+        kept = s.budget.gpu_reserve - Budget().gpu_reserve
         typer.echo(f"vLLM's share kept free on every GPU: {kept / 2**30:.1f} GiB")
     head = ["#", "layout", "ZeRO", "offload", "recompute", "micro x acc", "GiB/GPU", "step s",
             "tok/s/GPU", "MFU"]

@@ -1,7 +1,15 @@
 """Memory model (pure functions): what one rank holds while training, in bytes."""
 
 from toolkit.memory.activations import TrainShape, dpo_fields
-from toolkit.memory.estimate import GIB, Cluster, Estimate, estimate, num_microbatches, parse_bytes
+from toolkit.memory.estimate import (
+    GIB,
+    Cluster,
+    Estimate,
+    estimate,
+    num_microbatches,
+    parse_bytes,
+    vllm_reserve,
+)
 from toolkit.memory.model import ModelConfigError, ModelShape, load_model_shape, model_shape_from_hf
 from toolkit.memory.states import CPU, GPU, NVME, Item, ZeroOptions, rank_params
 
@@ -9,5 +17,5 @@ __all__ = [
     "CPU", "GIB", "GPU", "NVME", "Cluster", "Estimate", "Item", "ModelConfigError", "ModelShape",
     "TrainShape", "ZeroOptions", "dpo_fields", "estimate", "load_model_shape",
     "model_shape_from_hf",
-    "num_microbatches", "parse_bytes", "rank_params",
+    "num_microbatches", "parse_bytes", "rank_params", "vllm_reserve",
 ]

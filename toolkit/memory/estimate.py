@@ -171,6 +171,13 @@ def kv_cache_bytes(model: ModelShape, layers: tuple[int, ...], tp: int, rows: in
     return len(attention) * tokens * rows * groups * width * DTYPE_BYTES[dtype]
 
 
+def vllm_reserve(share: float, gpu_mem: int) -> int:
+    """Device memory a colocated vLLM engine holds (``grpo.vllm_gpu_memory_utilization``: its
+    weights, KV cache and activations) and the DeepSpeed sizing keeps free: its share of the
+    device. mdtk's own rollout KV cache (``rollout_cache_item``) is then not counted."""
+    return int(share * gpu_mem)
+
+
 def rollout_cache_item(model: ModelShape, train: TrainShape, layout: ResolvedLayout,
                        params: RankParams) -> Item:
     """GRPO's generation engine on the training ranks (``infer.Generator``): one static batch

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.lora import LoraSpec
-from toolkit.memory import GIB, Cluster, ModelShape, dpo_fields, load_model_shape, parse_bytes
+from toolkit.memory import (
+    GIB,
+    Cluster,
+    ModelShape,
+    dpo_fields,
+    load_model_shape,
+    parse_bytes,
+    vllm_reserve,
+)
 from toolkit.planner.cost import Network, StepCost, Workload
 from toolkit.planner.devices import Device, get_device, network_inter
 from toolkit.planner.search import (
@@ -110,7 +118,7 @@ def resolve(req: PlanRequest) -> Setting:
     kernels = {"flash": not on_cpu and req.flash, "fused": not on_cpu, **dpo, **grpo}
     budget = Budget()
     if req.grpo_vllm is not None:  # vLLM's share of the device stays free, as the trainer does
-        budget = Budget(gpu_reserve=budget.gpu_reserve + int(req.grpo_vllm * gpu_mem))
+        budget = Budget(gpu_reserve=budget.gpu_reserve + vllm_reserve(req.grpo_vllm, gpu_mem))
     return Setting(shape, device, cluster, count, kernels,
                    SearchSpace(allow_cp=req.allow_cp, allow_quantized=req.allow_quantized),
                    budget)

@@ -190,9 +190,10 @@ def train_shape_fields(cfg: Any) -> dict[str, Any]:
 
 
 def engine_reserve(cfg: Any, gpu_mem: int) -> int:
-    """Device memory a colocated rollout engine keeps beside the trainer's: vLLM's
-    ``grpo.vllm_gpu_memory_utilization`` share of the device (its weights, KV cache and
-    activations); the DeepSpeed sizing leaves it free."""
+    """Device memory a colocated rollout engine keeps beside the trainer's (``grpo.engine:
+    vllm``: ``memory.vllm_reserve``); the DeepSpeed sizing leaves it free."""
+    from toolkit.memory import vllm_reserve
+
     if cfg.data.mode == "grpo" and cfg.grpo.engine == "vllm" and not cfg.grpo.rollouts:
-        return int(cfg.grpo.vllm_gpu_memory_utilization * gpu_mem)
+        return vllm_reserve(cfg.grpo.vllm_gpu_memory_utilization, gpu_mem)
     return 0
