@@ -30,6 +30,7 @@ OPEN_LAYOUTS_2 = [{}, {"ep": 2}, {"tp": 2, "etp": 1, "sequence_parallel": True},
 OPEN_LAYOUTS_4 = [{"tp": 2, "pp": 2, "etp": 1, "sequence_parallel": True}]
 OPEN_AT_4 = ["glm4_moe"]  # the MoE family at tp2 x pp2 (its logits and round trip)
 MXFP4 = "gpt_oss_mxfp4"  # GPT-OSS with MXFP4 experts (ac.make_mxfp4)
+MXFP4_TF = "gpt_oss_mxfp4_tf"  # transformers' own quantizer (ac.copy_transformers_mxfp4)
 #: Issue 39's hybrid families (Qwen3-Next, Llama 4) skip ep2 x tp2, generic to the MoE layer.
 SKIP_4 = tuple((f, MOE_LAYOUTS_4[1]) for f in ("qwen3_next", "llama4"))
 TOL = 1e-4
@@ -58,7 +59,8 @@ def jobs(tiny_root, rank_pool_2, rank_pool_4) -> dict:
         "moe_4": rank_pool_4.submit(ac.check_layouts, root, MOE, MOE_LAYOUTS_4, SKIP_4,
                                     timeout=900),
         "open": [rank_pool_2.submit(ac.check_layouts, root, OPEN, OPEN_LAYOUTS_2, timeout=900),
-                 rank_pool_2.submit(ac.check_layouts, root, [MXFP4], [{"ep": 2}], timeout=900),
+                 rank_pool_2.submit(ac.check_layouts, root, [MXFP4, MXFP4_TF], [{"ep": 2}],
+                                    timeout=900),
                  rank_pool_4.submit(ac.check_layouts, root, OPEN_AT_4, OPEN_LAYOUTS_4,
                                     timeout=900)]}
 
@@ -275,10 +277,11 @@ def test_open_moe_logits_and_roundtrip(results_open):
     GLM-4.5 and Kimi K2 (config.json ``kimi_k2``, written back as read): logits within 1e-5 of
     transformers at 1 rank, ep2, tp2, pp2 (GLM-4.5 also tp2 x pp2) and HF -> megatron-core -> HF
     bit-exact at each; at ep2 each rank reads only its own experts' slices."""
-    worst = _check_logits([r for r in results_open if r["family"] != MXFP4], OPEN)
+    worst = _check_logits([r for r in results_open if r["family"] not in (MXFP4, MXFP4_TF)],
+                          OPEN)
     assert len(worst) == len(OPEN) * len(OPEN_LAYOUTS_2) + len(OPEN_AT_4) * len(OPEN_LAYOUTS_4)
     assert max(worst.values()) <= 1e-5, worst  # the issue's bound
-    _check_roundtrip([r for r in results_open if r["family"] != MXFP4])
+    _check_roundtrip([r for r in results_open if r["family"] not in (MXFP4, MXFP4_TF)])
     rows = _reads_by_rank(results_open, {"ep": 2})
     for family in OPEN:
         per_rank = 4 if family == "kimi_k2" else 2  # 8 or 4 experts
@@ -318,6 +321,34 @@ def test_mxfp4_experts_dequantized_as_transformers(tiny_root, results_open, tmp_
             got = weights[f"model.layers.0.mlp.experts.{proj}"]
             assert got.dtype == dtype and torch.equal(got, want.to(dtype)), (folder, proj)
         assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+
+
+def test_mxfp4_from_transformers_quantizer(tiny_root, results_open, tmp_path):
+    """A GPT-OSS quantized and saved by transformers' own MXFP4 quantizer (tests/data; blocks
+    along the output dimension, a file transformers itself cannot load back) loads at ep2 with
+    the logits of the model that quantizer made (within 1e-5, fp32), its square down_proj in the
+    orientation gate_up_proj's shape shows; its export and `mdtk convert` (bf16, as declared)
+    write the experts bit for bit as OpenAI's dequantizer unpacks them from the quantized model;
+    `mdtk inspect` names the layout."""
+    from safetensors.torch import load_file
+
+    from toolkit.convert import convert
+    from toolkit.convert.inspection import inspect
+
+    rows = [r for r in results_open if r["family"] == MXFP4_TF]
+    assert len(rows) == 2 and max(r["max_abs"] for r in rows) <= 1e-5, rows
+    ref = torch.load(tiny_root / f"{MXFP4_TF}.layer0.pt", weights_only=True)
+    assert ref["gate_up_proj"].shape[-2] == ref["down_proj"].shape[-1] == ref["down_proj"].shape[-2]
+    converted = tmp_path / "plain"
+    convert(ac.TRANSFORMERS_MXFP4 / "quantized", converted, "hf", progress=False)
+    for folder, dtype in ((tiny_root / "export" / f"{MXFP4_TF}-ep2", torch.float32),
+                          (converted, torch.bfloat16)):
+        weights = load_file(str(folder / "model.safetensors"))
+        for proj, want in ref.items():
+            got = weights[f"model.layers.0.mlp.experts.{proj}"]
+            assert got.dtype == dtype and torch.equal(got, want.to(dtype)), (folder, proj)
+    info = inspect(tiny_root / MXFP4_TF)
+    assert info.problems == [] and "along the output dimension" in info.quantization
 
 
 # -- the weight stream (issue 38): buckets of HF-named tensors out of the live model ------------

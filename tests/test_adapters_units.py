@@ -423,6 +423,57 @@ def test_gpt_oss_needs_etp_1_and_cp_1():
         adapter.validate(ParallelLayout(cp=2))
 
 
+def _mxfp4_reader(path):
+    """The MXFP4 layer of the reader mdtk opens ``path`` with (after the stacks' ``expect``)."""
+    from toolkit.checkpoint.hf import open_reader
+
+    adapter = adapter_for(path)
+    config = json.loads((path / "config.json").read_text())
+    return open_reader(path, config, torch.float32, stacks=adapter.stacks)
+
+
+def test_mxfp4_reader_regions_in_both_orientations(tmp_path):
+    """Any region of an MXFP4 expert weight (partial 32-value groups, a few experts) equals the
+    same slice of the whole weight, with the blocks along the input dimension (GPT-OSS's
+    published layout) and along the output dimension (transformers' quantizer: the fixture).
+    A file holding both orientations is refused naming both."""
+    fixture = ac.TRANSFORMERS_MXFP4 / "quantized"
+    published = tmp_path / "published"
+    shutil.copytree(fixture, published)
+    weights = load_file(str(fixture / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    for name in [n for n in weights if n.endswith("_blocks")]:
+        e, rows, groups, _ = weights[name].shape  # along out: [E, in, out / 32, 16]
+        flip = (e, groups * 32, rows // 32)
+        weights[name] = torch.randint(0, 256, (*flip, 16), generator=g, dtype=torch.uint8)
+        weights[name.replace("_blocks", "_scales")] = torch.randint(
+            118, 126, flip, generator=g, dtype=torch.uint8)
+    save_file(weights, str(published / "model.safetensors"), metadata={"format": "pt"})
+    for path, along_out in ((fixture, True), (published, False)):
+        with _mxfp4_reader(path) as reader:
+            mx = reader.inner
+            assert bool(mx.along_out) is along_out
+            for name in sorted(mx.quantized):
+                shape = mx.shape(name)
+                whole = mx.read(name, tuple((0, n) for n in shape))
+                assert whole.shape == shape
+                for region in (((1, 3), (5, 40), (7, 61)), ((0, 4), (33, 64), (0, 3)),
+                               ((2, 3), (0, 64), (31, 33))):
+                    got = mx.read(name, region)
+                    want = whole[tuple(slice(a, b) for a, b in region)]
+                    assert torch.equal(got, want), (path.name, name, region)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(fixture, mixed)
+    weights = load_file(str(fixture / "model.safetensors"))
+    for suffix in ("_blocks", "_scales"):
+        name = "model.layers.1.mlp.experts.gate_up_proj" + suffix
+        weights[name] = load_file(str(published / "model.safetensors"))[name]
+    save_file(weights, str(mixed / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"two orientations: .*layers\.1.*input.*"
+                                              r"layers\.0.*output"):
+        _mxfp4_reader(mixed)
+
+
 def _hybrid_json(name: str, **changes):
     from toolkit.adapters import HFConfig
 

@@ -218,9 +218,9 @@ ZERO_CENTRED_NORMS = {"qwen3_next": ("input_layernorm.weight", "post_attention_l
 INIT_STD = {"qwen3_next": 0.1}
 
 
-def tokens() -> torch.Tensor:
+def tokens(vocab: int = VOCAB) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=g)
 
 
 def make_mxfp4(root: Path, source: str = "gpt_oss") -> Path:
@@ -257,6 +257,43 @@ def make_mxfp4(root: Path, source: str = "gpt_oss") -> Path:
         experts = ref.model.layers[0].mlp.experts
         torch.save({"gate_up_proj": experts.gate_up_proj.clone(),
                     "down_proj": experts.down_proj.clone()}, root / f"{dst.name}.layer0.pt")
+    return dst
+
+
+#: A tiny GPT-OSS quantized by transformers' own MXFP4 quantizer, and the weights its quantized
+#: model holds (scripts/make_mxfp4_fixture.py says how it was made).
+TRANSFORMERS_MXFP4 = Path(__file__).resolve().parents[1] / "data" / "gpt_oss_mxfp4_transformers"
+
+
+def copy_transformers_mxfp4(root: Path) -> Path:
+    """``root/gpt_oss_mxfp4_tf``: the fixture's quantized folder (blocks along the output
+    dimension, as transformers saves them), and ``gpt_oss_mxfp4_tf.logits.pt``: the logits of
+    transformers on the model its quantizer made (the quantized folder's other tensors with the
+    experts OpenAI's dequantizer unpacked from the quantized model), with ``.layer0.pt``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    dst, dense = root / "gpt_oss_mxfp4_tf", root / "gpt_oss_mxfp4_tf_dense"
+    shutil.copytree(TRANSFORMERS_MXFP4 / "quantized", dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["dtype"] = "float32"  # computed in fp32, as the other families (weights: bf16)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    experts = load_file(str(TRANSFORMERS_MXFP4 / "dequantized_experts.safetensors"))
+    weights = {n: t for n, t in load_file(str(dst / "model.safetensors")).items()
+               if not n.endswith(("_blocks", "_scales"))}
+    dense.mkdir()
+    save_file({**weights, **experts}, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    del config["quantization_config"]
+    (dense / "config.json").write_text(json.dumps(config, indent=2))
+    ref = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32,
+                                               attn_implementation="eager")
+    with torch.no_grad():
+        torch.save(ref(tokens(config["vocab_size"])).logits, root / f"{dst.name}.logits.pt")
+    torch.save({p: experts[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_up_proj",
+                                                                        "down_proj")},
+               root / f"{dst.name}.layer0.pt")
     return dst
 
 
@@ -300,6 +337,7 @@ def build_checkpoints(root: Path, names: list[str] | None = None) -> dict[str, P
             as_kimi_k2(path)
         if name == "gpt_oss":
             make_mxfp4(root)
+            copy_transformers_mxfp4(root)
         out[name] = path
     return out
 
@@ -347,6 +385,7 @@ def check_layouts(root: str, families: list[str], layouts: list[dict],
     results = []
     for family in families:
         ref = torch.load(rootp / f"{family}.logits.pt", weights_only=True)
+        ids = tokens(ref.shape[-1])
         for spec in layouts:
             if (family, spec) in skip:
                 continue
@@ -361,7 +400,7 @@ def check_layouts(root: str, families: list[str], layouts: list[dict],
                 stacked = {e for r in reader.reads if re.search(r"experts\.\w+_proj$", r.name)
                            for e in range(*r.region[0])}  # experts sliced from 3-D tensors
                 full = {n: reader.shape(n) for n in reader.names}
-            logits = forward_logits(chunks, tokens(), adapter.dims.vocab)
+            logits = forward_logits(chunks, ids, adapter.dims.vocab)
             tag = "-".join(f"{k}{v}" for k, v in spec.items()) or "single"
             out_dir = rootp / "export" / f"{family}-{tag}"
             export_hf(chunks, adapter, out_dir, overwrite=True)

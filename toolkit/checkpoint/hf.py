@@ -241,8 +241,10 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
             info["quantization"] = (f"fp8 e4m3, {layer.block[0]}x{layer.block[1]} block scales "
                                     f"({len(layer.quantized)} weights, dequantized on read)")
         elif isinstance(layer, mxfp4.Mxfp4Reader):
-            info["quantization"] = (f"mxfp4 experts, 32-value blocks ({len(layer.quantized)} "
-                                    "weights, dequantized on read)")
+            info["quantization"] = (
+                f"mxfp4 experts, 32-value blocks ({len(layer.quantized)} weights, dequantized "
+                "on read" + ("; blocks along the output dimension, as transformers' on-the-fly "
+                             "quantizer saves them)" if layer.along_out else ")"))
     return Opening(reader, adapter, info)
 
 

@@ -10,6 +10,14 @@ computes (``ldexp`` of the table value), so the weights are exact in bf16 and fl
 ``config.json`` says ``quantization_config = {quant_method: mxfp4, ...}``; the biases,
 attention, router, embeddings and head are stored unquantized.
 
+transformers' own quantizer (``Mxfp4Config()`` on load, then ``save_pretrained``; 5.23 and 5.24)
+writes the same names with the blocks along the *output* dimension: ``X_blocks`` ``[experts, in,
+out / 32, 16]``. transformers cannot load such a file back (tests/data/gpt_oss_mxfp4_transformers
+has one and says how it was made). The reader takes the orientation from the shape the model
+needs (``expect``, called by ``stacked.StackedReader`` with the shape config.json gives): a
+square weight, which fits both, follows the checkpoint's other weights (a file is written by one
+quantizer); when none tells (hidden = 2 x intermediate), the published orientation is assumed.
+
 ``Mxfp4Reader`` wraps a slice reader: ``X_blocks`` / ``X_scales`` disappear from ``names``,
 ``X`` takes their place in the output dtype (the checkpoint's dtype, bf16 for GPT-OSS, unless
 the caller asks for another: ``dequantize_to``, the converter's ``--dtype``). Reading a region
@@ -68,6 +76,9 @@ class Mxfp4Reader(WrappedReader):
                                   f"{', '.join(orphans[:4])}.")
         self._names = [n[:-len(BLOCKS)] if n in packed and n.endswith(BLOCKS) else n
                        for n in names if n not in packed or n.endswith(BLOCKS)]
+        self.along_out: set[str] = set()  # blocks along the output dimension (``expect``)
+        self._published: set[str] = set()
+        self._square: set[str] = set()
 
     def _check(self, x: str) -> None:
         b, s = tuple(self.inner.shape(x + BLOCKS)), tuple(self.inner.shape(x + SCALES))
@@ -81,11 +92,35 @@ class Mxfp4Reader(WrappedReader):
         """Produce dequantized weights in ``dtype`` (the converter's ``--dtype``)."""
         self.out_dtype = dtype
 
+    def expect(self, name: str, shape: tuple[int, ...]) -> None:
+        """The model needs ``name`` as ``shape``: read its blocks in the orientation that gives
+        it (see the module docstring). A shape neither gives is left to the caller to name."""
+        if name not in self.quantized:
+            return
+        *lead, rows, groups, _ = self.inner.shape(name + BLOCKS)
+        published, along_out = (*lead, groups * BLOCK, rows), (*lead, rows, groups * BLOCK)
+        fits = (tuple(shape) == published, tuple(shape) == along_out)
+        kind = {(True, True): self._square, (True, False): self._published,
+                (False, True): self.along_out}.get(fits)
+        if kind is not None:
+            kind.add(name)
+        if self._published and self.along_out:
+            raise CheckpointError(
+                f"{self.path}: MXFP4 blocks in two orientations: {min(self._published)}'s run "
+                f"along the input dimension (GPT-OSS's published layout), "
+                f"{min(self.along_out)}'s along the output dimension (transformers' on-the-fly "
+                "quantizer's). One file holds one layout: re-quantize or re-save the checkpoint.")
+
+    def _along_out(self, name: str) -> bool:
+        return name in self.along_out or (name in self._square and bool(self.along_out))
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.quantized:
             return tuple(self.inner.shape(name))
-        *lead, out, groups, _ = self.inner.shape(name + BLOCKS)
-        return (*lead, groups * BLOCK, out)
+        *lead, rows, groups, _ = self.inner.shape(name + BLOCKS)
+        if self._along_out(name):
+            return (*lead, rows, groups * BLOCK)
+        return (*lead, groups * BLOCK, rows)
 
     def dtype(self, name: str) -> Any:
         return self.out_dtype if name in self.quantized else self.inner.dtype(name)
@@ -104,13 +139,16 @@ class Mxfp4Reader(WrappedReader):
     def read(self, name: str, region: tuple[tuple[int, int], ...]) -> torch.Tensor:
         if name not in self.quantized:
             return self.inner.read(name, region)
-        *lead, (i0, i1), (o0, o1) = region
-        groups = (i0 // BLOCK, -(-i1 // BLOCK))
-        blocks = self.inner.read(name + BLOCKS, (*lead, (o0, o1), groups, (0, BLOCK // 2)))
-        scales = self.inner.read(name + SCALES, (*lead, (o0, o1), groups))
-        out = dequantize(blocks, scales, dtypes.to_torch(self.out_dtype))
+        *lead, ins, outs = region
+        along_out = self._along_out(name)
+        rows, (b0, b1) = (ins, outs) if along_out else (outs, ins)  # stored rows; blocked dim
+        groups = (b0 // BLOCK, -(-b1 // BLOCK))
+        blocks = self.inner.read(name + BLOCKS, (*lead, rows, groups, (0, BLOCK // 2)))
+        scales = self.inner.read(name + SCALES, (*lead, rows, groups))
+        out = dequantize(blocks, scales, dtypes.to_torch(self.out_dtype))  # [..., blocked, rows]
         start = groups[0] * BLOCK
-        return out[..., i0 - start:i1 - start, :].contiguous()
+        out = out[..., b0 - start:b1 - start, :]
+        return (out.transpose(-1, -2) if along_out else out).contiguous()
 
 
 

@@ -46,6 +46,8 @@ class StackedReader(WrappedReader):
                 stack = stack.renamed(base_prefix, "")  # saved from the base model class
             if stack.stored not in present:
                 continue  # the adapter names what is missing (``match_checkpoint``)
+            if hasattr(inner, "expect"):  # MXFP4 blocks: their orientation (``mxfp4``)
+                inner.expect(stack.stored, stack.shape)
             got = tuple(inner.shape(stack.stored))
             if got != stack.shape:
                 raise CheckpointError(f"{self.path}: {stack.stored} has shape {got}, the model's "
