@@ -155,6 +155,22 @@ def test_vllm_with_recorded_rollouts_is_refused(trainer_models, tmp_path):
     assert "grpo.engine=vllm samples completions, grpo.rollouts replays" in str(e.value)
 
 
+def test_vllm_tensor_parallel_size_is_checked_against_the_run():
+    """grpo.vllm_tensor_parallel_size must divide the ranks (each T consecutive ranks run one
+    engine) and the model's attention heads (vLLM splits them): one error each, naming the
+    setting, checked before the engine is built."""
+    from toolkit.infer.vllm_engine import VllmError, check_tensor_parallel
+
+    check_tensor_parallel(2, 4, 8)
+    check_tensor_parallel(1, 3, 6)
+    with pytest.raises(VllmError, match=r"vllm_tensor_parallel_size=2 must divide the number "
+                                        r"of ranks \(3\)"):
+        check_tensor_parallel(2, 3, 8)
+    with pytest.raises(VllmError, match=r"vllm_tensor_parallel_size=4 must divide the model's "
+                                        r"6 attention heads"):
+        check_tensor_parallel(4, 4, 6)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_vllm_not_installed_is_one_error_naming_the_install(trainer_models, tmp_path):
     with pytest.raises(ConfigError) as e:

@@ -5,13 +5,16 @@ vLLM is not in the main test environment (its pins conflict with mdtk's transfor
 build) and runs this file; elsewhere it is skipped.
 
 - tp2 + SP, pp2 (the pipeline peers take the first stage's rollouts), dp2 ZeRO-3, LoRA at tp2
-  and DoRA at dp2 ZeRO-3 (the adapters folded into the streamed weights) (runs in the same 2
+  and DoRA at dp2 ZeRO-3 (the adapters folded into the streamed weights), one engine of tensor
+  parallelism 2 over both ranks at tp2 + SP and at dp2 (runs in the same 2
   ranks: each engine's teardown lets the next start): vLLM's log-probabilities of its sampled
   tokens equal the trainer's forward on the same tokens within 1e-5 (fp32) at every generation
   batch, each batch sampled after the policy's update. The engine starts from dummy weights,
   so the first batch shows that the stream filled every tensor, the later ones that every
   update reached it (with LoRA: the adapters, folded in; tests/test_lora.py checks the fold
   against PEFT's logits).
+- The engines of tensor parallelism 2 leave no shared memory behind (vLLM's CPU groups name
+  theirs the same in every run: a killed run's made the next engine fail).
 - The control: with the weights given only before the first batch, the later batches' gap is
   over 1e-3, so the check above sees a stale engine (each step's rewards differ within the
   groups: every step updates the policy).
@@ -37,6 +40,7 @@ VLLM = ('grpo.rewards=[{function: "dist_checks.grpo_checks:first_token_reward"}]
 # dapo: beta 0, one step per generation batch (3 batches in 3 steps); the reward differs within
 # the groups, so every step changes the policy the next batch is sampled from
 LORA = ("peft.method=lora", "peft.r=4", "peft.alpha=8", "optim.lr=1e-2")
+ENGINE_TP2 = ("grpo.vllm_tensor_parallel_size=2",)
 CASES = [GrpoCase("dapo", "vllm_tp2_sp", tp=2, sp=True, micro=2),
          GrpoCase("dapo", "vllm_pp2", pp=2, micro=2),
          GrpoCase("dapo", "vllm_dp2_zero3", zero=3, micro=2),
@@ -44,7 +48,11 @@ CASES = [GrpoCase("dapo", "vllm_tp2_sp", tp=2, sp=True, micro=2),
          # that they move the policy as much as a full update does
          GrpoCase("dapo", "vllm_lora_tp2", tp=2, micro=2, overrides=LORA),
          GrpoCase("dapo", "vllm_dora_zero3", zero=3, micro=2,
-                  overrides=(*LORA, "peft.method=dora"))]
+                  overrides=(*LORA, "peft.method=dora")),
+         # one engine over both ranks (grpo.vllm_tensor_parallel_size=2): with the trainer's
+         # tp peers (the same rows, generated once) and with dp ranks (their rows gathered)
+         GrpoCase("dapo", "vllm_tp2_engine_tp2", tp=2, sp=True, micro=2, overrides=ENGINE_TP2),
+         GrpoCase("dapo", "vllm_dp2_engine_tp2", micro=2, overrides=ENGINE_TP2)]
 CONTROL = GrpoCase("dapo", "vllm_tp2_stale", tp=2, sp=True, micro=2)
 
 
@@ -73,12 +81,23 @@ def runs(assets) -> dict[str, dict]:
     from toolkit.runtime.rankpool import RankPool
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB per rank (vLLM's CPU default is 4)
+    before = _shared_memory()
     with RankPool(2, env=env) as pool:
         out = pool.run(gc.run_cases, [_with(c, assets) for c in CASES], assets,
                        assets["work"], timeout=900)[0]
         stale = pool.run(gc.run_stale_vllm, _with(CONTROL, assets), assets, assets["work"],
                          timeout=600)[0]
-    return {**{r["case"]: r for r in out}, "stale": stale}
+        left = _shared_memory() - before  # the pool's processes still alive
+    return {**{r["case"]: r for r in out}, "stale": stale, "left": left}
+
+
+def _shared_memory() -> set[str]:
+    """vLLM's CPU groups' shared-memory segments (``*cpushm*``) on this machine."""
+    from pathlib import Path
+
+    from toolkit.infer.vllm_engine import SHM
+
+    return {p.name for p in Path(SHM).glob("*cpushm*")}
 
 
 def _gaps(run: dict) -> list[float]:
@@ -100,3 +119,10 @@ def test_a_stale_engine_is_seen(runs):
     gaps = _gaps(runs["stale"])
     assert gaps[0] < GAP, gaps  # the first batch had the live weights
     assert min(gaps[1:]) > STALE, gaps
+
+
+def test_no_shared_memory_is_left(runs):
+    """The engines of tensor parallelism 2 leave no shared-memory segment in /dev/shm while
+    their processes live on (vLLM removes them only at a normal exit; a killed run's segments
+    made the next engine of the same groups fail: each rank unlinks its own once all joined)."""
+    assert runs["left"] == set(), runs["left"]

@@ -187,7 +187,8 @@ class GrpoSection:
     trained on instead of generating. ``engine``: who samples: ``megatron`` (mdtk's engine on
     the live chunks) or ``vllm`` (a vLLM engine colocated on every rank, the live weights
     streamed in before each generation batch; ``vllm_gpu_memory_utilization``: its share of a
-    GPU, TRL's name)."""
+    GPU; ``vllm_tensor_parallel_size``: ranks per engine, each holding 1/T of it; TRL's
+    names)."""
 
     num_generations: int = opt(8, minimum=1)
     max_completion_length: int = opt(512, minimum=1)
@@ -207,6 +208,7 @@ class GrpoSection:
     rollouts: str | None = None
     engine: str = opt("megatron", choices=("megatron", "vllm"))
     vllm_gpu_memory_utilization: float = opt(0.3, minimum=0.0)
+    vllm_tensor_parallel_size: int = opt(1, minimum=1)
 
 
 @dataclass

@@ -63,7 +63,8 @@ def _generated(s: Any, data: Any, fns: list[rw.RewardFn]) -> Generated:
         sampler: Any = VllmSampler(s.chunks, s.adapter, dtype=DTYPES[cfg.train.precision],
                                    max_model_len=cfg.train.seq_len + 1, max_batch=rows,
                                    eos_ids=eos, seed=cfg.train.seed, every_row=every_row,
-                                   gpu_memory_utilization=g.vllm_gpu_memory_utilization)
+                                   gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                                   tensor_parallel_size=g.vllm_tensor_parallel_size)
     else:
         sampler = live_generator(s, rows, eos)
     sampling = Sampling(max_new_tokens=g.max_completion_length, temperature=g.temperature,
