@@ -574,3 +574,28 @@ def test_plan_with_vllm_rollouts_keeps_vllms_share_free():
     for bad in ({"grpo_vllm": 0.3}, {"grpo": True, "grpo_vllm": 1.5}):
         with pytest.raises(ValueError, match="--grpo-vllm"):
             plan(**bad)
+
+
+def test_plan_says_which_vllm_tensor_parallel_size_fits_its_share():
+    """``mdtk plan --grpo-vllm 0.3`` lists, per grpo.vllm_tensor_parallel_size, the engine's
+    weights per GPU (bf16: 2 bytes a parameter, split over its ranks) and the KV cache its share
+    leaves, in tokens: Llama-3.1-8B's KV cache is 128 KiB a token (32 layers x 8 KV heads x 128
+    x key and value x 2 bytes), halved per rank at tp2; Llama-3.1-70B does not fit 0.3 of an
+    80 GiB H100 below 8 ranks an engine."""
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+    from toolkit.memory import load_model_shape, vllm_fits
+
+    share, gpu = int(0.3 * 80 * 2**30), 80 * 2**30
+    small = load_model_shape("llama-3.1-8b")
+    one, two = vllm_fits(small, 0.3, gpu, "bf16", (1, 2))
+    assert one.weights == 2 * small.num_params() and two.weights == small.num_params()
+    assert one.kv_tokens == (share - one.weights) // 131072
+    assert two.kv_tokens == (share - two.weights) // 65536
+    big = vllm_fits(load_model_shape("llama-3.1-70b"), 0.3, gpu, "bf16", (1, 2, 4, 8))
+    assert [f.fits for f in big] == [False, False, False, True]
+    out = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-70b", "--nodes", "2", "--grpo",
+                                   "--grpo-vllm", "0.3", "--top", "1"])
+    assert out.exit_code == 0, out.output
+    assert "4: 32.9 GiB, does not fit; 8: 16.4 GiB, 198,519 tokens" in out.output, out.output

@@ -146,6 +146,18 @@ def _duration(hours: float) -> str:
     return f"{hours:,.1f} h" if hours < 48 else f"{hours / 24:,.1f} d"
 
 
+def _vllm_fits(report) -> str:
+    from toolkit.memory import vllm_fits
+
+    s, work = report.setting, report.work
+    sizes = tuple(t for t in (1, 2, 4, 8, 16) if t <= s.cluster.gpus_per_node
+                  and s.shape.heads % t == 0)
+    share = (s.budget.gpu_reserve - type(s.budget)().gpu_reserve) / s.cluster.gpu_mem
+    fits = vllm_fits(s.shape, share, s.cluster.gpu_mem, work.dtype, sizes)
+    return "; ".join(f"{f.tp}: {f.weights / 2**30:.1f} GiB, " + (
+        f"{f.kv_tokens:,} tokens" if f.fits else "does not fit") for f in fits)
+
+
 def _table(report, top: int) -> None:
     from toolkit.planner import explain
 
@@ -160,6 +172,8 @@ def _table(report, top: int) -> None:
 
         kept = s.budget.gpu_reserve - Budget().gpu_reserve
         typer.echo(f"vLLM's share kept free on every GPU: {kept / 2**30:.1f} GiB")
+        typer.echo("vLLM engine per grpo.vllm_tensor_parallel_size (weights per GPU, its KV "
+                   "cache in the rest of the share): " + _vllm_fits(report))
     head = ["#", "layout", "ZeRO", "offload", "recompute", "micro x acc", "GiB/GPU", "step s",
             "tok/s/GPU", "MFU"]
     if tokens:

@@ -5,9 +5,11 @@ from toolkit.memory.estimate import (
     GIB,
     Cluster,
     Estimate,
+    VllmFit,
     estimate,
     num_microbatches,
     parse_bytes,
+    vllm_fits,
     vllm_reserve,
 )
 from toolkit.memory.model import ModelConfigError, ModelShape, load_model_shape, model_shape_from_hf
@@ -17,5 +19,5 @@ __all__ = [
     "CPU", "GIB", "GPU", "NVME", "Cluster", "Estimate", "Item", "ModelConfigError", "ModelShape",
     "TrainShape", "ZeroOptions", "dpo_fields", "estimate", "load_model_shape",
     "model_shape_from_hf",
-    "num_microbatches", "parse_bytes", "rank_params", "vllm_reserve",
+    "num_microbatches", "parse_bytes", "rank_params", "VllmFit", "vllm_fits", "vllm_reserve",
 ]

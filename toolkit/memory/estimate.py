@@ -178,6 +178,35 @@ def vllm_reserve(share: float, gpu_mem: int) -> int:
     return int(share * gpu_mem)
 
 
+@dataclass(frozen=True)
+class VllmFit:
+    """A vLLM engine of tensor parallelism ``tp`` in its share of each device: its weights per
+    device (the model / tp) and what the share leaves for its KV cache, in tokens."""
+
+    tp: int
+    weights: int
+    kv_tokens: int  # 0: the weights alone fill the share
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_tokens > 0
+
+
+def vllm_fits(model: ModelShape, share: float, gpu_mem: int, dtype: str,
+              sizes: tuple[int, ...]) -> list[VllmFit]:
+    """``grpo.vllm_tensor_parallel_size`` candidates (``sizes``) for a colocated engine holding
+    ``share`` of each device (``vllm_reserve``): vLLM shards its weights and KV cache over its
+    tp ranks; the KV cache takes what the share leaves (activations and CUDA graphs aside)."""
+    room = vllm_reserve(share, gpu_mem)
+    per_token = kv_cache_bytes(model, tuple(range(model.layers)), 1, 1, 1, dtype)
+    out = []
+    for tp in sizes:
+        weights = model.num_params() * DTYPE_BYTES[dtype] // tp
+        token = kv_cache_bytes(model, tuple(range(model.layers)), tp, 1, 1, dtype) or per_token
+        out.append(VllmFit(tp, weights, max(0, room - weights) // token))
+    return out
+
+
 def rollout_cache_item(model: ModelShape, train: TrainShape, layout: ResolvedLayout,
                        params: RankParams) -> Item:
     """GRPO's generation engine on the training ranks (``infer.Generator``): one static batch
