@@ -323,6 +323,33 @@ def test_mxfp4_experts_dequantized_as_transformers(tiny_root, results_open, tmp_
         assert "quantization_config" not in json.loads((folder / "config.json").read_text())
 
 
+def test_transformers_save_of_a_dequantized_mxfp4_model_is_read(tiny_root, tmp_path):
+    """transformers 5.23 saves a GPT-OSS loaded with ``Mxfp4Config(dequantize=True)`` (the usual
+    bf16 fine-tuning start) with its dense experts under the ``*_blocks`` names (no scales, no
+    quantization_config): mdtk reads them as the experts (`mdtk convert` writes them under their
+    names, equal to transformers' dequantization) and `mdtk inspect` says so."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from toolkit.convert import convert
+    from toolkit.convert.inspection import inspect
+
+    saved, plain = tmp_path / "saved", tmp_path / "plain"
+    AutoModelForCausalLM.from_pretrained(tiny_root / MXFP4, dtype=torch.float32,
+                                         quantization_config=Mxfp4Config(dequantize=True)
+                                         ).save_pretrained(saved)
+    stored = load_file(str(saved / "model.safetensors"))
+    blocks = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    assert blocks in stored and stored[blocks].dtype == torch.float32  # what transformers wrote
+    info = inspect(saved)
+    assert info.problems == [] and "stored under *_blocks names" in info.quantization
+    convert(saved, plain, "hf", progress=False)
+    weights = load_file(str(plain / "model.safetensors"))
+    assert not any(n.endswith("_blocks") for n in weights)
+    for proj, want in torch.load(tiny_root / f"{MXFP4}.layer0.pt", weights_only=True).items():
+        assert torch.equal(weights[f"model.layers.0.mlp.experts.{proj}"], want), proj
+
+
 def test_mxfp4_from_transformers_quantizer(tiny_root, results_open, tmp_path):
     """A GPT-OSS quantized and saved by transformers' own MXFP4 quantizer (tests/data; blocks
     along the output dimension, a file transformers itself cannot load back) loads at ep2 with

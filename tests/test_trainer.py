@@ -36,6 +36,8 @@ CASES_2 = [
     Case("moe_ep2", model="moe", ep=2),
     Case("dsv3_ep2", model="dsv3", ep=2),
     Case("gpt_oss_ep2", model="gpt_oss", ep=2),  # issue 39: sinks, biased clamped experts
+    # the same model from its MXFP4 checkpoint (experts dequantized on load, trained in fp32)
+    Case("gpt_oss_mxfp4_ep2", model="gpt_oss_mxfp4", ep=2, ref="ref_gpt_oss"),
     # experts whole on both tp ranks (etp 1 < tp): their grads summed over tp, counted once in
     # the clipping norm (GPT-OSS's biased experts need etp 1 at tp > 1)
     Case("moe_tp2_sp_etp1", model="moe", tp=2, sp=True, overrides=("parallel.etp=1",)),
@@ -183,6 +185,14 @@ def _assert_parity(ranks: list[dict], ref: dict, case: Case, world: int) -> None
 def test_layout_matches_single_rank_2_ranks(results_2, results_1, case):
     _assert_parity(results_2[case.name], results_1["refs"][case.ref or f"ref_{case.model}"],
                    case, 2)
+
+
+def test_training_from_mxfp4_experts_equals_their_dequantized_weights(results_2):
+    """GPT-OSS fine-tuned from its MXFP4 checkpoint (as published: blocks + scales) takes the
+    losses of the same run from the plain folder holding transformers' dequantization of those
+    experts, bit for bit: the trainer reads the quantized source as the converter does."""
+    mxfp4, plain = results_2["gpt_oss_mxfp4_ep2"], results_2["gpt_oss_ep2"]
+    assert [r["losses"] for r in mxfp4] == [r["losses"] for r in plain]
 
 
 def test_cp2_gradients_equal_single_rank(results_2, results_1):

@@ -223,17 +223,15 @@ def tokens(vocab: int = VOCAB) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ), generator=g)
 
 
-def make_mxfp4(root: Path, source: str = "gpt_oss") -> Path:
-    """``root/<source>_mxfp4``: the tiny GPT-OSS with its experts in GPT-OSS's published MXFP4
-    layout (random FP4 nibbles, scales 2^-9..2^-2; everything else as ``source``), and
-    ``<source>_mxfp4.logits.pt``: the logits of transformers' own loading of it (its ``Mxfp4Config``
-    dequantizes on CPU), the reference mdtk's dequantize-on-read must give."""
+def write_mxfp4(src: Path, dst: Path, scales: tuple[int, int] = (118, 126),
+                seed: int = 5) -> Path:
+    """``dst``: the GPT-OSS folder ``src`` with its experts replaced by random MXFP4 blocks in
+    GPT-OSS's published layout (every nibble; scale bytes in ``scales``: powers of two
+    2^(s - 127)) and config.json's ``quantization_config`` as published."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    src, dst = root / source, root / f"{source}_mxfp4"
     dst.mkdir()
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     weights = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -242,13 +240,24 @@ def make_mxfp4(root: Path, source: str = "gpt_oss") -> Path:
         experts, inn, out = t.shape
         weights[name + "_blocks"] = torch.randint(0, 256, (experts, out, inn // 32, 16),
                                                   generator=g, dtype=torch.uint8)
-        weights[name + "_scales"] = torch.randint(118, 126, (experts, out, inn // 32),
+        weights[name + "_scales"] = torch.randint(*scales, (experts, out, inn // 32),
                                                   generator=g, dtype=torch.uint8)
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def make_mxfp4(root: Path, source: str = "gpt_oss") -> Path:
+    """``root/<source>_mxfp4``: the tiny GPT-OSS with its experts in GPT-OSS's published MXFP4
+    layout (random FP4 nibbles, scales 2^-9..2^-2; everything else as ``source``), and
+    ``<source>_mxfp4.logits.pt``: the logits of transformers' own loading of it (its ``Mxfp4Config``
+    dequantizes on CPU), the reference mdtk's dequantize-on-read must give."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    dst = write_mxfp4(root / source, root / f"{source}_mxfp4")
     ref = AutoModelForCausalLM.from_pretrained(
         dst, dtype=torch.float32, attn_implementation="eager",
         quantization_config=Mxfp4Config(dequantize=True))

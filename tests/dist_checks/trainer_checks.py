@@ -119,8 +119,32 @@ def make_assets(root: Path) -> dict[str, str]:
         model.save_pretrained(root / name)
         if name == "kimi":
             as_kimi_k2(root / name)
+        if name == "gpt_oss":  # its experts MXFP4 values: the same model from both folders
+            out["gpt_oss_mxfp4"] = str(_as_mxfp4(root / name))
         out[name] = str(root / name)
     return out
+
+
+def _as_mxfp4(path: Path) -> Path:
+    """``path`` + "_mxfp4": the GPT-OSS at ``path`` with random MXFP4 experts (GPT-OSS's
+    published layout, 2^-7..2^-5 scales: weights about this file's size); ``path``'s experts
+    then become transformers' dequantization of them (``Mxfp4Config(dequantize=True)``; written
+    here: transformers 5.23 saves such a model's experts under the ``*_blocks`` names)."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    from dist_checks.adapter_checks import write_mxfp4
+
+    mxfp4 = write_mxfp4(path, path.with_name(path.name + "_mxfp4"), scales=(120, 123), seed=11)
+    dense = tf.AutoModelForCausalLM.from_pretrained(
+        mxfp4, dtype=torch.float32, quantization_config=tf.Mxfp4Config(dequantize=True))
+    params = dict(dense.named_parameters())
+    file = path / "model.safetensors"
+    weights = load_file(str(file))
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weights[name] = params[name].detach().contiguous()
+    save_file(weights, str(file), metadata={"format": "pt"})
+    return mxfp4
 
 
 def config(case: Case, assets: dict[str, str], out: str | Path, *, mode: str | None = None):

@@ -214,7 +214,7 @@ def open_reader(path: str | Path, config: Any, out_dtype: torch.dtype | None = N
     if method == mxfp4.METHOD:
         reader = mxfp4.dequantizing(HFReader(path), config, out_dtype)
     else:
-        reader = fp8.dequantizing(HFReader(path), config, out_dtype)
+        reader = mxfp4.dense_blocks(fp8.dequantizing(HFReader(path), config, out_dtype))
     try:
         return stacked(reader, stacks, base_prefix)
     except BaseException:
@@ -240,6 +240,11 @@ def open_source(path: Path, make_adapter: formats.AdapterFactory) -> Opening:
         if isinstance(layer, fp8.DequantizingReader):
             info["quantization"] = (f"fp8 e4m3, {layer.block[0]}x{layer.block[1]} block scales "
                                     f"({len(layer.quantized)} weights, dequantized on read)")
+        elif isinstance(layer, mxfp4.DenseBlocksReader):
+            info["quantization"] = (
+                f"none: {len(layer.renamed)} dense weights stored under *_blocks names (as "
+                "transformers saves a model loaded with Mxfp4Config(dequantize=True)), read as "
+                "the weights they are")
         elif isinstance(layer, mxfp4.Mxfp4Reader):
             info["quantization"] = (
                 f"mxfp4 experts, 32-value blocks ({len(layer.quantized)} weights, dequantized "

@@ -38,6 +38,9 @@ from toolkit.lazy import torch
 METHOD = "mxfp4"
 BLOCKS, SCALES = "_blocks", "_scales"
 BLOCK = 32  # values per scale
+#: the names transformers serializes its MXFP4 experts under (``Mxfp4HfQuantizer``), the only
+#: ones ``dense_blocks`` renames
+SAVED_DENSE = ("experts.gate_up_proj" + BLOCKS, "experts.down_proj" + BLOCKS)
 #: FP4 E2M1 by nibble (sign bit 3): the OCP table, as transformers' ``FP4_VALUES``.
 FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -150,6 +153,49 @@ class Mxfp4Reader(WrappedReader):
         out = out[..., b0 - start:b1 - start, :]
         return (out.transpose(-1, -2) if along_out else out).contiguous()
 
+
+class DenseBlocksReader(WrappedReader):
+    """A folder whose dense weights ``X`` are stored as ``X_blocks`` (floating, no ``X_scales``,
+    no quantization_config): what transformers 5.23's ``save_pretrained`` writes for a GPT-OSS
+    loaded with ``Mxfp4Config(dequantize=True)`` (the bf16 fine-tuning start many take). The
+    tensors are read as ``X``; transformers itself loads such a folder with its experts
+    initialized at random (a warning: MISSING)."""
+
+    def __init__(self, inner: TensorSource, renamed: list[str]):
+        self.inner, self.path = inner, getattr(inner, "path", None)
+        self.renamed = set(renamed)
+        self._names = [n[:-len(BLOCKS)] if n[:-len(BLOCKS)] in self.renamed else n
+                       for n in inner.names]
+
+    def _stored(self, name: str) -> str:
+        return name + BLOCKS if name in self.renamed else name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.inner.shape(self._stored(name)))
+
+    def dtype(self, name: str) -> Any:
+        return self.inner.dtype(self._stored(name))
+
+    def locate(self, name: str) -> Any:
+        return self.inner.locate(self._stored(name))
+
+    def byte_range(self, name: str, region: Any) -> Any:
+        inner = getattr(self.inner, "byte_range", None)
+        return None if inner is None else inner(self._stored(name), region)
+
+    def read(self, name: str, region: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        return self.inner.read(self._stored(name), region)
+
+
+def dense_blocks(reader: TensorSource) -> TensorSource:
+    """``reader`` with dense expert weights stored under transformers' ``X_blocks`` names
+    (``SAVED_DENSE``) read as ``X`` (``DenseBlocksReader``); ``reader`` itself when it holds
+    none."""
+    names = set(reader.names)
+    renamed = [n[:-len(BLOCKS)] for n in names if n.endswith(SAVED_DENSE)
+               and n[:-len(BLOCKS)] + SCALES not in names and n[:-len(BLOCKS)] not in names
+               and dtypes.of(reader.dtype(n)).is_floating_point]
+    return DenseBlocksReader(reader, sorted(renamed)) if renamed else reader
 
 
 def dequantizing(reader: TensorSource, config: Any, out_dtype: Any = None) -> TensorSource:
