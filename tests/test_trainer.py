@@ -36,8 +36,11 @@ CASES_2 = [
     Case("moe_ep2", model="moe", ep=2),
     Case("dsv3_ep2", model="dsv3", ep=2),
     Case("gpt_oss_ep2", model="gpt_oss", ep=2),  # issue 39: sinks, biased clamped experts
-    # the same model from its MXFP4 checkpoint (experts dequantized on load, trained in fp32)
-    Case("gpt_oss_mxfp4_ep2", model="gpt_oss_mxfp4", ep=2, ref="ref_gpt_oss"),
+    # one model with MXFP4 experts, from its MXFP4 checkpoint (dequantized on load, trained in
+    # fp32) and from the plain folder of transformers' dequantization (compared with each other)
+    Case("gpt_oss_mxfp4_ep2", model="gpt_oss_mxfp4", ep=2, ref="ref_gpt_oss_dense_mxfp4"),
+    Case("gpt_oss_dense_mxfp4_ep2", model="gpt_oss_dense_mxfp4", ep=2,
+         ref="ref_gpt_oss_dense_mxfp4"),
     # experts whole on both tp ranks (etp 1 < tp): their grads summed over tp, counted once in
     # the clipping norm (GPT-OSS's biased experts need etp 1 at tp > 1)
     Case("moe_tp2_sp_etp1", model="moe", tp=2, sp=True, overrides=("parallel.etp=1",)),
@@ -81,7 +84,8 @@ CASES_4 = [
 REFS = [Case("ref_dense"), Case("ref_odd", model="odd"), Case("ref_moe", model="moe"),
         Case("ref_noclip", overrides=("optim.clip_grad=0",)), Case("ref_phi3", model="phi3"),
         Case("ref_gemma3", model="gemma3"), Case("ref_dsv3", model="dsv3"),
-        Case("ref_gpt_oss", model="gpt_oss"),
+        Case("ref_gpt_oss", model="gpt_oss"), Case("ref_gpt_oss_dense_mxfp4",
+                                                    model="gpt_oss_dense_mxfp4"),
         Case("ref_sft", mode="sft"), Case("ref_grads", zero=0, steps=1, grads=True),
         *(Case(f"ref_{m}", model=m, mode="sft") for m in ("qwen3n", "llama4", "glm", "kimi")),
         Case("ref_qwen3n_grads", model="qwen3n", mode="sft",
@@ -191,7 +195,7 @@ def test_training_from_mxfp4_experts_equals_their_dequantized_weights(results_2)
     """GPT-OSS fine-tuned from its MXFP4 checkpoint (as published: blocks + scales) takes the
     losses of the same run from the plain folder holding transformers' dequantization of those
     experts, bit for bit: the trainer reads the quantized source as the converter does."""
-    mxfp4, plain = results_2["gpt_oss_mxfp4_ep2"], results_2["gpt_oss_ep2"]
+    mxfp4, plain = results_2["gpt_oss_mxfp4_ep2"], results_2["gpt_oss_dense_mxfp4_ep2"]
     assert [r["losses"] for r in mxfp4] == [r["losses"] for r in plain]
 
 

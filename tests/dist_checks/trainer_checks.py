@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import weakref
@@ -119,8 +120,10 @@ def make_assets(root: Path) -> dict[str, str]:
         model.save_pretrained(root / name)
         if name == "kimi":
             as_kimi_k2(root / name)
-        if name == "gpt_oss":  # its experts MXFP4 values: the same model from both folders
-            out["gpt_oss_mxfp4"] = str(_as_mxfp4(root / name))
+        if name == "gpt_oss":  # a copy with MXFP4 experts, from two folders (see _as_mxfp4)
+            shutil.copytree(root / name, root / "gpt_oss_dense_mxfp4")
+            out["gpt_oss_mxfp4"] = str(_as_mxfp4(root / "gpt_oss_dense_mxfp4"))
+            out["gpt_oss_dense_mxfp4"] = str(root / "gpt_oss_dense_mxfp4")
         out[name] = str(root / name)
     return out
 
@@ -129,7 +132,8 @@ def _as_mxfp4(path: Path) -> Path:
     """``path`` + "_mxfp4": the GPT-OSS at ``path`` with random MXFP4 experts (GPT-OSS's
     published layout, 2^-7..2^-5 scales: weights about this file's size); ``path``'s experts
     then become transformers' dequantization of them (``Mxfp4Config(dequantize=True)``; written
-    here: transformers 5.23 saves such a model's experts under the ``*_blocks`` names)."""
+    here: transformers 5.23 saves such a model's experts under the ``*_blocks`` names), so both
+    folders hold the same model."""
     import transformers as tf
     from safetensors.torch import load_file, save_file
 
