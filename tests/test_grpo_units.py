@@ -139,6 +139,12 @@ def _rollouts(tmp_path, rows) -> str:
     ("cispo", {"grpo": {"loss_type": "cispo"}}, ["loss_type=cispo", "epsilon_high"]),
     ("no_rewards", {"grpo": {"rewards": []}}, ["needs grpo.rewards"]),
     ("greedy", {"grpo": {"temperature": 0.0}}, ["grpo.temperature=0"]),
+    ("is_bounds", {"grpo": {"vllm_importance_sampling_clip_min": 2.0,
+                            "vllm_importance_sampling_clip_max": 1.0}},
+     ["vllm_importance_sampling_clip_min=2.0 is above", "clip_max=1.0"]),
+    ("is_unbounded", {"grpo": {"vllm_importance_sampling_mode": "token_truncate",
+                               "vllm_importance_sampling_clip_max": None}},
+     ["vllm_importance_sampling_mode=token_truncate needs"]),
 ])
 def test_bad_settings_are_refused(trainer_models, tmp_path, case, sections, words):
     with pytest.raises(ConfigError) as e:
@@ -199,6 +205,8 @@ def test_ragged_groups_are_refused_naming_the_line(trainer_models, tmp_path):
 @pytest.mark.parametrize("row,words", [
     ({"prompt": "a", "reward": 1.0}, ["rollouts.jsonl:1", "completion_ids"]),
     ({"prompt": "a", "completion_ids": [3], "reward": "high"}, ["numeric 'reward'"]),
+    ({"prompt": "a", "completion_ids": [3, 4], "reward": 1.0, "logprobs": [-0.5]},
+     ["rollouts.jsonl:1", "'logprobs' must be a list of 2 numbers"]),
     ({"completion_ids": [3], "reward": 1.0}, ["has no 'prompt'"]),
 ])
 def test_bad_rollout_rows_are_refused(trainer_models, tmp_path, row, words):
@@ -208,6 +216,18 @@ def test_bad_rollout_rows_are_refused(trainer_models, tmp_path, row, words):
         _data(cfg)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def test_recorded_logprobs_on_some_rows_only_are_refused(trainer_models, tmp_path):
+    """The sampler's log-probabilities (TRL's rollout_func ``logprobs``) on every recorded row
+    or on none: a row without them among rows with them is named."""
+    rows = [{"prompt": "a", "completion_ids": [3, 4], "reward": 1.0, "logprobs": [-1.0, -2.0]}
+            ] * 3 + [{"prompt": "a", "completion_ids": [3], "reward": 0.0}]
+    cfg = _config(trainer_models, tmp_path, data={"sources": []},
+                  grpo={"rewards": [], "rollouts": _rollouts(tmp_path, rows)})
+    with pytest.raises(DataError) as e:
+        _data(cfg)
+    assert "rollouts.jsonl:4" in str(e.value) and "on every row" in str(e.value)
 
 
 def test_a_prompt_without_room_for_the_completion_is_refused(trainer_models, tmp_path):

@@ -15,6 +15,10 @@ build) and runs this file; elsewhere it is skipped.
   against PEFT's logits).
 - The engines of tensor parallelism 2 leave no shared memory behind (vLLM's CPU groups name
   theirs the same in every run: a killed run's made the next engine fail).
+- TRL's correction of the sampler's mismatch (vllm_importance_sampling_*: sequence_mask,
+  token_truncate, token_mask) on recorded rollouts with log-probabilities: losses and metrics
+  within 1e-5 of TRL's GRPOTrainer with vLLM (its engine's weight sync alone skipped: the
+  rollouts never use it).
 - The control: with the weights given only before the first batch, the later batches' gap is
   over 1e-3, so the check above sees a stale engine (each step's rewards differ within the
   groups: every step updates the policy).
@@ -35,6 +39,8 @@ pytestmark = pytest.mark.skipif(
 
 GAP = 1e-5
 STALE = 1e-3
+GAP_NAME = "sampling/sampling_logp_difference/mean"
+IS_RATIO = "sampling/importance_sampling_ratio/mean"
 VLLM = ('grpo.rewards=[{function: "dist_checks.grpo_checks:first_token_reward"}]',
         "grpo.max_completion_length=8", "grpo.engine=vllm")
 # dapo: beta 0, one step per generation batch (3 batches in 3 steps); the reward differs within
@@ -64,9 +70,79 @@ def assets(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("grpo_vllm")
     model = str(make_tiny_checkpoint(root / "llama", overrides={"hidden_size": 128,
                                                                  "head_dim": 32}))
-    prompts = gc.make_rollouts(root, model)["prompts"]
+    made = gc.make_rollouts(root, model)
     return {"dense": model, "tokenizer": model, "cache": str(root / "cache"),
-            "prompts": prompts, "work": str(root / "runs")}
+            "prompts": made["prompts"], "rollouts": made["rollouts"], "work": str(root / "runs")}
+
+
+#: TRL's correction of the sampler's mismatch (vllm_importance_sampling_*), compared with TRL's
+#: GRPOTrainer with vLLM on recorded rollouts that carry the sampler's log-probabilities:
+#: name -> (a gc.RUNS entry, the correction's settings, TRL's names)
+CORRECTED = {
+    "is_sequence_mask": ("dapo", {}),  # TRL's defaults: sequence_mask, clip_max 3
+    "is_token_truncate": ("grpo_kl_it2", {"vllm_importance_sampling_mode": "token_truncate",
+                                          "vllm_importance_sampling_clip_min": 0.5,
+                                          "vllm_importance_sampling_clip_max": 2.0}),
+    "is_token_mask": ("bnpo_kl", {"vllm_importance_sampling_mode": "token_mask",
+                                  "vllm_importance_sampling_clip_min": 0.7,
+                                  "vllm_importance_sampling_clip_max": 1.5}),
+}
+NOISE = 0.3  # the sampler's log-probabilities: the starting policy's plus N(0, NOISE) a token
+
+
+@pytest.fixture(scope="module")
+def sampled(assets) -> dict[str, str]:
+    """The recorded rollouts with a ``logprobs`` column: the starting policy's log-probability
+    of each completion token (transformers) plus noise, as a sampler that differs from the
+    trainer gives them; so the ratios spread over both sides of the bounds."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers as tf
+
+    from toolkit.train.data import load_tokenizer
+
+    tok = load_tokenizer(assets["tokenizer"])
+    model = tf.AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    rows = [json.loads(x) for x in Path(assets["rollouts"]).read_text().splitlines()]
+    for r in rows:
+        prompt = tok(r["prompt"])["input_ids"]
+        ids = torch.tensor([prompt + r["completion_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        picked = logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None])[:, 0]
+        noise = NOISE * torch.randn(picked.shape, generator=g)
+        r["logprobs"] = (picked + noise).tolist()
+    path = Path(assets["work"]).parent / "rollouts_logprobs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {**assets, "rollouts": str(path)}
+
+
+@pytest.fixture(scope="module")
+def corrected(sampled) -> dict[str, tuple[dict, list[dict]]]:
+    """mdtk on one rank and TRL (each in a fresh process: TRL's vLLM engine joins a world of
+    its own) for each ``CORRECTED`` run."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from toolkit.runtime.rankpool import RankPool
+
+    cases = [GrpoCase(run, name, overrides=tuple(f"grpo.{k}={v}" for k, v in kw.items()))
+             for name, (run, kw) in CORRECTED.items()]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    with RankPool(1, env=env) as pool:
+        mine = {r["case"]: r for r in pool.run(gc.run_cases, cases, sampled, sampled["work"],
+                                               timeout=600)[0]}
+    out = {}
+    for name, (run, kw) in CORRECTED.items():
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+            theirs = ex.submit(gc.trl_steps, name, {**gc.RUNS[run], **kw}, sampled,
+                               use_vllm=True, vllm_mode="colocate",
+                               vllm_max_model_length=gc.SEQ + 1).result()
+        out[name] = (mine[name], theirs)
+    return out
 
 
 def _with(case: GrpoCase, assets) -> GrpoCase:
@@ -126,3 +202,23 @@ def test_no_shared_memory_is_left(runs):
     their processes live on (vLLM removes them only at a normal exit; a killed run's segments
     made the next engine of the same groups fail: each rank unlinks its own once all joined)."""
     assert runs["left"] == set(), runs["left"]
+
+
+@pytest.mark.parametrize("name", list(CORRECTED))
+def test_sampling_correction_equals_trls(corrected, name):
+    """TRL's importance-sampling correction of the sampler's mismatch (sequence_mask, its
+    default; token_truncate with beta and two iterations; token_mask): the losses and TRL's
+    metrics of 3 steps, the ratio's mean and the log-probability gap among them, within 1e-5 of
+    TRL's GRPOTrainer with vLLM given the same rollouts and log-probabilities."""
+    mine, theirs = corrected[name]
+    every = gc.RUNS[CORRECTED[name][0]].get("num_iterations", 1)
+    assert len(theirs) == gc.STEPS == len(mine["losses"])
+    assert mine["losses"] == pytest.approx([h["loss"] for h in theirs], rel=1e-5, abs=1e-7)
+    for step, (metrics, logged) in enumerate(zip(mine["metrics"], theirs, strict=True)):
+        names = [n for n in gc.COMPARED if n in logged]
+        if step % every == 0:  # TRL logs a generation batch's sampling metrics once
+            assert {IS_RATIO, GAP_NAME} <= set(names), (step, names)
+        for n in names:
+            assert metrics[n] == pytest.approx(float(logged[n]), rel=1e-5, abs=1e-6), (step, n)
+    ratios = [float(h[IS_RATIO]) for h in theirs if IS_RATIO in h]
+    assert all(0.0 < r < 0.999 or r > 1.001 for r in ratios), ratios  # the correction acts

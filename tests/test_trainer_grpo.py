@@ -19,11 +19,7 @@ Bad input is tests/test_grpo_units.py (no ranks).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 from dist_checks import background, own_cache
 from dist_checks import grpo_checks as gc
 from dist_checks.grpo_checks import GrpoCase
@@ -97,62 +93,15 @@ def _layouts(rank_pool_2, rank_pool_4, assets, demo_model) -> dict[str, dict]:
 
 # -- TRL -------------------------------------------------------------------------------------------
 
-def _trl(run: str, assets: dict[str, str]) -> list[dict]:
-    """TRL's logged steps for ``run``: the recorded groups in file order through
-    ``rollout_func``, their rewards through a reward function named like mdtk's."""
-    import transformers as tf
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    from toolkit.train.data import load_tokenizer
-
-    tok = load_tokenizer(assets["tokenizer"])
-    rows = [json.loads(x) for x in Path(assets["rollouts"]).read_text().splitlines()]
-    groups = [rows[i:i + gc.GROUP] for i in range(0, len(rows), gc.GROUP)]
-    queue = list(groups)
-
-    def rollout_func(prompts, trainer):
-        picked = []
-        for i in range(0, len(prompts), gc.GROUP):
-            group = queue.pop(0)
-            assert all(p == group[0]["prompt"] for p in prompts[i:i + gc.GROUP])
-            picked += group
-        return {"prompt_ids": [tok(r["prompt"])["input_ids"] for r in picked],
-                "completion_ids": [r["completion_ids"] for r in picked],
-                "logprobs": [[0.0] * len(r["completion_ids"]) for r in picked],
-                "recorded_reward": [r["reward"] for r in picked]}
-
-    def recorded(prompts, completions, completion_ids, recorded_reward, **kw):
-        return recorded_reward
-
-    args = GRPOConfig(output_dir=str(Path(assets["work"]) / "trl" / run), use_cpu=True,
-                      bf16=False, report_to=[], disable_tqdm=True,
-                      per_device_train_batch_size=gc.GLOBAL, num_generations=gc.GROUP,
-                      learning_rate=gc.LR, lr_scheduler_type="constant", adam_beta2=0.95,
-                      max_grad_norm=1.0, weight_decay=0.0, logging_steps=1, max_steps=gc.STEPS,
-                      save_strategy="no", shuffle_dataset=False, seed=1234, **gc.RUNS[run])
-    model = tf.AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=[recorded], args=args,
-                          train_dataset=Dataset.from_list([{"prompt": g[0]["prompt"]}
-                                                           for g in groups]),
-                          processing_class=tok, rollout_func=rollout_func)
-    trainer.train()
-    return [h for h in trainer.state.log_history if "loss" in h]
-
-
-COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",
-            "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-            "cispo_clip_ratio", "completions/mean_length", "completions/clipped_ratio",
-            "rewards/recorded/mean", "rewards/recorded/std")
 
 
 @pytest.mark.parametrize("run", list(gc.RUNS))
 def test_equal_to_trl(single, assets, run):
-    mine, theirs = single[run], _trl(run, assets)
+    mine, theirs = single[run], gc.trl_steps(run, gc.RUNS[run], assets)
     assert len(theirs) == gc.STEPS == len(mine["losses"])
     assert mine["losses"] == pytest.approx([h["loss"] for h in theirs], rel=RTOL, abs=1e-7)
     for step, (metrics, logged) in enumerate(zip(mine["metrics"], theirs, strict=True)):
-        names = [n for n in COMPARED if n in logged]
+        names = [n for n in gc.COMPARED if n in logged]
         assert "entropy" in names and ("kl" in names) == (gc.RUNS[run].get("beta", 0) != 0)
         for name in names:  # TRL's names, TRL's values
             assert metrics[name] == pytest.approx(float(logged[name]), rel=RTOL, abs=1e-6), \

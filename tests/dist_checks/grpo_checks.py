@@ -77,6 +77,66 @@ def make_rollouts(root: Path, tokenizer_path: str) -> dict[str, str]:
     return {"rollouts": str(path), "prompts": str(prompts_path)}
 
 
+#: TRL's metrics compared with mdtk's (those a run logs)
+COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",
+            "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+            "cispo_clip_ratio", "completions/mean_length", "completions/clipped_ratio",
+            "rewards/recorded/mean", "rewards/recorded/std",
+            "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean")
+
+
+def trl_steps(name: str, settings: dict[str, Any], assets: dict[str, str],
+              **extra: Any) -> list[dict]:
+    """TRL's GRPOTrainer's logged steps (in the test process): the recorded groups of
+    ``assets["rollouts"]`` in file order through ``rollout_func`` (with their ``logprobs``
+    where the rows have them), their rewards through a reward function named like mdtk's;
+    ``settings`` and ``extra``: GRPOConfig's (TRL's names). With ``use_vllm`` TRL starts its
+    colocated vLLM engine, which the rollouts never use: its weight sync (a ``load_weights``
+    vLLM's CPU backend refuses) is skipped; the loss and metrics are TRL's own."""
+    import torch
+    import transformers as tf
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from toolkit.train.data import load_tokenizer
+
+    tok = load_tokenizer(assets["tokenizer"])
+    rows = [json.loads(x) for x in Path(assets["rollouts"]).read_text().splitlines()]
+    groups = [rows[i:i + GROUP] for i in range(0, len(rows), GROUP)]
+    queue = list(groups)
+
+    def rollout_func(prompts, trainer):
+        picked = []
+        for i in range(0, len(prompts), GROUP):
+            group = queue.pop(0)
+            assert all(p == group[0]["prompt"] for p in prompts[i:i + GROUP])
+            picked += group
+        return {"prompt_ids": [tok(r["prompt"])["input_ids"] for r in picked],
+                "completion_ids": [r["completion_ids"] for r in picked],
+                "logprobs": [r.get("logprobs", [0.0] * len(r["completion_ids"]))
+                             for r in picked],
+                "recorded_reward": [r["reward"] for r in picked]}
+
+    def recorded(prompts, completions, completion_ids, recorded_reward, **kw):
+        return recorded_reward
+
+    args = GRPOConfig(output_dir=str(Path(assets["work"]) / "trl" / name), use_cpu=True,
+                      bf16=False, report_to=[], disable_tqdm=True,
+                      per_device_train_batch_size=GLOBAL, num_generations=GROUP,
+                      learning_rate=LR, lr_scheduler_type="constant", adam_beta2=0.95,
+                      max_grad_norm=1.0, weight_decay=0.0, logging_steps=1, max_steps=STEPS,
+                      save_strategy="no", shuffle_dataset=False, seed=1234, **settings, **extra)
+    model = tf.AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=[recorded], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": g[0]["prompt"]}
+                                                           for g in groups]),
+                          processing_class=tok, rollout_func=rollout_func)
+    if args.use_vllm:
+        trainer.vllm_generation.sync_weights = lambda *a, **k: None
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
 def config(case: GrpoCase, assets: dict[str, str], out: Path):
     from dist_checks import trainer_checks as tc
 

@@ -188,7 +188,10 @@ class GrpoSection:
     the live chunks) or ``vllm`` (a vLLM engine colocated on every rank, the live weights
     streamed in before each generation batch; ``vllm_gpu_memory_utilization``: its share of a
     GPU; ``vllm_tensor_parallel_size``: ranks per engine, each holding 1/T of it; TRL's
-    names)."""
+    names). ``vllm_importance_sampling_*``: TRL's correction of the sampler's mismatch (rollouts
+    from vLLM, or recorded with their ``logprobs``): each token's loss times the ratio of the
+    policy's probability to the sampler's, per token or per completion (``mode``), truncated to
+    or masked outside [clip_min, clip_max]."""
 
     num_generations: int = opt(8, minimum=1)
     max_completion_length: int = opt(512, minimum=1)
@@ -209,6 +212,12 @@ class GrpoSection:
     engine: str = opt("megatron", choices=("megatron", "vllm"))
     vllm_gpu_memory_utilization: float = opt(0.3, minimum=0.0)
     vllm_tensor_parallel_size: int = opt(1, minimum=1)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = opt(
+        "sequence_mask", choices=("token_truncate", "token_mask", "sequence_truncate",
+                                  "sequence_mask"))
+    vllm_importance_sampling_clip_max: float | None = opt(3.0, minimum=0.0)
+    vllm_importance_sampling_clip_min: float | None = opt(None, minimum=0.0)
 
 
 @dataclass

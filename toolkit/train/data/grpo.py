@@ -3,8 +3,10 @@
 A prompt row holds ``prompt`` (text, tokenised as TRL tokenises it: ``tokenizer(text)``; or a
 list of turns, rendered by the chat template with the generation prompt) and any other columns,
 which the reward functions receive by name. A recorded rollout (``grpo.rollouts``) is a JSONL row
-``{"prompt", "completion_ids": [...] | "completion": text, "reward": r}``; consecutive rows of
-one prompt form a group of ``grpo.num_generations`` completions. Nothing is cached: prompts are
+``{"prompt", "completion_ids": [...] | "completion": text, "reward": r}``, optionally with
+``"logprobs"``: the sampling engine's log-probability of each completion token (what TRL's
+``rollout_func`` returns; on every row or none); consecutive rows of one prompt form a group of
+``grpo.num_generations`` completions. Nothing is cached: prompts are
 small and completions are made during training.
 
 The sampler indexes completion slots (``GrpoSlots``): global batch ``k`` is optimizer step ``k``
@@ -39,6 +41,7 @@ class RecordedGroup:
     prompt: PromptRow
     completion_ids: tuple[tuple[int, ...], ...]
     rewards: tuple[float, ...]
+    logprobs: tuple[tuple[float, ...], ...] | None = None  # the sampler's, per completion token
 
 
 class GrpoSlots:
@@ -130,12 +133,29 @@ def read_rollouts(path: str | Path, tokenizer: Any, group: int) -> list[Recorded
     for _, where, row in json_rows(path, DataError):
         if not isinstance(row, dict):
             raise DataError(f"{where}: a rollout row must be an object.")
+        ids = _completion(row, tokenizer, where)
         rows.append((prompt_row(row, tokenizer, where, drop=("completion_ids", "completion",
-                                                              "reward")),
-                     _completion(row, tokenizer, where), _reward(row, where), where))
+                                                              "reward", "logprobs")),
+                     ids, _reward(row, where), where, _logprobs(row, ids, where)))
     if not rows:
         raise DataError(f"grpo.rollouts={str(path)!r} holds no rows.")
+    given = {r[4] is not None for r in rows}
+    if given == {True, False}:
+        where = next(r[3] for r in rows if r[4] is None)
+        raise DataError(f"{where}: this row has no 'logprobs' and others have: give the "
+                        "sampler's log-probabilities on every row of grpo.rollouts or on none.")
     return _groups(rows, group, path)
+
+
+def _logprobs(row: dict[str, Any], ids: tuple[int, ...], where: str) -> tuple[float, ...] | None:
+    lps = row.get("logprobs")
+    if lps is None:
+        return None
+    if (not isinstance(lps, list) or len(lps) != len(ids)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps)):
+        raise DataError(f"{where}: 'logprobs' must be a list of {len(ids)} numbers, one per "
+                        "completion token (the sampler's log-probability of each).")
+    return tuple(float(x) for x in lps)
 
 
 def _completion(row: dict[str, Any], tokenizer: Any, where: str) -> tuple[int, ...]:
@@ -168,8 +188,10 @@ def _groups(rows: list, group: int, path: Path) -> list[RecordedGroup]:
                             f"grpo.num_generations={group}: {path} must hold consecutive groups "
                             "of num_generations rows per prompt (ragged groups cannot be "
                             "normalised).")
+        lps = tuple(r[4] for r in rows[i:j])
         out.append(RecordedGroup(first, tuple(r[1] for r in rows[i:j]),
-                                 tuple(r[2] for r in rows[i:j])))
+                                 tuple(r[2] for r in rows[i:j]),
+                                 None if lps[0] is None else lps))
         i = j
     return out
 

@@ -11,7 +11,12 @@ from toolkit.train.objectives.grpo import rewards as rw
 from toolkit.train.objectives.grpo.loss import GrpoLoss
 from toolkit.train.objectives.grpo.objective import GrpoObjective, Rows
 from toolkit.train.objectives.grpo.rollouts import Generated, Recorded
-from toolkit.train.objectives.grpo.spec import BATCH_METRICS, metric_names, reward_function
+from toolkit.train.objectives.grpo.spec import (
+    BATCH_METRICS,
+    corrects_sampling,
+    metric_names,
+    reward_function,
+)
 from toolkit.train.objectives.sampling import policy_eos_ids
 
 
@@ -27,7 +32,8 @@ def grpo_objective(s: Any) -> GrpoObjective:
         source: Any = Recorded(data.groups, ends)
     else:
         source = _generated(s, data, [rw.RewardFn(*reward_function(r)) for r in g.rewards])
-    names = metric_names(cfg, list(source.names))
+    sampled = data.groups is None or data.groups[0].logprobs is not None
+    names = metric_names(cfg, list(source.names), sampled)
     batch_names = tuple(n for n in names if n in BATCH_METRICS or n.startswith("rewards/"))
     loss = GrpoLoss(g.loss_type, s.policy.shape.vocab, names, batch_names,
                     temperature=g.temperature or 1.0, beta=g.beta, epsilon=g.epsilon,
@@ -44,7 +50,11 @@ def grpo_objective(s: Any) -> GrpoObjective:
     return GrpoObjective(loss, source, global_batch=s.global_batch, group=g.num_generations,
                          num_iterations=g.num_iterations, scale_rewards=g.scale_rewards,
                          rows=Rows(cfg.train.seq_len, int(pad), g.mask_truncated_completions),
-                         policy=s.chunks, reference=reference)
+                         policy=s.chunks, reference=reference,
+                         correction=(g.vllm_importance_sampling_mode,
+                                     g.vllm_importance_sampling_clip_min,
+                                     g.vllm_importance_sampling_clip_max)
+                         if corrects_sampling(cfg, sampled) else None)
 
 
 def _generated(s: Any, data: Any, fns: list[rw.RewardFn]) -> Generated:

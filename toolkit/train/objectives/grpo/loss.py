@@ -6,7 +6,8 @@ sampling temperature), the ratio to the log-probabilities the completions were s
 else ``logp`` detached, as TRL), per token or, GSPO (``importance_sampling_level: sequence``),
 its mean over the completion. Clipped losses (grpo, bnpo, dr_grpo, dapo):
 ``-min(r A, clip(r, 1 - eps, 1 + eps_high) A)``; cispo: ``-min(r, eps_high).detach() A logp``;
-plus ``beta`` times the k3 KL to the reference ``exp(ref - logp) - (ref - logp) - 1``, times the
+times TRL's correction of the sampler's mismatch where it applies (``sampling_ratio``); plus
+``beta`` times the k3 KL to the reference ``exp(ref - logp) - (ref - logp) - 1``, times the
 ratio when ``use_bias_correction_kl`` (TRL's default: the KL's importance-sampling correction).
 
 Normalisation, TRL's per loss type (a micro-batch of ``b`` rows; ``M`` micro-batches in the
@@ -23,6 +24,7 @@ micro-batch per step); a generation batch's values (rewards, lengths) ride on ev
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,7 @@ from toolkit.train.objectives.distill import (
     first_column,
     vocab_log_softmax,
 )
-from toolkit.train.objectives.grpo.spec import GAP
+from toolkit.train.objectives.grpo.spec import GAP, IS_RATIO
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, vocab: int,
@@ -57,6 +59,23 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, vocab: int,
         with torch.no_grad():
             ent = _tp_sum(-(lsm.exp() * lsm).sum(dim=-1))
     return logp, ent
+
+
+def sampling_ratio(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor, mode: str,
+                   low: float | None, high: float | None) -> torch.Tensor:
+    """TRL's importance-sampling correction of the sampler's mismatch (``vllm_importance_
+    sampling_*``): ``exp(old - sampled)`` over the completion's tokens [b, s], or of their sum
+    per row [b, 1] (``sequence_*``); ``*_truncate`` clamps it to [low, high], ``*_mask`` sets
+    it to 0 outside."""
+    diff = (old - sampled) * mask
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    lo = -math.inf if low is None else low
+    hi = math.inf if high is None else high
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,8 @@ class GrpoLoss:
         else:
             coef_2 = torch.clamp(coef_1, 1 - self.epsilon, 1 + self.epsilon_high)
             per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+        if "is_ratio" in batch:  # TRL: the sampler's mismatch corrected before the KL term
+            per_token = per_token * batch["is_ratio"].to(logp)
         if kl is not None:
             per_token = per_token + self.beta * kl
         share = self._share(per_token * mask, mask, counts)
@@ -138,6 +159,8 @@ class GrpoLoss:
             if GAP in self.metric_names:  # the trainer's forward when the batch was made
                 mine = batch["old_logps"].to(logp) if "old_logps" in batch else logp
                 out[GAP] = mean((mine - batch["sampling_logps"].to(logp)).abs())
+            if IS_RATIO in self.metric_names:
+                out[IS_RATIO] = mean(batch["is_ratio"].to(logp))
             micro = float(counts.num_microbatches * counts.dp)
             values = batch["batch_metrics"][0].to(share.device) / micro
             out.update(zip(self.batch_names, values, strict=True))

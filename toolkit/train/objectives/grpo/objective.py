@@ -5,8 +5,9 @@ step, ``index % global_batch`` the row), so this rank's rows are the same at eve
 ``s`` trains on generation batch ``s // num_iterations``; when it starts: the rollout (recorded,
 or generated and scored), the advantages, the reference's per-token log-probabilities (``beta
 != 0``) and, when the batch serves several steps, the policy's before its first update (the
-ratio's denominator; TRL's ``old_per_token_logps``). A row is prompt + completion, padded; the
-loss mask covers the completion's tokens (not a truncated one's with
+ratio's denominator; TRL's ``old_per_token_logps``; also for TRL's correction of the sampler's
+mismatch, whose ratio is computed then: ``loss.sampling_ratio``). A row is prompt + completion,
+padded; the loss mask covers the completion's tokens (not a truncated one's with
 ``mask_truncated_completions``)."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from toolkit.train.loop.engine import forward_outputs
 from toolkit.train.objectives.base import Objective
 from toolkit.train.objectives.grpo import rewards as rw
-from toolkit.train.objectives.grpo.loss import GrpoLoss, token_logps
+from toolkit.train.objectives.grpo.loss import GrpoLoss, sampling_ratio, token_logps
 from toolkit.train.objectives.grpo.rollouts import Rollout
 
 
@@ -80,8 +81,10 @@ class GrpoObjective(Objective):
 
     def __init__(self, loss_fn: GrpoLoss, source: Any, *, global_batch: int, group: int,
                  num_iterations: int, scale_rewards: str, rows: Rows,
-                 policy: Sequence[torch.nn.Module], reference: Any = None):
+                 policy: Sequence[torch.nn.Module], reference: Any = None,
+                 correction: tuple[str, float | None, float | None] | None = None):
         self.loss_fn, self.source, self.rows = loss_fn, source, rows
+        self.correction = correction  # (mode, clip_min, clip_max): loss.sampling_ratio
         self.global_batch, self.group, self.num_iterations = global_batch, group, num_iterations
         self.scale_rewards, self.policy, self.reference = scale_rewards, list(policy), reference
         self._gen: int | None = None
@@ -112,13 +115,16 @@ class GrpoObjective(Objective):
         if self.reference is not None:
             for b, out in zip(batches, self.reference.run(batches, collect), strict=False):
                 b["ref_logps"] = out["logps"]
-        if self.num_iterations > 1:
+        if self.num_iterations > 1 or self.correction:
             out = forward_outputs(self.policy, iter(batches), collect,
                                   num_microbatches=len(batches),
                                   micro_batch=int(batches[0]["tokens"].shape[0]),
                                   seq_len=self.rows.seq_len)
             for b, o in zip(batches, out, strict=False):
                 b["old_logps"] = o["logps"]
+                if self.correction:
+                    b["is_ratio"] = sampling_ratio(o["logps"], b["sampling_logps"],
+                                                   b["loss_mask"], *self.correction)
         return batches
 
     def close(self) -> None:

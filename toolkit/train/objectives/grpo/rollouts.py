@@ -53,8 +53,10 @@ class Recorded:
         ids = [c for g in picked for c in g.completion_ids]
         per_func = torch.tensor([r for g in picked for r in g.rewards],
                                 dtype=torch.float32).unsqueeze(1)
+        logps = ([list(lp) for g in picked for lp in g.logprobs]
+                 if picked[0].logprobs is not None else None)
         return Rollout(prompts, list(ids), per_func, [len(c) for c in ids],
-                       [c[-1] not in self.ends for c in ids])
+                       [c[-1] not in self.ends for c in ids], logps)
 
 
 class Generated:

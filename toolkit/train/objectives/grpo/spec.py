@@ -17,13 +17,33 @@ BATCH_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/me
 GAP = "sampling/sampling_logp_difference/mean"  # the engine's log-probs vs the trainer's
 RECORDED = "recorded"  # the reward function name of recorded rewards
 
-def metric_names(cfg: Any, reward_names: list[str]) -> tuple[str, ...]:
-    """TRL's metric names of a run, in order: the loss's, then the generation batch's."""
+IS_RATIO = "sampling/importance_sampling_ratio/mean"  # TRL's vLLM sampling correction
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def corrects_sampling(cfg: Any, sampled: bool) -> bool:
+    """Whether the loss takes TRL's importance-sampling correction for the sampler's mismatch
+    (``vllm_importance_sampling_correction``): rollouts from vLLM, or recorded with the
+    sampler's log-probabilities (as TRL's ``rollout_func`` returns them with vLLM). mdtk's own
+    engine samples with the trainer's numerics: no correction, as TRL without vLLM."""
     g = cfg.grpo
+    if not g.vllm_importance_sampling_correction:
+        return False
+    return sampled if g.rollouts else g.engine == "vllm"
+
+
+def metric_names(cfg: Any, reward_names: list[str], sampled: bool | None = None
+                 ) -> tuple[str, ...]:
+    """TRL's metric names of a run, in order: the loss's, then the generation batch's.
+    ``sampled``: the rollouts carry the sampler's log-probabilities (default: generated)."""
+    g = cfg.grpo
+    sampled = not g.rollouts if sampled is None else sampled
     names = ["kl"] if g.beta != 0 else []
     names += ["entropy", *(("cispo_clip_ratio",) if g.loss_type == "cispo" else CLIP_METRICS)]
-    if not g.rollouts:
+    if sampled:
         names.append(GAP)
+    if corrects_sampling(cfg, sampled):
+        names.append(IS_RATIO)
     names += list(BATCH_METRICS)
     for n in reward_names:
         names += [f"rewards/{n}/mean", f"rewards/{n}/std"]
@@ -44,6 +64,7 @@ def check_grpo(cfg: Any, default: Any) -> None:
                           "frozen, the reference) instead of model.config.")
     if g.engine == "vllm":
         check_vllm(cfg)
+    check_sampling_correction(g)
     if g.rollouts and g.rewards:
         raise ConfigError("grpo.rollouts gives each completion its reward: remove grpo.rewards "
                           "(or grpo.rollouts, to generate and score completions).")
@@ -80,6 +101,19 @@ def check_grpo(cfg: Any, default: Any) -> None:
                           "advantage is 0); use at least 2.")
     for spec in g.rewards:
         reward_function(spec)  # imported now: a missing module fails before any model
+
+
+def check_sampling_correction(g: Any) -> None:
+    """TRL's ``vllm_importance_sampling_*`` settings, checked together."""
+    lo, hi = g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max
+    if lo is not None and hi is not None and lo > hi:
+        raise ConfigError(f"grpo.vllm_importance_sampling_clip_min={lo} is above "
+                          f"vllm_importance_sampling_clip_max={hi}: the kept ratios are "
+                          "[clip_min, clip_max].")
+    if g.vllm_importance_sampling_mode.endswith("truncate") and hi is None and lo is None:
+        raise ConfigError(f"grpo.vllm_importance_sampling_mode="
+                          f"{g.vllm_importance_sampling_mode} needs vllm_importance_sampling_"
+                          "clip_max (or clip_min): the bound it truncates the ratios at.")
 
 
 def check_vllm(cfg: Any) -> None:
