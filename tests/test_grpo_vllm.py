@@ -87,37 +87,10 @@ CORRECTED = {
                                   "vllm_importance_sampling_clip_min": 0.7,
                                   "vllm_importance_sampling_clip_max": 1.5}),
 }
-NOISE = 0.3  # the sampler's log-probabilities: the starting policy's plus N(0, NOISE) a token
-
-
 @pytest.fixture(scope="module")
 def sampled(assets) -> dict[str, str]:
-    """The recorded rollouts with a ``logprobs`` column: the starting policy's log-probability
-    of each completion token (transformers) plus noise, as a sampler that differs from the
-    trainer gives them; so the ratios spread over both sides of the bounds."""
-    import json
-    from pathlib import Path
-
-    import torch
-    import transformers as tf
-
-    from toolkit.train.data import load_tokenizer
-
-    tok = load_tokenizer(assets["tokenizer"])
-    model = tf.AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32)
-    g = torch.Generator().manual_seed(3)
-    rows = [json.loads(x) for x in Path(assets["rollouts"]).read_text().splitlines()]
-    for r in rows:
-        prompt = tok(r["prompt"])["input_ids"]
-        ids = torch.tensor([prompt + r["completion_ids"]])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-        picked = logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None])[:, 0]
-        noise = NOISE * torch.randn(picked.shape, generator=g)
-        r["logprobs"] = (picked + noise).tolist()
-    path = Path(assets["work"]).parent / "rollouts_logprobs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {**assets, "rollouts": str(path)}
+    """The recorded rollouts with the sampler's ``logprobs`` (``grpo_checks.with_logprobs``)."""
+    return gc.with_logprobs(assets)
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,8 @@ LAYOUTS = {"tp2_sp": ("ref_dense", GrpoCase(LAYOUT_RUN, "tp2_sp", tp=2, sp=True,
            "lora_tp2": ("ref_lora", GrpoCase(LAYOUT_RUN, "lora_tp2", tp=2, micro=2,
                                               overrides=LORA))}
 FOUR = {"tp2_pp2": ("ref_dense", GrpoCase(LAYOUT_RUN, "tp2_pp2", tp=2, pp=2, micro=2))}
+#: layouts of the run with TRL's correction of the sampler's mismatch (its ratios per rank's rows)
+CORRECTED = {"tp2_sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "dp2": {}}
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +62,24 @@ def _generated(assets) -> list[GrpoCase]:
             GrpoCase(LAYOUT_RUN, "generated_pp2_vpp2", pp=2, vpp=2, micro=2, overrides=data)]
 
 
+def _corrected(assets) -> tuple[str, ...]:
+    """TRL's correction of the sampler's mismatch (token_truncate) on the recorded rollouts
+    with the sampler's log-probabilities (compared with TRL in tests/test_grpo_vllm.py)."""
+    return (f"grpo.rollouts={gc.with_logprobs(assets)['rollouts']}",
+            "grpo.vllm_importance_sampling_mode=token_truncate",
+            "grpo.vllm_importance_sampling_clip_min=0.5",
+            "grpo.vllm_importance_sampling_clip_max=2.0")
+
+
 @pytest.fixture(scope="module")
 def jobs(rank_pool_1, rank_pool_2, rank_pool_4, assets, demo_model) -> dict:
     """Both fixtures' pool jobs, started together (the TRL checks run meanwhile)."""
-    return {"single": rank_pool_1.submit(gc.run_cases, SINGLE, own_cache(assets), assets["work"],
+    corrected = _corrected(assets)
+    single = [*SINGLE, GrpoCase(LAYOUT_RUN, "ref_corrected", micro=2, overrides=corrected)]
+    return {"single": rank_pool_1.submit(gc.run_cases, single, own_cache(assets), assets["work"],
                                          timeout=600),
-            "layouts": background(_layouts, rank_pool_2, rank_pool_4, assets, demo_model)}
+            "layouts": background(_layouts, rank_pool_2, rank_pool_4, assets, demo_model,
+                                  corrected)}
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +93,10 @@ def layouts(jobs) -> dict[str, dict]:
     return jobs["layouts"].result()
 
 
-def _layouts(rank_pool_2, rank_pool_4, assets, demo_model) -> dict[str, dict]:
-    cases = [c for _, c in LAYOUTS.values()] + _generated(assets)
+def _layouts(rank_pool_2, rank_pool_4, assets, demo_model, corrected) -> dict[str, dict]:
+    cases = [c for _, c in LAYOUTS.values()] + _generated(assets) + [
+        GrpoCase(LAYOUT_RUN, f"corrected_{name}", micro=2, overrides=corrected, **kw)
+        for name, kw in CORRECTED.items()]
     out = {r["case"]: r for r in rank_pool_2.run(gc.run_cases, cases, assets, assets["work"],
                                                  timeout=900)[0]}
     out["example"] = rank_pool_2.run(gc.run_example, str(demo_model), assets["work"],
@@ -121,6 +137,22 @@ def test_layout_matches_single_rank(single, layouts, name):
         for key in ("kl", "entropy", "clip_ratio/region_mean", "reward"):
             assert a[key] == pytest.approx(b[key], rel=RTOL, abs=1e-6), (name, key)
     assert base["losses"][1] != base["losses"][0]
+
+
+@pytest.mark.parametrize("name", list(CORRECTED))
+def test_sampling_correction_layouts_match_single_rank(single, layouts, name):
+    """TRL's correction of the sampler's mismatch (token_truncate, beta 0.04, 2 iterations) at
+    tp2 + SP, pp2 and dp2: the losses, the ratio's mean and the gap equal one rank's; the ratios
+    are not all 1 (the correction acts)."""
+    from toolkit.train.objectives.grpo.spec import GAP, IS_RATIO
+
+    mine, base = layouts[f"corrected_{name}"], single["ref_corrected"]
+    assert mine["losses"] == pytest.approx(base["losses"], rel=RTOL, abs=1e-7)
+    for a, b in zip(mine["metrics"], base["metrics"], strict=True):
+        for key in ("kl", "clip_ratio/region_mean", IS_RATIO, GAP):
+            assert a[key] == pytest.approx(b[key], rel=RTOL, abs=1e-6), (name, key)
+    assert any(abs(m[IS_RATIO] - 1.0) > 1e-3 for m in base["metrics"])
+    assert base["losses"] != pytest.approx(single["ref_dense"]["losses"], rel=1e-4)
 
 
 @pytest.mark.parametrize("case", ["generated_tp2_sp", "generated_ep2", "generated_dp2_zero3",

@@ -77,6 +77,32 @@ def make_rollouts(root: Path, tokenizer_path: str) -> dict[str, str]:
     return {"rollouts": str(path), "prompts": str(prompts_path)}
 
 
+def with_logprobs(assets: dict[str, str], noise: float = 0.3, seed: int = 3) -> dict[str, str]:
+    """``assets`` with its recorded rollouts given a ``logprobs`` column (in the test process):
+    the starting policy's log-probability of each completion token (transformers, fp32) plus
+    N(0, ``noise``), as a sampler with other numerics gives them, so TRL's correction ratios
+    spread over both sides of their bounds."""
+    import torch
+    import transformers as tf
+
+    from toolkit.train.data import load_tokenizer
+
+    tok = load_tokenizer(assets["tokenizer"])
+    model = tf.AutoModelForCausalLM.from_pretrained(assets["dense"], dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    rows = [json.loads(x) for x in Path(assets["rollouts"]).read_text().splitlines()]
+    for r in rows:
+        prompt = tok(r["prompt"])["input_ids"]
+        ids = torch.tensor([prompt + r["completion_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        picked = logp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None])[:, 0]
+        r["logprobs"] = (picked + noise * torch.randn(picked.shape, generator=g)).tolist()
+    path = Path(assets["rollouts"]).with_name("rollouts_logprobs.jsonl")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {**assets, "rollouts": str(path)}
+
+
 #: TRL's metrics compared with mdtk's (those a run logs)
 COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",
             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
