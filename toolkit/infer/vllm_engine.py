@@ -197,6 +197,11 @@ class VllmSampler:
         finally:
             vps.destroy_distributed_environment = real
         self.llm = None
+        if self.engine_group is not None:  # the prompts' gather group (``_engine_group``)
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.engine_group)
+            self.engine_group = None
         gc.collect()
         self._config_dir.cleanup()
 
