@@ -142,14 +142,15 @@ def test_layout_matches_single_rank(single, layouts, name):
 @pytest.mark.parametrize("name", list(CORRECTED))
 def test_sampling_correction_layouts_match_single_rank(single, layouts, name):
     """TRL's correction of the sampler's mismatch (token_truncate, beta 0.04, 2 iterations) at
-    tp2 + SP, pp2 and dp2: the losses, the ratio's mean and the gap equal one rank's; the ratios
-    are not all 1 (the correction acts)."""
-    from toolkit.train.objectives.grpo.spec import GAP, IS_RATIO
+    tp2 + SP, pp2 and dp2: the losses, the ratio's mean and extremes and the gap's mean and
+    maximum equal one rank's (dp2: each rank holds half the rows); the ratios are not all 1 (the
+    correction acts)."""
+    from toolkit.train.objectives.grpo.spec import EXTREMES, GAP, IS_RATIO
 
     mine, base = layouts[f"corrected_{name}"], single["ref_corrected"]
     assert mine["losses"] == pytest.approx(base["losses"], rel=RTOL, abs=1e-7)
     for a, b in zip(mine["metrics"], base["metrics"], strict=True):
-        for key in ("kl", "clip_ratio/region_mean", IS_RATIO, GAP):
+        for key in ("kl", "clip_ratio/region_mean", IS_RATIO, GAP, *EXTREMES):
             assert a[key] == pytest.approx(b[key], rel=RTOL, abs=1e-6), (name, key)
     assert any(abs(m[IS_RATIO] - 1.0) > 1e-3 for m in base["metrics"])
     assert base["losses"] != pytest.approx(single["ref_dense"]["losses"], rel=1e-4)

@@ -108,7 +108,9 @@ COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",
             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
             "cispo_clip_ratio", "completions/mean_length", "completions/clipped_ratio",
             "rewards/recorded/mean", "rewards/recorded/std",
-            "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean")
+            "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean",
+            "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
+            "sampling/importance_sampling_ratio/max")
 
 
 def trl_steps(name: str, settings: dict[str, Any], assets: dict[str, str],

@@ -13,6 +13,7 @@ from toolkit.train.objectives.grpo.objective import GrpoObjective, Rows
 from toolkit.train.objectives.grpo.rollouts import Generated, Recorded
 from toolkit.train.objectives.grpo.spec import (
     BATCH_METRICS,
+    EXTREMES,
     corrects_sampling,
     metric_names,
     reward_function,
@@ -34,7 +35,8 @@ def grpo_objective(s: Any) -> GrpoObjective:
         source = _generated(s, data, [rw.RewardFn(*reward_function(r)) for r in g.rewards])
     sampled = data.groups is None or data.groups[0].logprobs is not None
     names = metric_names(cfg, list(source.names), sampled)
-    batch_names = tuple(n for n in names if n in BATCH_METRICS or n.startswith("rewards/"))
+    batch_names = tuple(n for n in names if n in BATCH_METRICS or n in EXTREMES
+                        or n.startswith("rewards/"))
     loss = GrpoLoss(g.loss_type, s.policy.shape.vocab, names, batch_names,
                     temperature=g.temperature or 1.0, beta=g.beta, epsilon=g.epsilon,
                     epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,

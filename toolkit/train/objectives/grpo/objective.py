@@ -24,6 +24,7 @@ from toolkit.train.objectives.base import Objective
 from toolkit.train.objectives.grpo import rewards as rw
 from toolkit.train.objectives.grpo.loss import GrpoLoss, sampling_ratio, token_logps
 from toolkit.train.objectives.grpo.rollouts import Rollout
+from toolkit.train.objectives.grpo.spec import EXTREMES
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class GrpoObjective(Objective):
                                      self.scale_rewards)
         metrics.update(rw.completion_metrics(rollout.lengths, rollout.truncated))
         metrics.update(rw.function_metrics(rollout.per_func, self.source.names))
+        metrics.update(dict.fromkeys(EXTREMES, 0.0))  # set once the old log-probs are known
         values = torch.tensor([metrics[n] for n in self.loss_fn.batch_names],
                               dtype=torch.float32)
         batches = [micro_batch(rollout, [int(r) for r in rows], adv, values, self.rows)
@@ -125,7 +127,39 @@ class GrpoObjective(Objective):
                 if self.correction:
                     b["is_ratio"] = sampling_ratio(o["logps"], b["sampling_logps"],
                                                    b["loss_mask"], *self.correction)
+        if self.correction:
+            self._extremes(batches)
         return batches
+
+    def _extremes(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        """TRL's max |gap| and max / min ratio over the generation batch (token modes: over
+        the completion tokens; sequence modes: over the rows), the data-parallel ranks' rows
+        included (one all-reduce), written into every micro-batch's ``batch_metrics``."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from toolkit import runtime
+
+        local = torch.full((3,), -torch.inf, dtype=torch.float64, device=runtime.device())
+        for b in batches:
+            if "is_ratio" not in b:  # not the last pipeline stage: no log-probs here
+                continue
+            mask = b["loss_mask"].bool()
+            ratio = b["is_ratio"]
+            ratio = ratio.flatten() if ratio.shape[-1] == 1 else ratio[mask]
+            gap = (b["old_logps"] - b["sampling_logps"]).abs()[mask]
+            for i, x in enumerate((gap, ratio, -ratio)):
+                if x.numel():
+                    local[i] = torch.maximum(local[i], x.max().double().to(local.device))
+        dist.all_reduce(local, op=dist.ReduceOp.MAX,
+                        group=ps.get_data_parallel_group(with_context_parallel=True))
+        found = local.tolist()
+        values = [sign * v if v > -float("inf") else 0.0  # TRL: 0 when nothing is counted
+                  for sign, v in zip((1.0, 1.0, -1.0), found, strict=True)]
+        names = list(self.loss_fn.batch_names)
+        for b in batches:
+            for name, v in zip(EXTREMES, values, strict=True):
+                b["batch_metrics"][:, names.index(name)] = float(v)
 
     def close(self) -> None:
         if self.reference is not None:

@@ -18,6 +18,9 @@ GAP = "sampling/sampling_logp_difference/mean"  # the engine's log-probs vs the 
 RECORDED = "recorded"  # the reward function name of recorded rewards
 
 IS_RATIO = "sampling/importance_sampling_ratio/mean"  # TRL's vLLM sampling correction
+#: the correction's extremes over the generation batch (max |gap|, max and min ratio): TRL's
+EXTREMES = ("sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/max",
+            "sampling/importance_sampling_ratio/min")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -43,7 +46,7 @@ def metric_names(cfg: Any, reward_names: list[str], sampled: bool | None = None
     if sampled:
         names.append(GAP)
     if corrects_sampling(cfg, sampled):
-        names.append(IS_RATIO)
+        names += [IS_RATIO, *EXTREMES]
     names += list(BATCH_METRICS)
     for n in reward_names:
         names += [f"rewards/{n}/mean", f"rewards/{n}/std"]
