@@ -146,16 +146,21 @@ def _duration(hours: float) -> str:
     return f"{hours:,.1f} h" if hours < 48 else f"{hours / 24:,.1f} d"
 
 
-def _vllm_fits(report) -> str:
-    from toolkit.memory import vllm_fits
+def _vllm_lines(report) -> None:
+    """--grpo-vllm: the share kept free, and vLLM's fit per engine tensor-parallel size (1, 2,
+    4, ... up to a node, dividing the heads)."""
+    from toolkit.memory import vllm_fits, vllm_reserve
 
-    s, work = report.setting, report.work
+    s, share = report.setting, report.setting.vllm_share
+    typer.echo(f"vLLM's share kept free on every GPU: "
+               f"{vllm_reserve(share, s.cluster.gpu_mem) / 2**30:.1f} GiB")
     sizes = tuple(t for t in (1, 2, 4, 8, 16) if t <= s.cluster.gpus_per_node
                   and s.shape.heads % t == 0)
-    share = (s.budget.gpu_reserve - type(s.budget)().gpu_reserve) / s.cluster.gpu_mem
-    fits = vllm_fits(s.shape, share, s.cluster.gpu_mem, work.dtype, sizes)
-    return "; ".join(f"{f.tp}: {f.weights / 2**30:.1f} GiB, " + (
-        f"{f.kv_tokens:,} tokens" if f.fits else "does not fit") for f in fits)
+    fits = vllm_fits(s.shape, share, s.cluster.gpu_mem, report.work.dtype, sizes)
+    typer.echo("vLLM engine per grpo.vllm_tensor_parallel_size (weights per GPU, its KV cache in "
+               "the rest of the share): " + "; ".join(
+                   f"{f.tp}: {f.weights / 2**30:.1f} GiB, "
+                   + (f"{f.kv_tokens:,} tokens" if f.fits else "does not fit") for f in fits))
 
 
 def _table(report, top: int) -> None:
@@ -167,13 +172,8 @@ def _table(report, top: int) -> None:
     typer.echo(f"{shape.name} ({_params(shape.num_params())} params{lora}) on {cluster.nodes} x "
                f"{cluster.gpus_per_node} {s.device.key}, seq {work.seq_len}, global batch "
                f"{work.global_batch}, {work.dtype}")
-    if work.grpo and not work.rollout_cache:  # --grpo-vllm: the trainer's share is smaller
-        from toolkit.planner.search import Budget
-
-        kept = s.budget.gpu_reserve - Budget().gpu_reserve
-        typer.echo(f"vLLM's share kept free on every GPU: {kept / 2**30:.1f} GiB")
-        typer.echo("vLLM engine per grpo.vllm_tensor_parallel_size (weights per GPU, its KV "
-                   "cache in the rest of the share): " + _vllm_fits(report))
+    if s.vllm_share is not None:  # --grpo-vllm: the trainer's share is smaller
+        _vllm_lines(report)
     head = ["#", "layout", "ZeRO", "offload", "recompute", "micro x acc", "GiB/GPU", "step s",
             "tok/s/GPU", "MFU"]
     if tokens:

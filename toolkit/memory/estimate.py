@@ -197,12 +197,11 @@ def vllm_fits(model: ModelShape, share: float, gpu_mem: int, dtype: str,
     """``grpo.vllm_tensor_parallel_size`` candidates (``sizes``) for a colocated engine holding
     ``share`` of each device (``vllm_reserve``): vLLM shards its weights and KV cache over its
     tp ranks; the KV cache takes what the share leaves (activations and CUDA graphs aside)."""
-    room = vllm_reserve(share, gpu_mem)
-    per_token = kv_cache_bytes(model, tuple(range(model.layers)), 1, 1, 1, dtype)
+    room, layers = vllm_reserve(share, gpu_mem), tuple(range(model.layers))
     out = []
     for tp in sizes:
         weights = model.num_params() * DTYPE_BYTES[dtype] // tp
-        token = kv_cache_bytes(model, tuple(range(model.layers)), tp, 1, 1, dtype) or per_token
+        token = max(1, kv_cache_bytes(model, layers, tp, 1, 1, dtype))  # 0: no attention layer
         out.append(VllmFit(tp, weights, max(0, room - weights) // token))
     return out
 

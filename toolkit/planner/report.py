@@ -92,6 +92,7 @@ class Setting:
     kernels: dict[str, bool]  # Workload's flash / fused / pairs / reference_model / grpo ...
     space: SearchSpace
     budget: Budget
+    vllm_share: float | None = None  # --grpo-vllm: vLLM's share of each GPU (kept in budget)
 
 
 def resolve(req: PlanRequest) -> Setting:
@@ -121,7 +122,7 @@ def resolve(req: PlanRequest) -> Setting:
         budget = Budget(gpu_reserve=budget.gpu_reserve + vllm_reserve(req.grpo_vllm, gpu_mem))
     return Setting(shape, device, cluster, count, kernels,
                    SearchSpace(allow_cp=req.allow_cp, allow_quantized=req.allow_quantized),
-                   budget)
+                   budget, req.grpo_vllm)
 
 
 @dataclass(frozen=True)
