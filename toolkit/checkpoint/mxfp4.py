@@ -100,8 +100,7 @@ class Mxfp4Reader(WrappedReader):
         it (see the module docstring). A shape neither gives is left to the caller to name."""
         if name not in self.quantized:
             return
-        *lead, rows, groups, _ = self.inner.shape(name + BLOCKS)
-        published, along_out = (*lead, groups * BLOCK, rows), (*lead, rows, groups * BLOCK)
+        published, along_out = self._shapes(name)
         fits = (tuple(shape) == published, tuple(shape) == along_out)
         kind = {(True, True): self._square, (True, False): self._published,
                 (False, True): self.along_out}.get(fits)
@@ -114,16 +113,18 @@ class Mxfp4Reader(WrappedReader):
                 f"{min(self.along_out)}'s along the output dimension (transformers' on-the-fly "
                 "quantizer's). One file holds one layout: re-quantize or re-save the checkpoint.")
 
+    def _shapes(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``name``'s dequantized shape read as published and as blocked along the output."""
+        *lead, rows, groups, _ = self.inner.shape(name + BLOCKS)
+        return (*lead, groups * BLOCK, rows), (*lead, rows, groups * BLOCK)
+
     def _along_out(self, name: str) -> bool:
         return name in self.along_out or (name in self._square and bool(self.along_out))
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.quantized:
             return tuple(self.inner.shape(name))
-        *lead, rows, groups, _ = self.inner.shape(name + BLOCKS)
-        if self._along_out(name):
-            return (*lead, rows, groups * BLOCK)
-        return (*lead, groups * BLOCK, rows)
+        return self._shapes(name)[self._along_out(name)]
 
     def dtype(self, name: str) -> Any:
         return self.out_dtype if name in self.quantized else self.inner.dtype(name)
