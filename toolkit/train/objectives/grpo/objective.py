@@ -108,7 +108,8 @@ class GrpoObjective(Objective):
                                      self.scale_rewards)
         metrics.update(rw.completion_metrics(rollout.lengths, rollout.truncated))
         metrics.update(rw.function_metrics(rollout.per_func, self.source.names))
-        metrics.update(dict.fromkeys(EXTREMES, 0.0))  # set once the old log-probs are known
+        if self.correction:
+            metrics.update(dict.fromkeys(EXTREMES, 0.0))  # set once the old log-probs are known
         values = torch.tensor([metrics[n] for n in self.loss_fn.batch_names],
                               dtype=torch.float32)
         batches = [micro_batch(rollout, [int(r) for r in rows], adv, values, self.rows)
