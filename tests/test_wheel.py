@@ -44,17 +44,22 @@ def _build_wheel(tmp: Path) -> Path:
     return wheel
 
 
-def _fresh_venv(tmp: Path, wheel: Path) -> Path:
+def _fresh_venv(tmp: Path, wheel: Path, env: dict[str, str]) -> Path:
     """A venv holding only the wheel; a .pth line puts this venv's site-packages after it (a
-    plain path line: the .pth files there, such as mdtk's editable install, stay unread)."""
+    plain path line: the .pth files there, such as mdtk's editable install, stay unread). pip
+    runs without the checkout on its path too: there it would find the checkout's
+    mdtk.egg-info, take mdtk 0.1.0 as installed and skip the wheel."""
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv])
     python = venv / "bin" / "python"
-    site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                env=env)
     deps = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
     (Path(site.strip()) / "project_deps.pth").write_text("\n".join(deps) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
-          "--no-index", wheel])
+    said = _run_both([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps",
+                      "--no-index", wheel], env=env)
+    installed = Path(site.strip()) / "toolkit" / "__init__.py"
+    assert installed.is_file(), f"pip did not install the wheel's toolkit; it said:\n{said}"
     return venv
 
 
@@ -66,8 +71,8 @@ def _files(folder: Path) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.late  # a venv install and the demo: after the background async_io build
 def test_wheel_install_runs_the_demo_from_any_folder(tmp_path):
-    venv = _fresh_venv(tmp_path, _build_wheel(tmp_path))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no checkout on the path
+    venv = _fresh_venv(tmp_path, _build_wheel(tmp_path), env)
     work = tmp_path / "work"  # away from the checkout (python -c puts the current folder first)
     work.mkdir()
     data = Path(_run([venv / "bin" / "python", "-c", "import toolkit.bundled as b; "

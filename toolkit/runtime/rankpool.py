@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -73,6 +74,10 @@ def _release_groups() -> None:
 RANK_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "MDTK_DEVICE": "cpu",
             "TOKENIZERS_PARALLELISM": "false"}
 PRELOAD_MODULE = "toolkit.runtime.rank_preload"
+# Pools start in threads (a caller's queued jobs); starting the fork server swaps os.environ, and
+# two swaps that interleave leave the ranks' variables (OMP_NUM_THREADS=1, PYTHONPATH) in this
+# process for good: every swap, and every read of the environment for a rank, holds this lock.
+_ENV_LOCK = threading.Lock()
 
 
 def start_preload_server() -> bool:
@@ -91,16 +96,17 @@ def start_preload_server() -> bool:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     extra = {**RANK_ENV, "PYTHONPATH": os.pathsep.join(path)}
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            forkserver.ensure_running()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     return True
 
 
@@ -134,7 +140,8 @@ class RankPool:
         env, method = self.env, None
         if self.preload and start_preload_server():
             ctx = mp.get_context("forkserver")
-            env = {**os.environ, **self.env}  # as a spawn would inherit it now
+            with _ENV_LOCK:
+                env = {**os.environ, **self.env}  # as a spawn would inherit it now
             method = mp.get_start_method()
         else:
             ctx = mp.get_context("spawn")
