@@ -94,9 +94,9 @@ def start_preload_server() -> bool:
     mp.get_context("forkserver").set_forkserver_preload([PRELOAD_MODULE])
     # the server's environment is this process's when it starts (its imports read it)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    extra = {**RANK_ENV, "PYTHONPATH": os.pathsep.join(path)}
     with _ENV_LOCK:
+        path = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        extra = {**RANK_ENV, "PYTHONPATH": os.pathsep.join(path)}
         saved = {k: os.environ.get(k) for k in extra}
         os.environ.update(extra)
         try:
