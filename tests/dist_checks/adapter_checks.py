@@ -272,6 +272,9 @@ def make_mxfp4(root: Path, source: str = "gpt_oss") -> Path:
 #: A tiny GPT-OSS quantized by transformers' own MXFP4 quantizer, and the weights its quantized
 #: model holds (scripts/make_mxfp4_fixture.py says how it was made).
 TRANSFORMERS_MXFP4 = Path(__file__).resolve().parents[1] / "data" / "gpt_oss_mxfp4_transformers"
+#: A GPT-OSS saved by transformers 5.23 after loading it dequantized (scripts/
+#: make_dequantized_save_fixture.py): bf16 experts under the ``*_blocks`` names.
+TRANSFORMERS_DEQUANTIZED_SAVE = TRANSFORMERS_MXFP4.parent / "gpt_oss_dequantized_save"
 
 
 def copy_transformers_mxfp4(root: Path) -> Path:
