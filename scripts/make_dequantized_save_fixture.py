@@ -20,7 +20,6 @@ GPT-OSS's published layout, as tests/dist_checks/adapter_checks.write_mxfp4 writ
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -39,22 +38,16 @@ def main() -> None:
     sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
     import transformers
     from dist_checks.adapter_checks import tokens, write_mxfp4
-    from make_mxfp4_fixture import CONFIG
+    from make_mxfp4_fixture import CONFIG, replace_outputs, tiny_model
     from safetensors.torch import load_file, save_file
-    from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
+    from transformers import GptOssForCausalLM, Mxfp4Config
 
     if transformers.__version__ != WRITER:
         sys.exit(f"transformers {transformers.__version__} is installed; this records "
                  f"{WRITER}'s save (the lock's version: .venv)")
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**CONFIG)).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name
-                    else 0.15 * torch.randn_like(p))
     with tempfile.TemporaryDirectory() as tmp:
         plain, out = Path(tmp) / "plain", Path(tmp) / "out"
-        model.save_pretrained(plain)
+        tiny_model().save_pretrained(plain)
         dequantized = GptOssForCausalLM.from_pretrained(
             write_mxfp4(plain, Path(tmp) / "mxfp4"), dtype=torch.bfloat16,
             attn_implementation="eager", quantization_config=Mxfp4Config(dequantize=True))
@@ -68,12 +61,7 @@ def main() -> None:
         for name, t in load_file(str(out / "saved" / "model.safetensors")).items():
             if "layers.0.mlp.experts" in name:
                 print(f"saved {name}: {t.dtype} {tuple(t.shape)}")
-        if args.out.exists():
-            shutil.rmtree(args.out / "saved", ignore_errors=True)
-            (args.out / "reference.safetensors").unlink(missing_ok=True)
-        args.out.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(out / "saved"), args.out / "saved")
-        shutil.move(str(out / "reference.safetensors"), args.out)
+        replace_outputs(out, args.out, "saved", "reference.safetensors")
     print(f"wrote {args.out}")
 
 

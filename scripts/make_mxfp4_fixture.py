@@ -51,6 +51,19 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_l
                                "original_max_position_embeddings": 64})
 
 
+def tiny_model():
+    """The tiny GPT-OSS the MXFP4 fixtures start from: bf16, seeded random weights."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**CONFIG)).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name
+                    else 0.15 * torch.randn_like(p))
+    return model
+
+
 def _patch(hub) -> None:
     import transformers.integrations.hub_kernels as hub_kernels
     import transformers.modeling_utils as modeling_utils
@@ -80,19 +93,13 @@ def main() -> None:
     sys.path.insert(0, str(args.kernels))
     import gpt_oss_triton_kernels as hub
     from safetensors.torch import load_file, save_file
-    from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
+    from transformers import GptOssForCausalLM, Mxfp4Config
     from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
 
     _patch(hub)
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**CONFIG)).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name
-                    else 0.15 * torch.randn_like(p))
     with tempfile.TemporaryDirectory() as tmp:
         plain, out = Path(tmp) / "plain", Path(tmp) / "out"
-        model.save_pretrained(plain)
+        tiny_model().save_pretrained(plain)
         quantized = GptOssForCausalLM.from_pretrained(
             plain, quantization_config=Mxfp4Config(), dtype=torch.bfloat16, use_kernels=True)
         original = load_file(str(plain / "model.safetensors"))
@@ -121,13 +128,19 @@ def main() -> None:
             print(f"transformers cannot load quantized/ back: {type(e).__name__}: "
                   f"{str(e).splitlines()[0]}")
         (out / "quantized" / "generation_config.json").unlink(missing_ok=True)
-        if args.out.exists():
-            shutil.rmtree(args.out / "quantized")
-            (args.out / "dequantized_experts.safetensors").unlink()
-        args.out.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(out / "quantized"), args.out / "quantized")
-        shutil.move(str(out / "dequantized_experts.safetensors"), args.out)
+        replace_outputs(out, args.out, "quantized", "dequantized_experts.safetensors")
     print(f"wrote {args.out}")
+
+
+def replace_outputs(made: Path, dest: Path, *names: str) -> None:
+    """Move the files and folders ``names`` from ``made`` into ``dest``, replacing old ones."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        old = dest / name
+        if old.is_dir():
+            shutil.rmtree(old)
+        old.unlink(missing_ok=True)
+        shutil.move(str(made / name), old)
 
 
 if __name__ == "__main__":
