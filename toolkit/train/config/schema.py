@@ -22,6 +22,7 @@ from toolkit.train.config.typed import as_dict, opt
 from toolkit.train.data import MODES, SFT_FORMATS
 from toolkit.train.objectives.dpo.spec import LOSSES as DPO_LOSSES
 from toolkit.train.objectives.dpo.spec import REF_FREE
+from toolkit.train.objectives.grpo.spec import IS_MODES
 
 
 @dataclass
@@ -213,9 +214,7 @@ class GrpoSection:
     vllm_gpu_memory_utilization: float = opt(0.3, minimum=0.0)
     vllm_tensor_parallel_size: int = opt(1, minimum=1)
     vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: str = opt(
-        "sequence_mask", choices=("token_truncate", "token_mask", "sequence_truncate",
-                                  "sequence_mask"))
+    vllm_importance_sampling_mode: str = opt("sequence_mask", choices=IS_MODES)
     vllm_importance_sampling_clip_max: float | None = opt(3.0, minimum=0.0)
     vllm_importance_sampling_clip_min: float | None = opt(None, minimum=0.0)
 

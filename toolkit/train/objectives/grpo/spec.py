@@ -21,6 +21,7 @@ IS_RATIO = "sampling/importance_sampling_ratio/mean"  # TRL's vLLM sampling corr
 #: the correction's extremes over the generation batch (max |gap|, max and min ratio): TRL's
 EXTREMES = ("sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/max",
             "sampling/importance_sampling_ratio/min")
+#: TRL's vllm_importance_sampling_mode values (``loss.sampling_ratio``)
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -35,12 +36,10 @@ def corrects_sampling(cfg: Any, sampled: bool) -> bool:
     return sampled if g.rollouts else g.engine == "vllm"
 
 
-def metric_names(cfg: Any, reward_names: list[str], sampled: bool | None = None
-                 ) -> tuple[str, ...]:
+def metric_names(cfg: Any, reward_names: list[str], sampled: bool) -> tuple[str, ...]:
     """TRL's metric names of a run, in order: the loss's, then the generation batch's.
-    ``sampled``: the rollouts carry the sampler's log-probabilities (default: generated)."""
+    ``sampled``: the rollouts carry the sampler's log-probabilities (generated ones do)."""
     g = cfg.grpo
-    sampled = not g.rollouts if sampled is None else sampled
     names = ["kl"] if g.beta != 0 else []
     names += ["entropy", *(("cispo_clip_ratio",) if g.loss_type == "cispo" else CLIP_METRICS)]
     if sampled:
